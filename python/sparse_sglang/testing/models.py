@@ -1,0 +1,57 @@
+"""Model folders for tests and benchmarks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+# Llama-3.1-8B's shape (32 layers, 32 q heads, 8 kv heads, head_dim 128) with a
+# 128K context; weights come from --load-format dummy.
+LLAMA3_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 128256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def write_llama3_8b_dummy(out_dir: str | Path, tokenizer_from: str | Path | None = None) -> str:
+    """A folder holding the Llama-3-8B-shaped ``config.json`` (serve with ``--load-format dummy``).
+
+    With ``tokenizer_from`` (a model folder, e.g. the default SmolLM2 one) the
+    tokenizer files are copied in and the vocabulary shrinks to that
+    tokenizer's, so text endpoints work; without it, serve with
+    ``--skip-tokenizer-init`` and send ``input_ids``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(LLAMA3_8B_CONFIG)
+    if tokenizer_from is not None:
+        src = Path(tokenizer_from)
+        source_config = json.loads((src / "config.json").read_text())
+        config.update(
+            vocab_size=source_config["vocab_size"],
+            bos_token_id=source_config.get("bos_token_id"),
+            eos_token_id=source_config.get("eos_token_id"),
+        )
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy(src / name, out / name)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return str(out)

@@ -1,0 +1,122 @@
+"""A real SGLang (or sparse-sglang) server in a child process, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+SPARSE_MODULE = "sparse_sglang.launch_server"
+VANILLA_MODULE = "sglang.launch_server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m <module> --model-path ... --port ...`` in its own process group.
+
+    Use as a context manager: entering starts it and waits until ``/health``
+    answers, leaving stops it (SIGTERM to the group, then SIGKILL after
+    ``stop_timeout``) and records ``exit_code`` and ``stopped_cleanly``.
+    """
+
+    def __init__(
+        self,
+        module: str,
+        model_path: str | None,
+        args: list[str] = (),
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 900.0,
+        stop_timeout: float = 60.0,
+    ):
+        self.module = module
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        model = ["--model-path", model_path] if model_path else []
+        self.command = [sys.executable, "-m", module, *model, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.log_path = Path(log_path) if log_path else Path(f"/tmp/server-{self.port}.log")
+        self.env = {**os.environ, **(env or {})}
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+        self.stopped_cleanly = False
+
+    def __enter__(self) -> "ServerProcess":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self._log.write(" ".join(self.command) + "\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {self.start_timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM the whole process group; clean = it was gone, children too, within stop_timeout."""
+        if self.proc is None or self.exit_code is not None:
+            return
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.exit_code = self.proc.wait(timeout=self.stop_timeout)
+            deadline = time.monotonic() + self.stop_timeout
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            self.stopped_cleanly = not _group_alive(pgid)
+        except subprocess.TimeoutExpired:
+            self.stopped_cleanly = False
+        if _group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+            self.exit_code = self.proc.wait()
+        self._log.close()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is in the group: zombies wait for a reaper, not for us."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            return True
+    return False
