@@ -85,5 +85,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    # The GGUF leaves model_max_length at transformers' 1e30 sentinel, which
+    # SGLang's /tokenize returns and JSON cannot encode: state the real context.
+    tokenizer.model_max_length = model.config.max_position_embeddings
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
