@@ -40,6 +40,9 @@ COMMON_ARGS = ["--cuda-graph-max-bs", "16", "--mem-fraction-static", "0.8"]
 
 
 def _post(url: str, payload: dict) -> dict:
+    # Each request starts from an empty radix cache: a cached prefix changes the
+    # prefill kernels, and with them bf16 rounding and greedy choices.
+    assert requests.post(url.rsplit("/", 1)[0] + "/flush_cache", timeout=60).status_code == 200
     response = requests.post(url, json=payload, timeout=120)
     assert response.status_code == 200, f"{url}: {response.status_code} {response.text[:500]}"
     return response.json()
