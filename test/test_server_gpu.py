@@ -39,12 +39,12 @@ VANILLA_ARGS = ["--attention-backend", "flashinfer"]
 COMMON_ARGS = ["--cuda-graph-max-bs", "16", "--mem-fraction-static", "0.8"]
 
 
-def _post(url: str, payload: dict) -> dict:
+def _post(url: str, path: str, payload: dict) -> dict:
     # Each request starts from an empty radix cache: a cached prefix changes the
     # prefill kernels, and with them bf16 rounding and greedy choices.
-    assert requests.post(url.rsplit("/", 1)[0] + "/flush_cache", timeout=60).status_code == 200
-    response = requests.post(url, json=payload, timeout=120)
-    assert response.status_code == 200, f"{url}: {response.status_code} {response.text[:500]}"
+    assert requests.post(url + "/flush_cache", timeout=60).status_code == 200
+    response = requests.post(url + path, json=payload, timeout=120)
+    assert response.status_code == 200, f"{path}: {response.status_code} {response.text[:500]}"
     return response.json()
 
 
@@ -59,23 +59,23 @@ def probe(url: str, model_name: str) -> dict:
     assert requests.get(url + "/health", timeout=30).status_code == 200
     out: dict = {"generate_text": [], "generate_ids": []}
     for prompt in PROMPTS:
-        by_text = _post(url + "/generate", {"text": prompt, "sampling_params": _greedy()})
+        by_text = _post(url, "/generate", {"text": prompt, "sampling_params": _greedy()})
         assert by_text["meta_info"]["completion_tokens"] == MAX_NEW, by_text["meta_info"]
         out["generate_text"].append(by_text["text"])
 
         ids = requests.post(url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
-        by_ids = _post(url + "/generate", {"input_ids": ids, "sampling_params": _greedy()})
+        by_ids = _post(url, "/generate", {"input_ids": ids, "sampling_params": _greedy()})
         # Same tokens in, same greedy tokens out: the two request forms meet in one path.
         assert by_ids["meta_info"]["prompt_tokens"] == by_text["meta_info"]["prompt_tokens"] == len(ids)
         assert by_ids["output_ids"] == by_text["output_ids"]
         out["generate_ids"].append(by_ids["output_ids"])
 
-    completion = _post(url + "/v1/completions",
+    completion = _post(url, "/v1/completions",
                        {"model": model_name, "prompt": PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0})
     assert completion["choices"][0]["text"] == out["generate_text"][0]
     out["completion"] = completion["choices"][0]["text"]
 
-    chat = _post(url + "/v1/chat/completions", {
+    chat = _post(url, "/v1/chat/completions", {
         "model": model_name, "max_tokens": MAX_NEW, "temperature": 0,
         "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
     })
