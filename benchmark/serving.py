@@ -1,0 +1,625 @@
+"""Serving benchmark: vanilla SGLang vs sparse-sglang, same model, same KV budget, same Poisson traces.
+
+For each system (vanilla first) one invocation starts the server once, drives it
+with seeded Poisson traces at several request rates through a small streaming
+client, and writes benchmark/results/serving-<date>.json plus a PNG of
+throughput and mean TTFT versus request rate. One GPU command may run at most
+10 minutes, so a full run is several invocations joined with --merge-into.
+
+    python benchmark/serving.py --dry-run
+    python benchmark/serving.py --traces long-prompt --systems vanilla --time-budget 480
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import datetime
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import orjson
+import requests
+
+from sparse_sglang.testing.models import write_llama3_8b_dummy
+from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = {"vanilla": VANILLA_MODULE, "sparse": SPARSE_MODULE}
+# The sparse launcher installs its own "sparse" attention backend and refuses --attention-backend.
+SYSTEM_SERVER_ARGS = {"vanilla": ["--attention-backend", "flashinfer"], "sparse": []}
+TOKEN_ID_RANGE = (1000, 100000)  # clear of the special tokens at both ends of Llama-3's 128256 ids
+
+# Rough H100 figures, used only by --dry-run's time estimate.
+PREFILL_TOKENS_PER_S = 20_000
+DECODE_S_PER_TOKEN = 0.013
+SERVER_START_S = 150  # cold; about 40 s once the GPU host's JIT caches are warm
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    name: str
+    prompt_len: tuple[int, int]  # inclusive bounds, uniform
+    output_len: tuple[int, int]
+    default_rates: tuple[float, ...]
+    vanilla_capacity_req_s: float  # measured saturation rate, for the estimate only
+
+
+TRACES = {
+    t.name: t
+    for t in (
+        TraceSpec("long-prompt", (16384, 49152), (256, 768), (0.2, 0.4, 0.8), 0.34),
+        TraceSpec("long-generation", (8192, 24576), (2048, 8192), (0.1, 0.2, 0.4), 0.13),
+    )
+}
+
+
+# ---------------------------------------------------------------- traces
+
+
+@dataclass
+class Request:
+    arrival: float  # seconds after the rate's first send
+    input_ids: list[int]
+    max_new_tokens: int
+
+
+def trace_seed(seed: int, trace: str, rate: float) -> list[int]:
+    # Never the system: both servers must get the very same requests at a given trace and rate.
+    return [seed, zlib.crc32(trace.encode()), round(rate * 1_000_000)]
+
+
+def make_trace(spec: TraceSpec, rate: float, num_requests: int, seed: int) -> list[Request]:
+    rng = np.random.default_rng(trace_seed(seed, spec.name, rate))
+    gaps = rng.exponential(1.0 / rate, num_requests)
+    arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])  # Poisson process, first request at once
+    prompt_lens = rng.integers(*spec.prompt_len, size=num_requests, endpoint=True)
+    output_lens = rng.integers(*spec.output_len, size=num_requests, endpoint=True)
+    return [
+        Request(float(a), rng.integers(*TOKEN_ID_RANGE, size=p).tolist(), int(o))
+        for a, p, o in zip(arrivals, prompt_lens, output_lens)
+    ]
+
+
+# ---------------------------------------------------------------- client
+
+
+class ServerError(Exception):
+    """The server answered, but not with a finished generation."""
+
+
+@dataclass
+class RequestRecord:
+    arrival: float
+    prompt_len: int
+    max_new_tokens: int
+    status: str = "not_sent"  # not_sent | running | ok | failed | cancelled
+    sent: float | None = None  # seconds after the rate's start
+    output_len: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    error: str = ""
+
+
+@dataclass
+class RateRun:
+    records: list[RequestRecord]
+    tbt: list[float]  # all requests' samples, one per token after the first chunk
+    duration: float  # first send to last completion (or to the cutoff)
+    max_in_flight: int
+
+
+def generate_payload(request: Request) -> bytes:
+    sampling = {"max_new_tokens": request.max_new_tokens, "temperature": 0, "ignore_eos": True}
+    return orjson.dumps({"input_ids": request.input_ids, "sampling_params": sampling, "stream": True})
+
+
+async def sse_events(stream: aiohttp.StreamReader):
+    """The `data:` payloads of a server-sent-event stream (own framing: a chunk's
+    cumulative output_ids can outgrow aiohttp's line-length limit)."""
+    buffer = b""
+    async for piece in stream.iter_any():
+        *events, buffer = (buffer + piece).split(b"\n\n")
+        for event in events:
+            if event.startswith(b"data: "):
+                yield event[len(b"data: ") :]
+
+
+async def stream_generate(session: aiohttp.ClientSession, url: str, payload: bytes) -> list[tuple[float, int]]:
+    """POST /generate (stream); per chunk, its arrival time and the request's tokens so far."""
+    chunks = []
+    async with session.post(url + "/generate", data=payload, headers={"Content-Type": "application/json"}) as resp:
+        if resp.status != 200:
+            raise ServerError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for event in sse_events(resp.content):
+            received = time.perf_counter()
+            if event == b"[DONE]":
+                return chunks
+            data = orjson.loads(event)
+            if "error" in data:
+                raise ServerError(str(data["error"])[:300])
+            meta = data["meta_info"]
+            finish = meta.get("finish_reason") or {}
+            if finish.get("type") == "abort":
+                raise ServerError(f"aborted: {finish.get('message')}")
+            # completion_tokens counts all tokens so far, with or without
+            # --incremental-streaming-output; output_ids is cumulative only without it.
+            chunks.append((received, meta["completion_tokens"]))
+    raise ServerError("stream ended without [DONE]")
+
+
+def token_timing(sent: float, chunks: list[tuple[float, int]]) -> tuple[float | None, list[float]]:
+    """SGLang's TTFT and TBT: TTFT is the first chunk with a token; each later chunk
+    gives (gap since the previous token chunk) / (its new tokens), once per new token."""
+    ttft, tbt, last_time, last_count = None, [], sent, 0
+    for t, count in chunks:
+        new = count - last_count
+        if new <= 0:
+            continue
+        if ttft is None:
+            ttft = t - sent
+        else:
+            tbt.extend([(t - last_time) / new] * new)
+        last_time, last_count = t, count
+    return ttft, tbt
+
+
+async def drive(url: str, trace: list[Request], cutoff: float | None, request_timeout: float) -> RateRun:
+    """Send `trace` on its schedule; at `cutoff` seconds stop sending and cancel what is in flight."""
+    records = [RequestRecord(r.arrival, len(r.input_ids), r.max_new_tokens) for r in trace]
+    payloads = [generate_payload(r) for r in trace]  # serialized before the clock starts
+    tbt: list[float] = []
+    in_flight = max_in_flight = 0
+    timeout = aiohttp.ClientTimeout(total=request_timeout)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+
+        async def one(record: RequestRecord, payload: bytes) -> None:
+            nonlocal in_flight, max_in_flight
+            await asyncio.sleep(record.arrival - (time.perf_counter() - start))
+            sent = time.perf_counter()
+            record.sent, record.status = sent - start, "running"
+            in_flight += 1
+            max_in_flight = max(max_in_flight, in_flight)
+            try:
+                chunks = await stream_generate(session, url, payload)
+            except asyncio.CancelledError:
+                record.status = "cancelled"
+                raise
+            except Exception as err:  # one broken request is a failed record, not a failed benchmark
+                record.status, record.error = "failed", f"{type(err).__name__}: {err}"[:300]
+                return
+            finally:
+                in_flight -= 1
+            record.e2e = time.perf_counter() - sent
+            record.ttft, samples = token_timing(sent, chunks)
+            record.output_len = chunks[-1][1] if chunks else 0
+            record.status = "ok"
+            tbt.extend(samples)
+
+        tasks = [asyncio.create_task(one(r, p)) for r, p in zip(records, payloads)]
+        _, pending = await asyncio.wait(tasks, timeout=cutoff)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - start
+    return RateRun(records, tbt, duration, max_in_flight)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+@dataclass
+class RateResult:
+    rate: float
+    num_requests: int
+    seed: list[int]
+    completed: int
+    failed: int
+    duration_s: float
+    output_throughput: float  # output tokens / s
+    request_throughput: float
+    total_input_tokens: int
+    total_output_tokens: int
+    mean_ttft_ms: float | None
+    median_ttft_ms: float | None
+    p99_ttft_ms: float | None
+    mean_tbt_ms: float | None
+    median_tbt_ms: float | None
+    p99_tbt_ms: float | None
+    p999_tbt_ms: float | None
+    mean_e2e_s: float | None
+    max_in_flight: int
+    max_running_req: int | None  # from the server's log
+    cache_flushed: bool
+    records: list[dict]
+
+
+def _ms(seconds: list[float], percentile: float | None = None) -> float | None:
+    """Mean (or a percentile) of `seconds` in ms; None without samples."""
+    if not seconds:
+        return None
+    return 1000 * float(np.mean(seconds) if percentile is None else np.percentile(seconds, percentile))
+
+
+def summarize_rate(
+    rate: float, seed: list[int], run: RateRun, max_running_req: int | None, cache_flushed: bool
+) -> RateResult:
+    ok = [r for r in run.records if r.status == "ok"]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    output_tokens = sum(r.output_len for r in ok)
+    return RateResult(
+        rate=rate,
+        num_requests=len(run.records),
+        seed=seed,
+        completed=len(ok),
+        failed=sum(r.status == "failed" for r in run.records),
+        duration_s=run.duration,
+        output_throughput=output_tokens / run.duration,
+        request_throughput=len(ok) / run.duration,
+        total_input_tokens=sum(r.prompt_len for r in ok),
+        total_output_tokens=output_tokens,
+        mean_ttft_ms=_ms(ttft),
+        median_ttft_ms=_ms(ttft, 50),
+        p99_ttft_ms=_ms(ttft, 99),
+        mean_tbt_ms=_ms(run.tbt),
+        median_tbt_ms=_ms(run.tbt, 50),
+        p99_tbt_ms=_ms(run.tbt, 99),
+        p999_tbt_ms=_ms(run.tbt, 99.9),
+        mean_e2e_s=float(np.mean([r.e2e for r in ok])) if ok else None,
+        max_in_flight=run.max_in_flight,
+        max_running_req=max_running_req,
+        cache_flushed=cache_flushed,
+        records=[asdict(r) for r in run.records],
+    )
+
+
+RUNNING_REQ = re.compile(r"#running-req: (\d+)")
+
+
+def max_running_requests(log_text: str) -> int | None:
+    """Peak `#running-req: N` of the scheduler's prefill/decode batch log lines."""
+    return max(map(int, RUNNING_REQ.findall(log_text)), default=None)
+
+
+def is_complete(result: dict) -> bool:
+    return result["completed"] == result["num_requests"]
+
+
+def _ratio(sparse: dict, vanilla: dict, key: str) -> float | None:
+    return sparse[key] / vanilla[key] if sparse[key] is not None and vanilla[key] else None
+
+
+def summarize(results: dict) -> dict:
+    """sparse / vanilla at each trace's highest rate that both systems completed fully."""
+    at_rate = {}
+    for trace, systems in results.items():
+        vanilla = {r["rate"]: r for r in systems.get("vanilla", []) if is_complete(r)}
+        sparse = {r["rate"]: r for r in systems.get("sparse", []) if is_complete(r)}
+        common = vanilla.keys() & sparse.keys()
+        if not common:
+            continue
+        rate = max(common)
+        v, s = vanilla[rate], sparse[rate]
+        at_rate[trace] = {
+            "rate": rate,
+            "throughput_ratio": _ratio(s, v, "output_throughput"),
+            "mean_ttft_ratio": _ratio(s, v, "mean_ttft_ms"),
+            "p99_tbt_ratio": _ratio(s, v, "p99_tbt_ms"),
+        }
+    by_trace = {t: d["throughput_ratio"] for t, d in at_rate.items() if d["throughput_ratio"] is not None}
+    return {
+        "passthrough_throughput_ratio": min(by_trace.values(), default=None),
+        "passthrough_throughput_ratio_by_trace": by_trace,
+        "at_highest_common_complete_rate": at_rate,
+    }
+
+
+# ---------------------------------------------------------------- result files
+
+
+def merge_results(old: dict, new: dict) -> dict:
+    """`old` with each (trace, system, rate) entry of `new` added, or replacing old's."""
+    merged = copy.deepcopy(old)
+    for trace, systems in new.items():
+        for system, runs in systems.items():
+            by_rate = {r["rate"]: r for r in merged.setdefault(trace, {}).get(system, [])}
+            by_rate.update({r["rate"]: r for r in runs})
+            merged[trace][system] = [by_rate[rate] for rate in sorted(by_rate)]
+    return merged
+
+
+def merge_documents(old: dict, new: dict) -> dict:
+    """One result file from two invocations: the newer's metadata on top, both runs kept."""
+    results = merge_results(old["results"], new["results"])
+    return {
+        **new,
+        "servers": {**old["servers"], **new["servers"]},
+        "traces": {**old["traces"], **new["traces"]},
+        "invocations": old["invocations"] + new["invocations"],
+        "results": results,
+        "summary": summarize(results),
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.8 * len(results)), squeeze=False)
+    for (left, right), (trace, systems) in zip(axes, results.items()):
+        for system, runs in systems.items():
+            rates = [r["rate"] for r in runs]
+            ttft_s = [np.nan if r["mean_ttft_ms"] is None else r["mean_ttft_ms"] / 1000 for r in runs]
+            for ax, values in ((left, [r["output_throughput"] for r in runs]), (right, ttft_s)):
+                (line,) = ax.plot(rates, values, marker="o", label=system)
+                partial = [(x, y) for x, y, r in zip(rates, values, runs) if not is_complete(r)]
+                if partial:
+                    ax.scatter(*zip(*partial), s=90, facecolors="none", edgecolors=line.get_color(), zorder=3)
+        left.set(title=f"{trace}: output throughput", xlabel="request rate (req/s)", ylabel="tokens/s")
+        right.set(title=f"{trace}: mean TTFT", xlabel="request rate (req/s)", ylabel="s")
+        for ax in (left, right):
+            ax.set_ylim(bottom=0)
+            ax.legend()
+    fig.suptitle("open circle: not every request completed (left out of the summary)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{'trace':<16}{'rate':>6} {'system':<8}{'done':>7}{'tok/s':>9}{'TTFT s':>8}"
+          f"{'TBT mean/p99/p99.9 ms':>24}{'max run':>8}")
+    for trace, systems in results.items():
+        rows = [(r["rate"], list(SYSTEMS).index(system), system, r) for system, runs in systems.items() for r in runs]
+        for rate, _, system, r in sorted(rows, key=lambda row: row[:2]):
+            tbt = "/".join(_fmt(r[k]) for k in ("mean_tbt_ms", "p99_tbt_ms", "p999_tbt_ms"))
+            print(f"{trace:<16}{rate:>6g} {system:<8}{r['completed']:>3}/{r['num_requests']:<3}"
+                  f"{r['output_throughput']:>9.0f}{_fmt(r['mean_ttft_ms'], 1e-3, 2):>8}{tbt:>24}"
+                  f"{_fmt(r['max_running_req'], digits=0):>8}")
+
+
+# ---------------------------------------------------------------- running servers
+
+
+@dataclass
+class RatePlan:
+    spec: TraceSpec
+    rate: float
+    num_requests: int
+
+
+def make_plan(args: argparse.Namespace) -> list[RatePlan]:
+    plan = []
+    for name in args.traces:
+        key = name.replace("-", "_")
+        num_requests = getattr(args, f"num_requests_{key}") or args.num_requests
+        plan += [RatePlan(TRACES[name], rate, num_requests) for rate in getattr(args, f"rates_{key}")]
+    return plan
+
+
+def estimate_seconds(trace: list[Request], spec: TraceSpec) -> float:
+    """Arrivals or vanilla's capacity, whichever is slower, then one mean request's own latency."""
+    queue = max(trace[-1].arrival, len(trace) / spec.vanilla_capacity_req_s)
+    mean_prompt = np.mean([len(r.input_ids) for r in trace])
+    mean_output = np.mean([r.max_new_tokens for r in trace])
+    return queue + mean_prompt / PREFILL_TOKENS_PER_S + mean_output * DECODE_S_PER_TOKEN
+
+
+def print_dry_run(plan: list[RatePlan], args: argparse.Namespace) -> None:
+    print(f"{'trace':<16}{'rate':>6}{'requests':>9}{'prompt tok':>12}{'output tok':>12}{'est. s':>8}")
+    per_system = 0.0
+    for step in plan:
+        trace = make_trace(step.spec, step.rate, step.num_requests, args.seed)
+        seconds = estimate_seconds(trace, step.spec)
+        if args.max_seconds_per_rate:
+            seconds = min(seconds, args.max_seconds_per_rate)
+        per_system += seconds
+        prompt = sum(len(r.input_ids) for r in trace)
+        output = sum(r.max_new_tokens for r in trace)
+        print(f"{step.spec.name:<16}{step.rate:>6g}{step.num_requests:>9}{prompt:>12}{output:>12}{seconds:>8.0f}")
+    total = len(args.systems) * (SERVER_START_S + per_system)
+    print(f"\nrough estimate (vanilla on an H100): {per_system:.0f} s of traffic per system; "
+          f"{total:.0f} s for {len(args.systems)} system(s) with cold server starts "
+          f"({SERVER_START_S} s each, ~40 s warm)")
+    if args.time_budget and total > args.time_budget:
+        print(f"over --time-budget {args.time_budget:g} s: the last rates would be cut short or skipped")
+    for system in args.systems:
+        command = ["python", "-m", SYSTEMS[system], "--model-path", "MODEL", *server_args(system, args)]
+        print(f"{system}: {shlex.join(command)}")
+
+
+def server_args(system: str, args: argparse.Namespace) -> list[str]:
+    return [
+        "--load-format", "dummy",
+        "--skip-tokenizer-init",
+        "--max-total-tokens", str(args.max_total_tokens),
+        "--chunked-prefill-size", "8192",
+        *SYSTEM_SERVER_ARGS[system],
+        *shlex.split(args.extra_server_args),
+    ]  # fmt: skip
+
+
+def warm_up(url: str) -> None:
+    # The first request can pay for kernel JIT; keep that out of the first rate's TTFT.
+    sampling = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": list(range(TOKEN_ID_RANGE[0], TOKEN_ID_RANGE[0] + 4096)), "sampling_params": sampling}
+    requests.post(url + "/generate", json=body, timeout=600).raise_for_status()
+
+
+def flush_cache(url: str) -> bool:
+    # Waits (server-side) for the aborts of cancelled requests to drain; otherwise the flush is refused.
+    try:
+        return requests.post(url + "/flush_cache", params={"timeout": 30}, timeout=60).status_code == 200
+    except requests.RequestException:
+        return False  # a dead server: the rate's failed requests still get recorded
+
+
+def run_system(system: str, plan: list[RatePlan], args, model: str, deadline: float | None) -> tuple[dict, dict]:
+    """Start one server, run every planned rate on it, stop it; (server record, trace -> rate results)."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    log_path = Path(args.log_dir) / f"{system}-{stamp}.log"
+    flags = server_args(system, args)
+    start_timeout = 900.0 if deadline is None else deadline - time.monotonic()
+    server = ServerProcess(
+        SYSTEMS[system], model, flags, log_path=log_path, start_timeout=start_timeout, stop_timeout=30
+    )
+    record = {"command": shlex.join(server.command), "flags": flags, "log": str(log_path)}
+    results: dict[str, list] = {}
+    try:
+        with server:
+            warm_up(server.url)
+            flush_cache(server.url)
+            for step in plan:
+                limits = [args.max_seconds_per_rate] if args.max_seconds_per_rate else []
+                if deadline is not None:
+                    limits.append(deadline - time.monotonic())
+                if limits and min(limits) <= 0:
+                    print(f"[{system}] time budget spent: skipping {step.spec.name} @ {step.rate:g} req/s")
+                    continue
+                trace = make_trace(step.spec, step.rate, step.num_requests, args.seed)
+                log_offset = log_path.stat().st_size
+                run = asyncio.run(drive(server.url, trace, min(limits, default=None), args.request_timeout))
+                flushed = flush_cache(server.url)
+                with open(log_path, "rb") as log:
+                    log.seek(log_offset)
+                    running = max_running_requests(log.read().decode(errors="replace"))
+                seed = trace_seed(args.seed, step.spec.name, step.rate)
+                result = summarize_rate(step.rate, seed, run, running, flushed)
+                results.setdefault(step.spec.name, []).append(asdict(result))
+                print(f"[{system}] {step.spec.name} @ {step.rate:g} req/s: {result.completed}/{result.num_requests} "
+                      f"done, {result.output_throughput:.0f} tok/s, {result.duration_s:.0f} s")
+    except (RuntimeError, TimeoutError, requests.RequestException) as err:
+        # Keep the other system's results: one server failing to start must not lose them.
+        record["error"] = f"{type(err).__name__}: {err}"[-2000:]
+        print(f"[{system}] failed: {record['error']}", file=sys.stderr)
+    record.update(exit_code=server.exit_code, stopped_cleanly=server.stopped_cleanly)
+    return record, results
+
+
+def gpu_name() -> str:
+    # In a child process: a CUDA context here would hold GPU memory during the whole run.
+    probe = [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"]
+    return subprocess.run(probe, capture_output=True, text=True).stdout.strip() or "unknown"
+
+
+def git_commit() -> str:
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def run_benchmark(plan: list[RatePlan], args: argparse.Namespace) -> dict:
+    deadline = time.monotonic() + args.time_budget if args.time_budget else None
+    model = write_llama3_8b_dummy(Path(tempfile.gettempdir()) / "sparse-sglang-llama3-8b-dummy")
+    invocation = {
+        "command": shlex.join(sys.orig_argv),
+        "commit": git_commit(),
+        "device": gpu_name(),
+        "date": datetime.date.today().isoformat(),
+    }
+    servers, results = {}, {}
+    for system in args.systems:
+        if deadline is not None and time.monotonic() >= deadline:
+            print(f"[{system}] time budget spent: not started")
+            continue
+        servers[system], by_trace = run_system(system, plan, args, model, deadline)
+        for trace, runs in by_trace.items():
+            results.setdefault(trace, {})[system] = runs
+    traces = {
+        step.spec.name: {"prompt_len": step.spec.prompt_len, "output_len": step.spec.output_len,
+                         "arrivals": "poisson", "token_ids": TOKEN_ID_RANGE, "seed": args.seed}
+        for step in plan
+    }  # fmt: skip
+    return {
+        **invocation,
+        "servers": servers,
+        "traces": traces,
+        "invocations": [invocation],
+        "results": results,
+        "summary": summarize(results),
+    }
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _choices(known):
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(known)}")
+        return names
+
+    return parse
+
+
+def _rates(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", type=_choices(TRACES), default=list(TRACES), help="comma-separated")
+    p.add_argument("--systems", type=_choices(SYSTEMS), default=list(SYSTEMS), help="comma-separated, run in order")
+    for spec in TRACES.values():
+        p.add_argument(f"--rates-{spec.name}", type=_rates, default=list(spec.default_rates), metavar="R,R,...",
+                       help=f"request rates (req/s); default {','.join(map(str, spec.default_rates))}")
+        p.add_argument(f"--num-requests-{spec.name}", type=int, metavar="N", help="overrides --num-requests")
+    p.add_argument("--num-requests", type=int, default=12, help="per trace and rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-total-tokens", type=int, default=163840, help="KV budget of both servers (tokens)")
+    p.add_argument("--extra-server-args", default="", help="appended to both servers' command lines")
+    p.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
+    p.add_argument("--merge-into", metavar="JSON", help="add to (or start) this result file instead of a new one")
+    p.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request")
+    p.add_argument("--max-seconds-per-rate", type=float, help="then stop sending and cancel what is in flight")
+    p.add_argument("--time-budget", type=float, help="seconds for the whole invocation; past it, rates are cut "
+                   "short or skipped, so results get written before an outer time limit")
+    p.add_argument("--log-dir", default="/tmp/sparse-sglang-serving", help="for the server logs")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and a time estimate; start nothing")
+    return p.parse_args(argv)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    plan = make_plan(args)
+    if args.dry_run:
+        print_dry_run(plan, args)
+        return
+    document = run_benchmark(plan, args)
+    out = Path(args.merge_into or Path(args.out_dir) / f"serving-{document['date']}.json")
+    if args.merge_into and out.exists():
+        document = merge_documents(json.loads(out.read_text()), document)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=1) + "\n")
+    plot(document["results"], out.with_suffix(".png"))
+    print_table(document["results"])
+    print(f"\nsummary: {json.dumps(document['summary'], indent=1)}\nwrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

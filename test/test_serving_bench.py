@@ -1,0 +1,249 @@
+"""The serving benchmark's pure parts: traces, metrics, log parsing, summary, merge, plot (CPU only)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmark` lives at the repo root
+
+from benchmark.serving import (  # noqa: E402
+    TOKEN_ID_RANGE,
+    TRACES,
+    RateRun,
+    RequestRecord,
+    TraceSpec,
+    generate_payload,
+    is_complete,
+    main,
+    make_plan,
+    make_trace,
+    max_running_requests,
+    merge_documents,
+    parse_args,
+    plot,
+    sse_events,
+    summarize,
+    summarize_rate,
+    token_timing,
+)
+
+LONG_PROMPT = TRACES["long-prompt"]
+
+
+# ---------------------------------------------------------------- traces
+
+
+def test_trace_is_deterministic_and_system_independent():
+    first = make_trace(LONG_PROMPT, 0.4, 6, seed=0)
+    again = make_trace(LONG_PROMPT, 0.4, 6, seed=0)
+    # Each system's run regenerates the trace: the bytes sent must be identical.
+    assert [generate_payload(r) for r in first] == [generate_payload(r) for r in again]
+    assert first[0].input_ids != make_trace(LONG_PROMPT, 0.8, 6, seed=0)[0].input_ids
+    assert first[0].input_ids != make_trace(LONG_PROMPT, 0.4, 6, seed=1)[0].input_ids
+    assert first[0].input_ids != make_trace(TRACES["long-generation"], 0.4, 6, seed=0)[0].input_ids
+
+
+@pytest.mark.parametrize("spec", TRACES.values(), ids=TRACES)
+def test_trace_lengths_and_token_ids_within_bounds(spec):
+    trace = make_trace(spec, 0.2, 40, seed=3)
+    prompt_lens = [len(r.input_ids) for r in trace]
+    output_lens = [r.max_new_tokens for r in trace]
+    assert spec.prompt_len[0] <= min(prompt_lens) and max(prompt_lens) <= spec.prompt_len[1]
+    assert spec.output_len[0] <= min(output_lens) and max(output_lens) <= spec.output_len[1]
+    ids = np.concatenate([r.input_ids for r in trace])
+    assert TOKEN_ID_RANGE[0] <= ids.min() and ids.max() < TOKEN_ID_RANGE[1]
+
+
+def test_poisson_arrivals_have_the_right_mean_gap():
+    rate = 0.25
+    # Short prompts: only the arrival process matters here, not 16K-token prompts.
+    small = TraceSpec("tiny", (1, 2), (1, 2), (rate,), 1.0)
+    arrivals = np.array([r.arrival for r in make_trace(small, rate, 20000, seed=0)])
+    gaps = np.diff(arrivals)
+    assert arrivals[0] == 0.0 and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
+    assert gaps.std() == pytest.approx(1 / rate, rel=0.05)  # exponential: std == mean
+
+
+def test_per_trace_request_count_overrides_the_default():
+    args = parse_args(["--traces", "long-prompt,long-generation", "--num-requests", "5",
+                       "--num-requests-long-generation", "3", "--rates-long-prompt", "0.3"])  # fmt: skip
+    plan = [(p.spec.name, p.rate, p.num_requests) for p in make_plan(args)]
+    assert plan == [("long-prompt", 0.3, 5), ("long-generation", 0.1, 3), ("long-generation", 0.2, 3),
+                    ("long-generation", 0.4, 3)]  # fmt: skip
+
+
+def test_dry_run_prints_the_plan_and_both_server_command_lines(capsys):
+    main(["--dry-run", "--rates-long-prompt", "0.5", "--num-requests", "2"])
+    out = capsys.readouterr().out
+    assert "long-prompt" in out and "long-generation" in out and "rough estimate" in out
+    assert "sglang.launch_server" in out and "--attention-backend flashinfer" in out
+    sparse_line = next(line for line in out.splitlines() if line.startswith("sparse:"))
+    assert "--attention-backend" not in sparse_line and "--max-total-tokens 163840" in sparse_line
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_token_timing_one_token_per_chunk():
+    ttft, tbt = token_timing(10.0, [(10.5, 1), (10.6, 2), (10.8, 3)])
+    assert ttft == pytest.approx(0.5)
+    assert tbt == pytest.approx([0.1, 0.2])
+
+
+def test_token_timing_splits_multi_token_chunks_and_skips_empty_ones():
+    # First chunk carries 2 tokens (TTFT only), a repeat count adds nothing,
+    # then 3 tokens arrive 0.3 s after the last token chunk: three 0.1 s samples.
+    chunks = [(1.0, 0), (2.0, 2), (2.1, 2), (2.3, 5), (2.5, 6)]
+    ttft, tbt = token_timing(0.0, chunks)
+    assert ttft == pytest.approx(2.0)
+    assert tbt == pytest.approx([0.1, 0.1, 0.1, 0.2])
+
+
+def test_token_timing_without_tokens():
+    assert token_timing(0.0, [(1.0, 0)]) == (None, [])
+
+
+class _Pieces:
+    """Stands in for aiohttp's StreamReader: yields the byte pieces given."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    async def iter_any(self):
+        for piece in self.pieces:
+            yield piece
+
+
+def test_sse_events_reassembles_events_split_across_reads():
+    body = b'data: {"a": 1}\n\ndata: {"b": [' + b"7," * 50000 + b'7]}\n\ndata: [DONE]\n\n'
+    pieces = [body[i : i + 4096] for i in range(0, len(body), 4096)]
+
+    async def collect():
+        return [e async for e in sse_events(_Pieces(pieces))]
+
+    events = asyncio.run(collect())
+    assert events[0] == b'{"a": 1}' and events[-1] == b"[DONE]"
+    assert len(events) == 3 and events[1].count(b"7") == 50001
+
+
+def _run(statuses, output_len=100, duration=10.0):
+    records = []
+    for i, status in enumerate(statuses):
+        ok = status == "ok"
+        records.append(RequestRecord(arrival=float(i), prompt_len=1000, max_new_tokens=output_len, status=status,
+                                     sent=float(i) if status != "not_sent" else None,
+                                     output_len=output_len if ok else 0, ttft=0.5 if ok else None,
+                                     e2e=2.0 if ok else None))  # fmt: skip
+    return RateRun(records, tbt=[0.01] * 99 + [0.1], duration=duration, max_in_flight=len(statuses))
+
+
+def test_summarize_rate_counts_only_completed_requests():
+    result = summarize_rate(0.4, [0, 1, 2], _run(["ok", "ok", "failed", "cancelled", "not_sent"]), 3, True)
+    assert (result.completed, result.failed, result.num_requests) == (2, 1, 5)
+    assert result.output_throughput == pytest.approx(200 / 10.0)
+    assert result.request_throughput == pytest.approx(0.2)
+    assert result.total_input_tokens == 2000
+    assert result.mean_ttft_ms == pytest.approx(500)
+    assert result.median_tbt_ms == pytest.approx(10)
+    assert result.p999_tbt_ms > result.p99_tbt_ms >= result.median_tbt_ms
+    assert result.max_running_req == 3 and not is_complete(asdict(result))
+    assert [r["status"] for r in result.records][2:] == ["failed", "cancelled", "not_sent"]
+
+
+# ---------------------------------------------------------------- server log
+
+
+def test_max_running_requests_from_scheduler_log_lines():
+    log = "\n".join([
+        "[2026-01-10 12:00:00] Load weight end. type=LlamaForCausalLM, dtype=torch.bfloat16",
+        "[2026-01-10 12:00:01 TP0] Prefill batch, #new-seq: 1, #new-token: 8192, #cached-token: 0, "
+        "token usage: 0.05, #running-req: 2, #queue-req: 3, #pending-token: 30000, cuda graph: False, "
+        "input throughput (token/s): 25000.12",
+        "[2026-01-10 12:00:02 TP0] Decode batch, #running-req: 7, #token: 120000, token usage: 0.73, "
+        "cuda graph: True, gen throughput (token/s): 512.30, #queue-req: 1",
+        "[2026-01-10 12:00:03 TP0] Decode batch, #running-req: 5, #token: 90000, token usage: 0.55, "
+        "cuda graph: True, gen throughput (token/s): 480.00, #queue-req: 0",
+    ])  # fmt: skip
+    assert max_running_requests(log) == 7
+    assert max_running_requests("[2026-01-10 12:00:00] The server is fired up and ready to roll!") is None
+
+
+# ---------------------------------------------------------------- summary, merge, plot
+
+
+def _result(rate, tok_s, complete=True):
+    statuses = ["ok", "ok"] if complete else ["ok", "cancelled"]
+    duration = 100 * statuses.count("ok") / tok_s
+    return asdict(summarize_rate(rate, [0], _run(statuses, output_len=100, duration=duration), 4, True))
+
+
+def _document(system, runs_by_trace):
+    results = {trace: {system: runs} for trace, runs in runs_by_trace.items()}
+    invocation = {"command": f"python benchmark/serving.py --systems {system}", "commit": "abc",
+                  "device": "NVIDIA H100", "date": "2026-01-10"}  # fmt: skip
+    return {**invocation, "servers": {system: {"command": f"python -m {system}"}},
+            "traces": {t: {} for t in runs_by_trace}, "invocations": [invocation], "results": results,
+            "summary": summarize(results)}  # fmt: skip
+
+
+def test_summary_uses_highest_rate_both_completed():
+    results = {
+        "long-prompt": {
+            "vanilla": [_result(0.2, 100), _result(0.4, 200), _result(0.8, 210, complete=False)],
+            "sparse": [_result(0.2, 95), _result(0.4, 190), _result(0.8, 300)],
+        },
+        "long-generation": {
+            "vanilla": [_result(0.1, 400), _result(0.2, 500)],
+            "sparse": [_result(0.1, 440), _result(0.2, 300, complete=False)],
+        },
+    }
+    summary = summarize(results)
+    assert summary["at_highest_common_complete_rate"]["long-prompt"]["rate"] == 0.4
+    assert summary["passthrough_throughput_ratio_by_trace"] == pytest.approx(
+        {"long-prompt": 190 / 200, "long-generation": 440 / 400}
+    )
+    assert summary["passthrough_throughput_ratio"] == pytest.approx(0.95)
+    assert summary["at_highest_common_complete_rate"]["long-generation"]["mean_ttft_ratio"] == pytest.approx(1.0)
+
+
+def test_summary_without_a_common_complete_rate():
+    summary = summarize({"long-prompt": {"vanilla": [_result(0.2, 100)]}})
+    assert summary["passthrough_throughput_ratio"] is None
+    assert summary["passthrough_throughput_ratio_by_trace"] == {}
+
+
+def test_merge_of_two_partial_runs():
+    vanilla = _document("vanilla", {"long-prompt": [_result(0.2, 100), _result(0.4, 200)]})
+    sparse = _document("sparse", {"long-prompt": [_result(0.2, 90), _result(0.4, 180)]})
+    merged = merge_documents(vanilla, sparse)
+    assert set(merged["results"]["long-prompt"]) == {"vanilla", "sparse"}
+    assert set(merged["servers"]) == {"vanilla", "sparse"}
+    assert len(merged["invocations"]) == 2 and merged["command"] == sparse["command"]
+    assert merged["summary"]["passthrough_throughput_ratio"] == pytest.approx(0.9)
+
+    # A rerun of one rate replaces that rate only; a new trace is added.
+    rerun = _document("sparse", {"long-prompt": [_result(0.4, 220)], "long-generation": [_result(0.1, 50)]})
+    merged = merge_documents(merged, rerun)
+    sparse_runs = merged["results"]["long-prompt"]["sparse"]
+    assert [r["rate"] for r in sparse_runs] == [0.2, 0.4]
+    assert sparse_runs[1]["output_throughput"] == pytest.approx(220)
+    assert merged["summary"]["passthrough_throughput_ratio_by_trace"] == pytest.approx({"long-prompt": 1.1})
+    assert "long-generation" in merged["results"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    results = {
+        "long-prompt": {"vanilla": [_result(0.2, 100), _result(0.4, 200, complete=False)],
+                        "sparse": [_result(0.2, 95), _result(0.4, 190)]},
+        "long-generation": {"vanilla": [_result(0.1, 400)]},
+    }  # fmt: skip
+    path = tmp_path / "serving.png"
+    plot(results, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
