@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
     p.add_argument("--threads", type=int, default=default_num_threads(), help="FlashD2H scatter threads")
-    p.add_argument("--buffers", type=int, default=3, help="FlashD2H staging buffers")
+    p.add_argument("--buffers", type=int, default=4, help="FlashD2H staging buffers")
     p.add_argument("--direct-ctas", type=int, default=16, help="grid of the direct-write kernel")
     p.add_argument("--commit", default=None, help="recorded commit (default: git describe of this checkout)")
     args = p.parse_args(argv)
