@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmark` lives at the repo root
-
-from benchmark.serving import (  # noqa: E402
+from benchmark.serving import (
     TOKEN_ID_RANGE,
     TRACES,
     RateRun,
