@@ -96,6 +96,7 @@ BAD_ARGV = [
     (["--decode-attention-backend", "triton"], "--decode-attention-backend"),
     (["--max-total-tokens", "many"], "--max-total-tokens"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--model-path", "/nonexistent/model"], "--model-path"),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 from typing import Any
 
@@ -165,6 +166,8 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
             args.model_path = default_model_path()
         except DefaultModelUnavailable as err:
             raise CLIError(f"--model-path: {err}") from None
+    elif args.model_path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(args.model_path)):
+        raise CLIError(f"--model-path: {args.model_path} does not exist")
     args.sparse = sparse
 
     # As sglang's prepare_server_args: logging before ServerArgs.__post_init__ logs.
@@ -176,6 +179,7 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
     )
     try:
         return SparseServerArgs.from_cli_args(args)
-    except (ValueError, AssertionError, TypeError, RuntimeError) as err:
-        # SGLang's own validation of its flags; keep the one-line contract.
+    except (ValueError, AssertionError, TypeError, RuntimeError, OSError) as err:
+        # SGLang's own validation of its flags (and its reading of the model's
+        # config: OSError); keep the one-line contract.
         raise CLIError(_one_line(err)) from None
