@@ -137,3 +137,23 @@ def test_real_entry_help():
     proc = _run_entry("--help")
     assert proc.returncode == 0
     assert "--sparse-token-budget" in proc.stdout and "--tensor-parallel-size" in proc.stdout
+
+
+def test_server_args_built_in_code_route_the_same_way(model_dir):
+    # The offline Engine builds SparseServerArgs from keyword arguments, not from the CLI.
+    args = SparseServerArgs(model_path=model_dir, device="cpu", sparse={"token_budget": 1024})
+    assert args.sparse == SparseConfig(token_budget=1024, host_cache_gb=args.sparse.host_cache_gb)
+    assert args.attention_backend == "sparse"
+    with pytest.raises(ValueError, match="--attention-backend: sparse decode needs 'sparse'"):
+        SparseServerArgs(model_path=model_dir, device="cpu", attention_backend="fa3")
+
+
+def test_engine_is_sglangs_engine_with_our_args_and_scheduler():
+    import sparse_sglang
+    from sglang.srt.entrypoints.engine import Engine as SGLangEngine
+
+    from sparse_sglang.integration.scheduler_process import run_scheduler_process
+
+    assert issubclass(sparse_sglang.Engine, SGLangEngine)
+    assert sparse_sglang.Engine.server_args_class is SparseServerArgs
+    assert sparse_sglang.Engine.run_scheduler_process_func is run_scheduler_process

@@ -34,7 +34,25 @@ class CLIError(Exception):
 @relies_on("sglang.srt.server_args:ServerArgs", at="sglang/srt/server_args.py:438")
 @dataclasses.dataclass
 class SparseServerArgs(ServerArgs):
+    """SGLang's ServerArgs plus ``sparse`` (a SparseConfig, or a dict of its fields)."""
+
     sparse: SparseConfig = dataclasses.field(default_factory=SparseConfig)
+
+    def __post_init__(self):
+        if isinstance(self.sparse, dict):  # e.g. Engine(..., sparse={"token_budget": 1024})
+            self.sparse = SparseConfig(**self.sparse)
+        if self.sparse.enabled:
+            # Before SGLang resolves its backends: with sparse on, attention is ours.
+            for name in ("attention_backend", "decode_attention_backend"):
+                chosen = getattr(self, name)
+                if chosen not in (None, BACKEND_NAME):
+                    raise ValueError(
+                        f"--{name.replace('_', '-')}: sparse decode needs '{BACKEND_NAME}', got {chosen!r} "
+                        f"(add --sparse-enabled false to run plain SGLang with {chosen})"
+                    )
+            if self.attention_backend is None:
+                self.attention_backend = BACKEND_NAME
+        super().__post_init__()
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -122,22 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _route_attention_backend(args: argparse.Namespace, sparse: SparseConfig) -> None:
-    """With sparse on, attention runs through the ``sparse`` backend (dense FlashInfer prefill)."""
-    if not sparse.enabled:
-        return
-    for dest in ("attention_backend", "decode_attention_backend"):
-        chosen = getattr(args, dest)
-        if chosen not in (None, BACKEND_NAME):
-            flag = "--" + dest.replace("_", "-")
-            raise CLIError(
-                f"{flag}: sparse decode needs '{BACKEND_NAME}', got {chosen!r} "
-                f"(add --sparse-enabled false to run plain SGLang with {chosen})"
-            )
-    if args.attention_backend is None:
-        args.attention_backend = BACKEND_NAME
-
-
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
     return re.sub(r"^(AssertionError|ValueError):\s*", "", text)
@@ -158,7 +160,6 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
         sparse = sparse_config_from_args(args)
     except SparseConfigError as err:
         raise CLIError(str(err)) from None
-    _route_attention_backend(args, sparse)
     if args.model_path is None:
         from sparse_sglang.default_model import DefaultModelUnavailable, default_model_path
 
@@ -180,6 +181,6 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
     try:
         return SparseServerArgs.from_cli_args(args)
     except (ValueError, AssertionError, TypeError, RuntimeError, OSError) as err:
-        # SGLang's own validation of its flags (and its reading of the model's
-        # config: OSError); keep the one-line contract.
+        # Validation of the flags (SGLang's and our backend routing) and the
+        # reading of the model's config (OSError); keep the one-line contract.
         raise CLIError(_one_line(err)) from None

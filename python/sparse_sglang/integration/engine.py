@@ -1,0 +1,30 @@
+"""The offline API: ``sparse_sglang.Engine``, SGLang's Engine with sparse decode."""
+
+from __future__ import annotations
+
+from sglang.srt.entrypoints.engine import Engine as SGLangEngine
+
+from sparse_sglang.integration.registry import relies_on
+from sparse_sglang.integration.scheduler_process import run_scheduler_process
+from sparse_sglang.integration.server_args import SparseServerArgs
+
+
+@relies_on("sglang.srt.entrypoints.engine:Engine", at="sglang/srt/entrypoints/engine.py:195")
+class Engine(SGLangEngine):
+    """``sglang.Engine`` taking the same arguments plus ``sparse`` (a SparseConfig or a dict of its fields).
+
+    Example
+    -------
+    >>> llm = sparse_sglang.Engine(model_path=path, sparse={"token_budget": 1024})
+    >>> llm.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 8})
+    """
+
+    # SGLang's documented override points for forks (engine.py:209-214).
+    server_args_class = SparseServerArgs
+    run_scheduler_process_func = staticmethod(run_scheduler_process)
+
+    def __init__(self, **kwargs):
+        from sparse_sglang.integration import install
+
+        install()
+        super().__init__(**kwargs)
