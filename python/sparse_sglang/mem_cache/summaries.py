@@ -1,0 +1,130 @@
+"""Per-page key summaries kept on the GPU: channel-wise min and max (Quest, ArkVale's cuboid) and
+the mean key (SparseServe's cuboid-mean), per (layer, kv head, host page).
+
+Storage types
+-------------
+- ``kmin``/``kmax`` are stored in the KV compute type: the KV dtype itself for bf16/fp16, bf16 for
+  fp8. A min or max *is* one of the keys, and every fp8 value (e4m3 and e5m2) is exactly a bf16
+  value, so this is exact and takes half the memory of float32.
+- ``mean`` is float32: it is the one running statistic (updated as a page fills across decode
+  steps), and bf16 would drift by a rounding error per update.
+
+Together that is ``(2 * 2 + 4) / (2 * page_size * itemsize)`` of the KV bytes: 6.25 % for bf16
+and 32-token pages. fp8 keys are summarized from their dequantized values (``k.to(bf16/float32)``);
+a per-tensor fp8 scale would multiply all scores of a layer alike, so it does not change which
+pages rank highest and is not applied.
+
+An empty page (no tokens yet, or reset) has ``kmin = +inf``, ``kmax = -inf``, ``mean = 0`` and
+count 0; scorers must only look at pages a request holds tokens in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bound_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """Storage type of ``kmin``/``kmax`` for keys of ``kv_dtype`` (exact; see module doc)."""
+    return torch.bfloat16 if kv_dtype.itemsize == 1 else kv_dtype
+
+
+def cuboid_center(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """ArkVale's cuboid centre ``(max + min) / 2`` in float32."""
+    return (kmax.float() + kmin.float()) / 2
+
+
+def cuboid_half_extent(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """ArkVale's cuboid half-extent (radius per channel) ``(max - min) / 2`` in float32."""
+    return (kmax.float() - kmin.float()) / 2
+
+
+class PageSummaries:
+    """Channel-wise min, max and mean of the keys of every (layer, kv head, host page).
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, num_pages, page_size, head_dim : int
+        Shape of the host KV store the summaries describe.
+    kv_dtype : torch.dtype
+        Type of the keys (bf16, fp16, fp8); sets the storage type of ``kmin``/``kmax``.
+    device : torch.device or str
+        Where the summaries live (the GPU in the server).
+
+    Attributes
+    ----------
+    kmin, kmax : torch.Tensor
+        ``[num_layers, num_kv_heads, num_pages, head_dim]`` of :func:`bound_dtype`.
+    mean : torch.Tensor
+        ``[num_layers, num_kv_heads, num_pages, head_dim]`` float32.
+    count : torch.Tensor
+        ``[num_layers, num_pages]`` int32: tokens summarized per (layer, page).
+    """
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
+        kv_dtype: torch.dtype, device: torch.device | str = "cpu",
+    ):
+        shape = (num_layers, num_kv_heads, num_pages, head_dim)
+        self.page_size = page_size
+        self.kmin = torch.full(shape, float("inf"), dtype=bound_dtype(kv_dtype), device=device)
+        self.kmax = torch.full(shape, float("-inf"), dtype=bound_dtype(kv_dtype), device=device)
+        self.mean = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kmin, self.kmax, self.mean, self.count))
+
+    def update(self, layer: int, k: torch.Tensor, token_slots: torch.Tensor) -> None:
+        """Fold new keys of one layer into the summaries of their pages.
+
+        Parameters
+        ----------
+        layer : int
+        k : torch.Tensor
+            ``[T, num_kv_heads, head_dim]`` new keys (any KV dtype), on the summaries' device.
+        token_slots : torch.Tensor
+            ``[T]`` int32/int64 host token slots ``page * page_size + offset``; ``-1`` entries are
+            padding and ignored. Each slot must be summarized once (tokens of a page may arrive
+            over several calls, in any order).
+
+        Notes
+        -----
+        Min/max merge by ``scatter_reduce`` (amin/amax). The mean of page ``p`` with ``c`` old tokens
+        of mean ``m`` and new keys ``x_t`` becomes ``m + sum_t (x_t - m) / (c + n)``: each token adds
+        ``(x_t - m) / (c + n)`` by ``index_add``. No loops, no host synchronization, so the update
+        can run inside a CUDA graph.
+        """
+        num_tokens, heads, dim = k.shape
+        slots = token_slots.long()
+        valid = slots >= 0
+        page = torch.where(valid, slots // self.page_size, 0)
+        index = page.view(1, -1, 1).expand(heads, num_tokens, dim)
+        keep = valid.view(1, -1, 1)
+        kb = k.to(self.kmin.dtype).transpose(0, 1)  # [H, T, D], exact (see module doc)
+        self.kmin[layer].scatter_reduce_(1, index, kb.masked_fill(~keep, float("inf")), "amin")
+        self.kmax[layer].scatter_reduce_(1, index, kb.masked_fill(~keep, float("-inf")), "amax")
+
+        mean = self.mean[layer]  # [H, N, D]
+        old = mean[:, page]  # [H, T, D], gathered before any update
+        count = self.count[layer]
+        count.index_add_(0, page, valid.to(count.dtype))
+        step = (k.float().transpose(0, 1) - old) / count[page].clamp_min(1).view(1, -1, 1)  # (x - m) / (c + n)
+        mean.index_add_(1, page, step.masked_fill(~keep, 0.0))  # padding rows may hold NaNs: masked, not scaled
+
+    def reset(self, pages: torch.Tensor) -> None:
+        """Empty the summaries of ``pages`` (host page ids, ``[n]``) in every layer and head,
+        e.g. when the allocator frees them."""
+        pages = pages.to(self.count.device).long()
+        self.kmin.index_fill_(2, pages, float("inf"))
+        self.kmax.index_fill_(2, pages, float("-inf"))
+        self.mean.index_fill_(2, pages, 0.0)
+        self.count.index_fill_(1, pages, 0)
+
+    def center(self, layer: int) -> torch.Tensor:
+        """Cuboid centres of one layer, ``[num_kv_heads, num_pages, head_dim]`` float32."""
+        return cuboid_center(self.kmin[layer], self.kmax[layer])
+
+    def half_extent(self, layer: int) -> torch.Tensor:
+        """Cuboid half-extents of one layer, ``[num_kv_heads, num_pages, head_dim]`` float32."""
+        return cuboid_half_extent(self.kmin[layer], self.kmax[layer])
