@@ -1,0 +1,455 @@
+"""Quality of sparse decode on CPU: attention-mass recall (Q2) and pass-key retrieval (Q3).
+
+SmolLM2-135M-Instruct (the default model, float32, transformers) runs with its attention routed
+through a registered attention function, so the selection code of ``sparse_sglang.attention`` is
+what decides, on the model's real post-RoPE queries and keys:
+
+- **Q2 recall**: one dense forward over ~7K tokens of license texts captures every layer's queries,
+  keys and values; the last ``--queries`` positions act as decode queries (each over its own
+  prefix). Pages of ``page_size`` tokens are summarized by ``PageSummaries``; each selector,
+  GQA group reduction, budget (and the knobs: sink/recent pages, LServe logical pages
+  max-reduced to physical ones) is scored by the share of the dense softmax mass on the selected
+  pages and by ``|o_sparse - o_dense| / |o_dense|``, per query head, averaged per layer.
+- **Q3 pass key**: a random 5-digit key at depths 0.1/0.5/0.9 of ~2K/4K/7K-token prompts of filler
+  text, ending "The pass key is". The prompt but its last question is prefilled densely (filling
+  the page summaries); the question's tokens and 8 greedy tokens then decode one at a time, with
+  every layer's attention either dense or ``select_pages`` + ``sparse_attention_reference`` at the
+  budget (summaries updated with each decoded key), so the answer is read under sparse attention.
+
+Writes ``benchmark/results/quality-<date>.json`` and prints compact tables::
+
+    python benchmark/quality.py                  # full run, about 5 min on 2 CPU cores
+    python benchmark/quality.py --quick          # small smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import random
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from sparse_sglang.attention import (
+    DEFAULT_GROUP_REDUCE,
+    GROUP_REDUCES,
+    SELECTORS,
+    attention_mass_recall,
+    get_selector,
+    max_reduce_logical,
+    page_mean_abs_deviation,
+    select_pages,
+    sparse_attention_reference,
+)
+from sparse_sglang.config import SparseConfig
+from sparse_sglang.default_model import default_model_path
+from sparse_sglang.mem_cache import PageSummaries
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULTS = SparseConfig(host_cache_gb=1.0)
+PAGE_SIZE = DEFAULTS.page_size
+DEFAULT_SELECTOR = DEFAULTS.selector
+LICENSES = Path("/usr/share/common-licenses")
+ORACLE = "oracle"  # Q2 only: pages ranked by their true attention mass (the best any selector can do)
+TARGET_RECALL = 0.90  # mean over layers, default selector, budget 512, ~7K tokens
+
+# Passkey prompt (the usual one of the pass-key retrieval test, Mohtashami & Jaggi 2023).
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there.\n\n")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One sparse decode setting; ``selector=None`` is dense attention."""
+
+    selector: str | None = DEFAULT_SELECTOR
+    group_reduce: str = DEFAULT_GROUP_REDUCE
+    budget: int = 512
+    sink_pages: int = DEFAULTS.sink_pages
+    recent_pages: int = DEFAULTS.recent_pages
+    logical_page_size: int = PAGE_SIZE  # < PAGE_SIZE: LServe's logical pages, max-reduced
+
+
+# Attention routing: one registered implementation that forwards to the active hook.
+
+ATTN_IMPL = "sparse_sglang_reference"
+_hook = None
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers attention function: query ``[B, Hq, Tq, D]`` (post-RoPE), key/value
+    ``[B, Hkv, Tk, D]`` with the cache; returns ``([B, Tq, Hq, D], None)``."""
+    if _hook is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    return _hook(module, query, key, value, attention_mask, scaling=scaling, **kwargs), None
+
+
+AttentionInterface.register(ATTN_IMPL, _attention)
+
+
+def run_with(hook, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with every attention call going through ``hook``."""
+    global _hook
+    previous, _hook = _hook, hook
+    try:
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+    finally:
+        _hook = previous
+
+
+def load_model(path: str | None = None):
+    path = path or default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTN_IMPL)
+    return tokenizer, model.eval()
+
+
+def dense(module, query, key, value, attention_mask, **kwargs) -> torch.Tensor:
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
+
+
+class Capture:
+    """Hook recording, per layer, the queries and attention outputs of the last ``num_queries``
+    positions (``[n, Hq, D]``) and all keys and values (``[Hkv, T, D]``) of a dense forward."""
+
+    def __init__(self, num_queries: int):
+        self.num_queries = num_queries
+        self.q, self.k, self.v, self.out = {}, {}, {}, {}
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        out = dense(module, query, key, value, attention_mask, **kwargs)
+        layer, n = module.layer_idx, self.num_queries
+        self.q[layer] = query[0, :, -n:].transpose(0, 1).clone()
+        self.k[layer], self.v[layer] = key[0].clone(), value[0].clone()
+        self.out[layer] = out[0, -n:].clone()
+        return out
+
+
+def capture(model, input_ids: torch.Tensor, num_queries: int) -> Capture:
+    cap = Capture(num_queries)
+    run_with(cap, model, input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    return cap
+
+
+def summarize(keys: dict[int, torch.Tensor], page_size: int) -> PageSummaries:
+    """PageSummaries of all layers' keys ``[Hkv, T, D]`` at ``page_size``."""
+    heads, tokens, dim = keys[0].shape
+    s = PageSummaries(len(keys), heads, -(-tokens // page_size), page_size, dim, keys[0].dtype)
+    for layer, k in keys.items():
+        s.update(layer, k.transpose(0, 1), torch.arange(tokens))
+    return s
+
+
+def choose_pages(
+    policy: Policy, q: torch.Tensor, summaries: PageSummaries, layer: int, keys: torch.Tensor, seq_len: torch.Tensor,
+) -> torch.Tensor:
+    """``[B, Hkv, K]`` pages of ``PAGE_SIZE`` tokens that ``policy`` attends for decode queries
+    ``q`` ``[B, Hq, D]`` over ``keys`` ``[1, Hkv, T, D]`` (summarized by ``summaries`` at the
+    policy's logical page size); ``seq_len`` ``[B]`` tokens per query."""
+    selector, lps = get_selector(policy.selector), policy.logical_page_size
+    n = -(-keys.shape[2] // lps)
+    kmin, kmax, kmean = (getattr(summaries, name)[layer, :, :n].unsqueeze(0) for name in ("kmin", "kmax", "mean"))
+    radius = page_mean_abs_deviation(keys, kmin, kmax, lps) if "radius" in selector.summaries else None
+    batch, q_heads, dim = q.shape
+    qg = q.view(batch, kmin.shape[1], q_heads // kmin.shape[1], dim)
+    scores = selector.score(qg, kmin, kmax, kmean, policy.group_reduce, radius=radius)
+    if lps != PAGE_SIZE:
+        scores = max_reduce_logical(scores, PAGE_SIZE // lps, -(-seq_len // lps))
+    return select_pages(scores, -(-seq_len // PAGE_SIZE), policy.budget // PAGE_SIZE,
+                        policy.sink_pages, policy.recent_pages).page_ids  # fmt: skip
+
+
+# Q2: attention-mass recall and output error on captured queries.
+
+
+def oracle_page_mass(q: torch.Tensor, k: torch.Tensor, seq_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[B, Hkv, N]`` dense softmax mass of each page, summed over the kv head's query heads: the
+    scores of the best possible selection for the recall metric (an upper bound, not a selector)."""
+    batch, q_heads, dim = q.shape
+    heads, tokens = k.shape[1], k.shape[2]
+    logits = q.view(batch, heads, q_heads // heads, dim) @ k.transpose(-1, -2) * scale
+    past = torch.arange(tokens).view(1, 1, 1, -1) >= seq_len.view(-1, 1, 1, 1)
+    probs = logits.masked_fill(past, -math.inf).softmax(dim=-1).sum(dim=2)
+    return torch.nn.functional.pad(probs, (0, -tokens % PAGE_SIZE)).view(batch, heads, -1, PAGE_SIZE).sum(-1)
+
+
+def recall_table(cap: Capture, policies: list[Policy], scale: float) -> list[dict]:
+    num_layers, tokens = len(cap.k), cap.k[0].shape[1]
+    seq_len = torch.arange(tokens - cap.num_queries, tokens) + 1  # query i sees its prefix
+    summaries = {lps: summarize(cap.k, lps) for lps in {p.logical_page_size for p in policies}}
+    recall = {p: [] for p in policies}
+    error = {p: [] for p in policies}
+    for layer in range(num_layers):
+        # K/V shared by all queries, materialized per query once (a broadcast matmul copies per call).
+        q, k, v = cap.q[layer], *(x.expand(len(seq_len), -1, -1, -1).contiguous() for x in (cap.k[layer], cap.v[layer]))
+        o_dense = sparse_attention_reference(q, k, v, None, PAGE_SIZE, seq_len, scale)
+        mass = oracle_page_mass(q, k[:1], seq_len, scale)
+        for policy in policies:
+            if policy.selector == ORACLE:
+                pages = select_pages(mass, -(-seq_len // PAGE_SIZE), policy.budget // PAGE_SIZE,
+                                     policy.sink_pages, policy.recent_pages).page_ids  # fmt: skip
+            else:
+                pages = choose_pages(policy, q, summaries[policy.logical_page_size], layer, k[:1], seq_len)
+            o = sparse_attention_reference(q, k, v, pages, PAGE_SIZE, seq_len, scale)
+            recall[policy].append(attention_mass_recall(q, k, pages, PAGE_SIZE, seq_len, scale).mean().item())
+            error[policy].append(((o - o_dense).norm(dim=-1) / o_dense.norm(dim=-1)).mean().item())
+    return [{**asdict(p), "recall_mean": mean(recall[p]), "recall_min_layer": min(recall[p]),
+             "recall_mean_from_layer2": mean(recall[p][2:]), "rel_err_mean": mean(error[p]), "recall_per_layer": rounded(recall[p]),
+             "rel_err_per_layer": rounded(error[p])} for p in policies]  # fmt: skip
+
+
+def recall_policies(budgets: list[int]) -> list[Policy]:
+    """The main grid (every selector x group reduction x budget), then the knobs at budget 512."""
+    grid = [Policy(s, g, b) for s in SELECTORS for g in GROUP_REDUCES for b in budgets]
+    grid += [Policy(ORACLE, "sum", b) for b in budgets]
+    sink_recent = [(0, 1), (1, 1), (2, 2), (1, 4), (4, 4)]
+    knobs = [Policy(DEFAULT_SELECTOR, g, 512, s, r) for g in GROUP_REDUCES for s, r in sink_recent]
+    logical = [Policy(s, g, 512, logical_page_size=lps) for s in SELECTORS for g in GROUP_REDUCES for lps in (16, 8)]
+    return list(dict.fromkeys(grid + knobs + logical))
+
+
+# Q3: pass-key retrieval with sparse decode.
+
+
+class SparseDecoder:
+    """Hook for one generation: a dense prefill (from an empty cache) fills ``PageSummaries``;
+    each later one-token step adds its key to them and attends per ``policy`` (dense when
+    ``policy.selector`` is None), recording the attention-mass recall of each sparse step."""
+
+    def __init__(self, model, policy: Policy, max_tokens: int):
+        cfg = model.config
+        self.policy = policy
+        self.summaries = PageSummaries(cfg.num_hidden_layers, cfg.num_key_value_heads, -(-max_tokens // PAGE_SIZE),
+                                       PAGE_SIZE, cfg.head_dim, torch.float32)  # fmt: skip
+        self.recall: list[float] = []
+
+    def fork(self, policy: Policy) -> SparseDecoder:
+        """A decoder continuing from this one's summaries under another policy."""
+        other = copy.copy(self)
+        other.policy, other.summaries, other.recall = policy, copy.deepcopy(self.summaries), []
+        return other
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer, tokens, new = module.layer_idx, key.shape[2], query.shape[2]
+        self.summaries.update(layer, key[0, :, tokens - new:].transpose(0, 1), torch.arange(tokens - new, tokens))
+        if new > 1:
+            assert new == tokens, "multi-token steps only as the first prefill"
+            return dense(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        q, seq_len = query[:, :, 0], torch.tensor([tokens])
+        pages = None
+        if self.policy.selector is not None:
+            pages = choose_pages(self.policy, q, self.summaries, layer, key, seq_len)
+            self.recall.append(attention_mass_recall(q, key, pages, PAGE_SIZE, seq_len, scaling).mean().item())
+        return sparse_attention_reference(q, key, value, pages, PAGE_SIZE, seq_len, scaling).unsqueeze(1)
+
+
+def passkey_prompt(tokenizer, target_tokens: int, depth: float, key: int) -> list[int]:
+    """Token ids of a pass-key prompt of about ``target_tokens`` with the needle at ``depth``."""
+    unit = len(tokenizer(FILLER).input_ids)
+    overhead = len(tokenizer(INTRO + NEEDLE.format(key=key) + QUESTION).input_ids)
+    units = max(1, (target_tokens - overhead) // unit)
+    before = round(units * depth)
+    text = INTRO + FILLER * before + NEEDLE.format(key=key) + FILLER * (units - before) + QUESTION
+    return tokenizer(text).input_ids
+
+
+def decode(model, hook: SparseDecoder, cache, tokens: list[int], new_tokens: int) -> list[int]:
+    """Feed ``tokens`` one at a time, then ``new_tokens`` greedy ones; returns the generated ids."""
+    out = []
+
+    def step(token: int) -> int:
+        logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+        return int(logits[0, -1].argmax())
+
+    nxt = None
+    for token in tokens:
+        nxt = run_with(hook, step, token)
+    for _ in range(new_tokens):
+        out.append(nxt)
+        nxt = run_with(hook, step, nxt)
+    return out
+
+
+def passkey_table(tokenizer, model, lengths: list[int], depths: list[float], policies: list[Policy],
+                  new_tokens: int, seed: int) -> list[dict]:  # fmt: skip
+    from transformers import DynamicCache
+
+    rng = random.Random(seed)
+    question = len(tokenizer(QUESTION).input_ids)
+    rows = []
+    for length in lengths:
+        for depth in depths:
+            key = rng.randrange(10_000, 100_000)
+            ids = passkey_prompt(tokenizer, length, depth, key)
+            prefix, suffix = ids[:-question], ids[-question:]
+            cache = DynamicCache(config=model.config)
+            prefill = SparseDecoder(model, Policy(selector=None), len(ids) + new_tokens)
+            run_with(prefill, model, input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True,
+                     logits_to_keep=1)
+            row = {"target_tokens": length, "prompt_tokens": len(ids), "depth": depth, "key": str(key)}
+            answers = {}
+            for policy in [Policy(selector=None)] + policies:
+                hook = prefill.fork(policy)
+                generated = decode(model, hook, copy.deepcopy(cache), suffix, new_tokens)
+                name = policy.selector or "dense"
+                answers[name] = tokenizer.decode(generated, clean_up_tokenization_spaces=False)
+                row[name] = {"answer": answers[name], "has_key": str(key) in answers[name]}
+                if policy.selector:
+                    row[name]["equal_dense"] = answers[name] == answers["dense"]
+                    row[name]["decode_recall_mean"] = round(mean(hook.recall), 4)
+            rows.append(row)
+            print(f"  passkey {len(ids):5d} tok depth {depth}: key {key} " +
+                  " | ".join(f"{n}: {a!r}" for n, a in answers.items()), flush=True)  # fmt: skip
+    return rows
+
+
+# Output.
+
+
+def mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def rounded(xs: list[float]) -> list[float]:
+    return [round(x, 4) for x in xs]
+
+
+def git_commit() -> str:
+    """HEAD, with ``-dirty`` when tracked files changed or untracked (not ignored) files exist."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if git("status", "--porcelain").stdout.strip() else "")
+
+
+def find_row(rows: list[dict], **match) -> dict:
+    return next(r for r in rows if all(r[k] == v for k, v in match.items()))
+
+
+def summarize_results(recall: list[dict], passkey: list[dict], policies: list[Policy]) -> dict:
+    base = asdict(Policy())
+    at_512 = {g: find_row(recall, **{**base, "group_reduce": g})["recall_mean"] for g in GROUP_REDUCES}
+    default = at_512[DEFAULT_GROUP_REDUCE]
+    best_knob = max((r for r in recall if r["selector"] == DEFAULT_SELECTOR and r["budget"] == 512),
+                    key=lambda r: r["recall_mean"])  # fmt: skip
+    oracle = find_row(recall, **{**base, "selector": ORACLE})["recall_mean"]
+    sparse = [row[DEFAULT_SELECTOR] for row in passkey]
+    return {
+        "recall_512_8k": round(default, 4),
+        "recall_target": TARGET_RECALL,
+        "recall_target_met": default >= TARGET_RECALL,
+        "recall_shortfall": round(max(0.0, TARGET_RECALL - default), 4),
+        "recall_512_oracle": round(oracle, 4),
+        "recall_512_by_group_reduce": {g: round(r, 4) for g, r in at_512.items()},
+        "default_group_reduce": DEFAULT_GROUP_REDUCE,
+        "group_reduce_by_recall": max(at_512, key=at_512.get),
+        "best_default_selector_setting_512": {k: best_knob[k] for k in (*base, "recall_mean")},
+        "passkey_cpu_equal": all(s["equal_dense"] for s in sparse),
+        "passkey_dense_found": sum(row["dense"]["has_key"] for row in passkey),
+        "passkey_sparse_found": sum(s["has_key"] for s in sparse),
+        "passkey_cases": len(passkey),
+        "passkey_all_selectors_equal": {p.selector: all(row[p.selector]["equal_dense"] for row in passkey) for p in policies},
+    }
+
+
+def print_tables(result: dict) -> None:
+    print(f"\nQ2 recall ({result['recall_setup']['tokens']} tokens, {result['recall_setup']['queries']} decode "
+          f"queries, page {PAGE_SIZE}): mean attention-mass recall / mean output rel. error over layers")
+    print(f"{'selector':8} {'reduce':6} {'sink':>4} {'rec':>3} {'lpage':>5} {'budget':>6} {'recall':>7} "
+          f"{'min lyr':>7} {'lyr 2+':>7} {'rel err':>7}")  # fmt: skip
+    for r in result["recall"]:
+        print(f"{r['selector']:8} {r['group_reduce']:6} {r['sink_pages']:4} {r['recent_pages']:3} "
+              f"{r['logical_page_size']:5} {r['budget']:6} {r['recall_mean']:7.4f} {r['recall_min_layer']:7.4f} "
+              f"{r['recall_mean_from_layer2']:7.4f} {r['rel_err_mean']:7.4f}")  # fmt: skip
+    print("\nQ3 pass key (dense prefill; question + answer decoded with the policy, budget "
+          f"{result['passkey_setup']['budget']})")
+    names = ["dense"] + [p for p in result["passkey_setup"]["selectors"]]
+    for row in result["passkey"]:
+        cells = " | ".join(f"{n}: {row[n]['answer']!r}{'' if row[n]['has_key'] else ' (miss)'}"
+                           f"{'' if n == 'dense' or row[n]['equal_dense'] else ' (!= dense)'}" for n in names)  # fmt: skip
+        print(f"{row['prompt_tokens']:5d} tok depth {row['depth']}: key {row['key']} | {cells}")
+    print("\nsummary:", json.dumps(result["summary"], indent=1))
+    print(f"run time {result['run_time_s']:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=7168, help="Q2 context (license texts), tokens")
+    parser.add_argument("--queries", type=int, default=32, help="Q2 decode queries: the last positions")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 7168], help="Q3 prompt tokens")
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1K tokens, short prompts, one depth")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmark/results/quality-<date>.json)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.budgets, args.lengths, args.depths = 1024, [256, 512], [1024], [0.5]
+    torch.manual_seed(args.seed)
+    start = time.monotonic()
+    tokenizer, model = load_model()
+    scale = model.model.layers[0].self_attn.scaling
+
+    text = "\n\n".join(p.read_text() for p in sorted(LICENSES.iterdir()) if p.is_file() and not p.is_symlink())
+    ids = tokenizer(text).input_ids[: args.tokens]
+    assert len(ids) == args.tokens, f"license texts hold only {len(ids)} tokens"
+    print(f"Q2: capturing {len(ids)} tokens ...", flush=True)
+    cap = capture(model, torch.tensor([ids]), args.queries)
+    policies = recall_policies(args.budgets)
+    recall = recall_table(cap, policies, scale)
+    print(f"Q2 done at {time.monotonic() - start:.0f} s; Q3 ...", flush=True)
+
+    passkey_policies = [Policy(s) for s in SELECTORS]
+    passkey = passkey_table(tokenizer, model, args.lengths, args.depths, passkey_policies, args.new_tokens, args.seed)
+    today = datetime.date.today().isoformat()
+    result = {
+        "device": "cpu",
+        "commit": git_commit(),
+        "date": today,
+        "command": shlex.join(sys.orig_argv),
+        "model": "SmolLM2-135M-Instruct (bf16 weights, run in float32, transformers, CPU)",
+        "torch_threads": torch.get_num_threads(),
+        "recall_setup": {"tokens": len(ids), "queries": args.queries, "text": str(LICENSES), "page_size": PAGE_SIZE,
+                         "recall": "dense softmax mass on the selected pages, per query head; mean over queries "
+                                   "and heads per layer, then over layers",
+                         "rel_err": "|o_sparse - o_dense| / |o_dense| per query head, same averaging"},
+        "recall": recall,
+        "passkey_setup": {"lengths": args.lengths, "depths": args.depths, "new_tokens": args.new_tokens,
+                          "seed": args.seed, "budget": Policy().budget, "group_reduce": DEFAULT_GROUP_REDUCE,
+                          "sink_pages": Policy().sink_pages, "recent_pages": Policy().recent_pages,
+                          "selectors": [p.selector for p in passkey_policies], "filler": FILLER.strip(),
+                          "protocol": "dense prefill of the prompt but its question; question tokens and greedy "
+                                      "answer decoded one token at a time with the policy"},
+        "passkey": passkey,
+    }  # fmt: skip
+    result["summary"] = summarize_results(recall, passkey, passkey_policies)
+    result["run_time_s"] = round(time.monotonic() - start, 1)
+    out = args.out or REPO / "benchmark" / "results" / f"quality-{today}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print_tables(result)
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

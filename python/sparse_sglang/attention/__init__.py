@@ -1,0 +1,46 @@
+"""Sparse decode attention: page scoring, page selection and the plain-torch reference.
+
+Shared by the CPU reference (tests, ``benchmark/quality.py``) and the GPU decode path::
+
+    scores = get_selector("quest").score(q, kmin, kmax, mean)            # [B, Hkv, N]
+    sel = select_pages(scores, num_pages, budget_pages, sink_pages, recent_pages)
+    out = sparse_attention_reference(q_flat, k, v, sel.page_ids, page_size, seq_len)
+
+- :mod:`.selectors`: ``Selector`` and the registry ``SELECTORS`` (quest, arkvale, mean).
+- :mod:`.selection`: ``select_pages``, ``max_reduce_logical``, ``sparse_attention_reference``,
+  ``attention_mass_recall``.
+"""
+
+from sparse_sglang.attention.selection import (
+    Selection,
+    attention_mass_recall,
+    max_reduce_logical,
+    select_pages,
+    selected_token_mask,
+    sparse_attention_reference,
+)
+from sparse_sglang.attention.selectors import (
+    DEFAULT_GROUP_REDUCE,
+    GROUP_REDUCES,
+    SELECTORS,
+    Selector,
+    cuboid_score,
+    get_selector,
+    page_mean_abs_deviation,
+)
+
+__all__ = [
+    "DEFAULT_GROUP_REDUCE",
+    "GROUP_REDUCES",
+    "SELECTORS",
+    "Selection",
+    "Selector",
+    "attention_mass_recall",
+    "cuboid_score",
+    "get_selector",
+    "max_reduce_logical",
+    "page_mean_abs_deviation",
+    "select_pages",
+    "selected_token_mask",
+    "sparse_attention_reference",
+]

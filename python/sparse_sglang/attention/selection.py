@@ -1,0 +1,189 @@
+"""Page selection (the *Select* half of SPIN's Index/Select split) and reference sparse attention.
+
+- :func:`select_pages`: per (request, kv head) the sink pages, the recent pages and the top-scored
+  rest, as a fixed-width ``[B, Hkv, budget_pages]`` page table (``-1`` padded), ascending, so the
+  partial newest page comes last where FlashInfer's ``last_page_len`` applies.
+- :func:`max_reduce_logical`: LServe's hierarchical paging; score small *logical* pages, keep
+  *physical* pages by the max over the logical pages they hold.
+- :func:`sparse_attention_reference` / :func:`attention_mass_recall`: plain-torch decode attention
+  over the selected tokens, and the share of the dense softmax mass those tokens hold; the CPU
+  reference the GPU kernels and the quality benchmark are checked against.
+
+Everything is vectorized over batch and heads (no host synchronization in ``select_pages`` and
+``max_reduce_logical``), for CPU and CUDA tensors alike.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class Selection(NamedTuple):
+    """Output of :func:`select_pages`.
+
+    Attributes
+    ----------
+    page_ids : torch.Tensor
+        ``[B, Hkv, K]`` int32 page indices (into each request's pages), ascending, ``-1`` padded
+        at the end; ``K = budget_pages``.
+    num_selected : torch.Tensor
+        ``[B]`` int32 valid entries per row: ``min(num_pages, K)``, the same for every kv head.
+    """
+
+    page_ids: torch.Tensor
+    num_selected: torch.Tensor
+
+
+def select_pages(
+    scores: torch.Tensor, num_pages: torch.Tensor, budget_pages: int, sink_pages: int = 1, recent_pages: int = 2,
+) -> Selection:
+    """Top pages per (request, kv head) within a page budget, with sink and recent pages forced.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``[B, Hkv, N]`` page scores (a :class:`~sparse_sglang.attention.Selector`'s); entries at or
+        past a request's ``num_pages`` are ignored (may be NaN).
+    num_pages : torch.Tensor
+        ``[B]`` pages each request holds, the partial newest page included (``1 <= n <= N``).
+    budget_pages : int
+        ``K``, pages attended per kv head; ``sink_pages + recent_pages <= K``.
+    sink_pages, recent_pages : int
+        Pages ``[0, sink)`` and ``[n - recent, n)`` are always kept (``recent_pages >= 1``).
+
+    Returns
+    -------
+    Selection
+        When ``n <= K`` every page ``0..n-1`` (the exact path); otherwise the forced pages plus the
+        ``K - |forced|`` best-scored others. Rows are sorted, so the newest page ``n - 1`` comes
+        last among the valid entries.
+    """
+    assert 1 <= recent_pages and sink_pages + recent_pages <= budget_pages
+    batch, _, n_max = scores.shape
+    n = num_pages.to(scores.device).long().view(batch, 1, 1)
+    page = torch.arange(n_max, device=scores.device).view(1, 1, n_max)
+    valid = page < n
+    forced = valid & ((page < sink_pages) | (page >= n - recent_pages))
+    # Forced pages above every finite score, pages past the request below all.
+    finite = scores.float().nan_to_num(nan=-3e38, posinf=3e38, neginf=-3e38)
+    priority = torch.where(forced, math.inf, torch.where(valid, finite, -math.inf))
+    if n_max < budget_pages:
+        priority = F.pad(priority, (0, budget_pages - n_max), value=-math.inf)
+    top = priority.topk(budget_pages, dim=-1, sorted=False)
+    # Padding sorts after every page (index n_max), then reads -1.
+    ids = torch.where(top.values > -math.inf, top.indices, n_max).sort(dim=-1).values
+    page_ids = torch.where(ids < n_max, ids, -1).to(torch.int32)
+    return Selection(page_ids, num_pages.to(scores.device).clamp(max=budget_pages).to(torch.int32))
+
+
+def max_reduce_logical(
+    scores: torch.Tensor, logical_per_physical: int, num_logical: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Physical-page scores from logical-page scores by max (LServe §3.5.2, hierarchical paging).
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``[B, Hkv, Nl]`` scores of logical pages; logical page ``j`` lies in physical page
+        ``j // logical_per_physical``.
+    logical_per_physical : int
+        ``g = physical_page_size / logical_page_size``.
+    num_logical : torch.Tensor, optional
+        ``[B]`` logical pages each request holds; later ones (e.g. the empty tail of the newest
+        physical page, whose summaries are empty) are left out of the max.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hkv, ceil(Nl / g)]`` float32.
+    """
+    batch, heads, n_logical = scores.shape
+    g = logical_per_physical
+    scores = scores.float()
+    if num_logical is not None:
+        held = torch.arange(n_logical, device=scores.device).view(1, 1, -1) < num_logical.to(scores.device).view(-1, 1, 1)
+        scores = torch.where(held, scores, -math.inf)
+    scores = F.pad(scores, (0, -n_logical % g), value=-math.inf)
+    return scores.view(batch, heads, -1, g).amax(dim=-1)
+
+
+def selected_token_mask(page_ids: torch.Tensor | None, page_size: int, seq_len: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[B, Hkv or 1, T]`` bool: token ``t < seq_len`` lies in a selected page (all of them when
+    ``page_ids`` is None)."""
+    token = torch.arange(num_tokens, device=seq_len.device)
+    in_seq = token.view(1, 1, -1) < seq_len.view(-1, 1, 1)
+    if page_ids is None:
+        return in_seq
+    num_pages = -(-num_tokens // page_size)
+    ids = page_ids.long().to(seq_len.device)
+    ids = torch.where(ids >= 0, ids, num_pages)  # padding -> a spare slot
+    chosen = torch.zeros(*ids.shape[:2], num_pages + 1, dtype=torch.bool, device=ids.device)
+    chosen.scatter_(-1, ids, True)
+    return in_seq & chosen[..., token // page_size]
+
+
+def _logits(q: torch.Tensor, k: torch.Tensor, seq_len: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``[B, Hkv, G, T]`` float32 scaled ``q . k``, ``-inf`` past ``seq_len``."""
+    batch, q_heads, dim = q.shape
+    kv_heads, num_tokens = k.shape[1], k.shape[2]
+    scale = dim**-0.5 if scale is None else scale
+    qg = q.float().view(batch, kv_heads, q_heads // kv_heads, dim)
+    logits = (qg @ k.float().transpose(-1, -2)) * scale
+    return logits.masked_fill(~selected_token_mask(None, 1, seq_len, num_tokens).unsqueeze(2), -math.inf)
+
+
+def sparse_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor | None, page_size: int,
+    seq_len: torch.Tensor, scale: float | None = None,
+) -> torch.Tensor:
+    """Decode attention over the tokens of the selected pages only (float32 math).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, D]`` one decode query per request (post-RoPE); ``Hq = G * Hkv``, query head
+        ``h`` reads kv head ``h // G``.
+    k, v : torch.Tensor
+        ``[B, Hkv, T, D]`` keys and values of each request, token ``t`` in page ``t // page_size``;
+        tokens at or past ``seq_len`` are padding.
+    page_ids : torch.Tensor or None
+        ``[B, Hkv, K]`` selected pages, ``-1`` padded (:func:`select_pages`); None = dense.
+    page_size : int
+    seq_len : torch.Tensor
+        ``[B]`` tokens each request holds.
+    scale : float, optional
+        Softmax scale; ``D ** -0.5`` by default.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq, D]`` in ``q``'s dtype.
+    """
+    batch, q_heads, _ = q.shape
+    logits = _logits(q, k, seq_len, scale)
+    keep = selected_token_mask(page_ids, page_size, seq_len, k.shape[2]).unsqueeze(2)
+    probs = logits.masked_fill(~keep, -math.inf).softmax(dim=-1)
+    return (probs @ v.float()).reshape(batch, q_heads, -1).to(q.dtype)
+
+
+def attention_mass_recall(
+    q: torch.Tensor, k: torch.Tensor, page_ids: torch.Tensor, page_size: int, seq_len: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Share of each query head's dense softmax mass on the selected tokens.
+
+    Parameters are those of :func:`sparse_attention_reference`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq]`` float32 in ``[0, 1]``; 1 when every page is selected.
+    """
+    batch, q_heads, _ = q.shape
+    probs = _logits(q, k, seq_len, scale).softmax(dim=-1)
+    keep = selected_token_mask(page_ids, page_size, seq_len, k.shape[2]).unsqueeze(2)
+    return (probs * keep).sum(dim=-1).reshape(batch, q_heads)

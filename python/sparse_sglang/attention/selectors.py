@@ -1,0 +1,192 @@
+"""Page scorers: the *Index* half of SPIN's Index/Select split.
+
+A selector turns decode queries and per-page key summaries into one score per (request, kv head,
+page); :func:`sparse_sglang.attention.select_pages` (the *Select* half) keeps the top pages.
+Callers gather each request's pages from :class:`~sparse_sglang.mem_cache.PageSummaries` first,
+so every input here is dense ``[B, Hkv, N, D]`` and a request with fewer pages than ``N`` simply
+has junk scores past its length, which selection masks.
+
+Cuboid scores
+-------------
+Quest's bound ``sum_d max(q_d kmax_d, q_d kmin_d)`` and ArkVale's cuboid estimates are the same
+function of a cuboid with centre ``c`` and per-channel radius ``r``: since
+``max(a, b) = (a + b) / 2 + |a - b| / 2``,
+
+    sum_d max(q_d (c_d + r_d), q_d (c_d - r_d)) = q . c + |q| . r,
+
+two matmuls instead of a ``[B, Hkv, G, N, D]`` temporary. With ``r = (kmax - kmin) / 2`` it is
+Quest (ArkVale's "cuboid-max"); ArkVale's "cuboid-mean" keeps the centre and shrinks the radius
+to the mean distance of the page's keys from it (see :class:`ArkVale`).
+
+GQA
+---
+All ``G`` query heads of a kv head score its pages; ``group_reduce`` folds them into the single
+choice the kv head makes: ``"sum"`` (ArkVale's mean over the group, same ranking) or ``"max"``
+(any head of the group may want the page). ``benchmark/quality.py`` measures both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+GROUP_REDUCES = ("sum", "max")
+DEFAULT_GROUP_REDUCE = "sum"  # higher attention-mass recall on SmolLM2 (benchmark/results/quality-*.json)
+
+
+def cuboid_score(q: torch.Tensor, center: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
+    """Per query head ``max over the cuboid of q . k`` = ``q . c + |q| . r``.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hkv, G, D]`` queries.
+    center, radius : torch.Tensor
+        ``[B, Hkv, N, D]`` cuboid centres and (non-negative) per-channel radii.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hkv, G, N]`` float32.
+    """
+    q = q.float()
+    return q @ center.float().transpose(-1, -2) + q.abs() @ radius.float().transpose(-1, -2)
+
+
+def page_mean_abs_deviation(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_size: int) -> torch.Tensor:
+    """ArkVale's cuboid-mean radius: per page and channel, the mean of ``|k - c|`` over the page's
+    keys, ``c = (kmax + kmin) / 2``.
+
+    Parameters
+    ----------
+    k : torch.Tensor
+        ``[..., T, D]`` keys of consecutive pages (token ``t`` in page ``t // page_size``); a last
+        partial page averages over the tokens it has.
+    kmin, kmax : torch.Tensor
+        ``[..., N, D]`` with ``N >= ceil(T / page_size)``; pages past the keys get radius 0.
+    page_size : int
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., N, D]`` float32.
+    """
+    *lead, num_tokens, dim = k.shape
+    num_pages = kmin.shape[-2]
+    pad = num_pages * page_size - num_tokens
+    assert pad >= 0, "summaries cover fewer pages than the keys"
+    k = torch.nn.functional.pad(k.float(), (0, 0, 0, pad), value=float("nan"))
+    center = (kmax.float() + kmin.float()) / 2
+    dev = (k.view(*lead, num_pages, page_size, dim) - center.unsqueeze(-2)).abs()
+    return dev.nanmean(dim=-2).nan_to_num(0.0)
+
+
+class Selector(ABC):
+    """Scores pages for the decode queries of each kv head.
+
+    Subclasses set ``name`` (their registry key), ``summaries`` (the summary tensors they read, so
+    a caller gathers only those) and implement :meth:`head_scores`.
+    """
+
+    name: ClassVar[str]
+    summaries: ClassVar[tuple[str, ...]]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        SELECTORS[cls.name] = cls
+
+    def score(
+        self, q: torch.Tensor, kmin: torch.Tensor | None, kmax: torch.Tensor | None, mean: torch.Tensor | None,
+        group_reduce: str = DEFAULT_GROUP_REDUCE, radius: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Scores of every page for each kv head.
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            ``[B, Hkv, G, D]`` decode queries (post-RoPE), ``G`` query heads per kv head.
+        kmin, kmax, mean : torch.Tensor or None
+            ``[B, Hkv, N, D]`` page summaries; only those in ``self.summaries`` are read.
+        group_reduce : {"sum", "max"}
+            How the ``G`` query heads' scores become the kv head's.
+        radius : torch.Tensor, optional
+            ``[B, Hkv, N, D]`` per-page mean ``|k - centre|`` (:func:`page_mean_abs_deviation`);
+            only selectors listing ``"radius"`` in ``summaries`` read it.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[B, Hkv, N]`` float32; higher is more important. Pages a request does not hold may
+            score anything (even NaN): :func:`select_pages` masks them by ``num_pages``.
+        """
+        if "radius" in self.summaries and radius is None:
+            raise ValueError(f"selector {self.name!r} needs the per-page key radius (page_mean_abs_deviation)")
+        scores = self.head_scores(q, kmin=kmin, kmax=kmax, mean=mean, radius=radius)
+        if group_reduce == "sum":
+            return scores.sum(dim=2)
+        if group_reduce == "max":
+            return scores.amax(dim=2)
+        raise ValueError(f"group_reduce must be one of {GROUP_REDUCES}, got {group_reduce!r}")
+
+    @abstractmethod
+    def head_scores(self, q, *, kmin, kmax, mean, radius) -> torch.Tensor:
+        """``[B, Hkv, G, N]`` float32 scores per query head (arguments as in :meth:`score`)."""
+
+
+SELECTORS: dict[str, type[Selector]] = {}
+
+
+class Quest(Selector):
+    """Quest: upper bound of ``q . k`` over the page's bounding box,
+    ``sum_d max(q_d kmax_d, q_d kmin_d)`` (Tang et al., 2024; LServe eq. 2)."""
+
+    name = "quest"
+    summaries = ("kmin", "kmax")
+
+    def head_scores(self, q, *, kmin, kmax, mean, radius):
+        kmin, kmax = kmin.float(), kmax.float()
+        return cuboid_score(q, (kmax + kmin) / 2, (kmax - kmin) / 2)
+
+
+class ArkVale(Selector):
+    """ArkVale's "cuboid-mean" digest (Chen et al., NeurIPS 2024): the bounding cuboid's centre
+    ``c = (kmax + kmin) / 2`` with the radius shrunk to the mean distance of the keys from it,
+    ``r_d = mean_t |k_td - c_d|``, scored as a cuboid: ``q . c + |q| . r``.
+
+    As in pku-liang/ArkVale@0c3b45e: ``source/arkvale/infer_state.py:448-462``
+    (``_summarize_keys``: centers = (maxs + mins) / 2; dists = |centers - keys|.mean over the
+    page; digest = (centers + dists, centers - dists)) scored by
+    ``source/arkvale_cpp/src/estimate.cu:43`` (``sum max(q * dmax, q * dmin)``) and averaged over
+    a group of query heads at ``estimate.cu:559-560``. ArkVale's group is, by default, every head
+    of the layer (one page choice per layer); here it is the kv head's ``G`` query heads, and the
+    mean is ``group_reduce="sum"`` up to a constant factor.
+
+    ``PageSummaries`` stores no radius, so callers compute it from the keys
+    (:func:`page_mean_abs_deviation`); ArkVale computes it once per filled page.
+    """
+
+    name = "arkvale"
+    summaries = ("kmin", "kmax", "radius")
+
+    def head_scores(self, q, *, kmin, kmax, mean, radius):
+        return cuboid_score(q, (kmax.float() + kmin.float()) / 2, radius)
+
+
+class MeanKey(Selector):
+    """``q . mean key`` of the page (the centroid baseline; InfLLM-style representative)."""
+
+    name = "mean"
+    summaries = ("mean",)
+
+    def head_scores(self, q, *, kmin, kmax, mean, radius):
+        return q.float() @ mean.float().transpose(-1, -2)
+
+
+def get_selector(name: str) -> Selector:
+    """The registered selector ``name`` (one of ``sparse_sglang.config.SELECTORS``)."""
+    try:
+        return SELECTORS[name]()
+    except KeyError:
+        raise ValueError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}") from None

@@ -1,0 +1,212 @@
+"""CPU tests of the sparse-attention selection logic against brute-force loop references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sparse_sglang import config
+from sparse_sglang.attention import (
+    SELECTORS,
+    attention_mass_recall,
+    get_selector,
+    max_reduce_logical,
+    page_mean_abs_deviation,
+    select_pages,
+    sparse_attention_reference,
+)
+from sparse_sglang.mem_cache import PageSummaries
+
+B, HKV, G, D, PS = 2, 3, 4, 16, 8
+
+
+def random_pages(seed: int, num_pages: int = 7, num_tokens: int | None = None):
+    """Keys ``[B, Hkv, T, D]``, their per-page summaries (via PageSummaries) and the radius."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = num_tokens or num_pages * PS
+    k = torch.randn(B, HKV, num_tokens, D, generator=gen)
+    summaries = PageSummaries(B, HKV, num_pages, PS, D, torch.float32)
+    for b in range(B):  # one "layer" per request
+        summaries.update(b, k[b].transpose(0, 1), torch.arange(num_tokens))
+    radius = page_mean_abs_deviation(k, summaries.kmin, summaries.kmax, PS)
+    q = torch.randn(B, HKV, G, D, generator=gen)
+    return q, k, summaries, radius
+
+
+def loop_head_scores(name, q, k, kmin, kmax, mean):
+    """[B, Hkv, G, N] by the papers' formulas, one page and head at a time."""
+    out = torch.empty(*q.shape[:3], kmin.shape[2])
+    for b, h, g, p in torch.cartesian_prod(*(torch.arange(n) for n in out.shape)).tolist():
+        qv = q[b, h, g]
+        if name == "quest":
+            out[b, h, g, p] = sum(max(qv[d] * kmax[b, h, p, d], qv[d] * kmin[b, h, p, d]) for d in range(D))
+        elif name == "arkvale":  # ArkVale infer_state._summarize_keys, then estimate.cu's max
+            keys = k[b, h, p * PS:(p + 1) * PS]
+            center = (keys.max(0).values + keys.min(0).values) / 2
+            dist = (center - keys).abs().mean(0)
+            hi, lo = center + dist, center - dist
+            out[b, h, g, p] = sum(max(qv[d] * hi[d], qv[d] * lo[d]) for d in range(D))
+        else:
+            out[b, h, g, p] = sum(qv[d] * mean[b, h, p, d] for d in range(D))
+    return out
+
+
+def test_registry_matches_config():
+    assert tuple(SELECTORS) == config.SELECTORS
+    assert all(get_selector(name).name == name for name in SELECTORS)
+    with pytest.raises(ValueError, match="unknown selector"):
+        get_selector("nope")
+
+
+@pytest.mark.parametrize("name", config.SELECTORS)
+@pytest.mark.parametrize("group_reduce", ["sum", "max"])
+def test_selector_matches_brute_force(name, group_reduce):
+    q, k, s, radius = random_pages(seed=1)
+    got = get_selector(name).score(q, s.kmin, s.kmax, s.mean, group_reduce, radius=radius)
+    expected = loop_head_scores(name, q, k, s.kmin, s.kmax, s.mean)
+    expected = expected.sum(2) if group_reduce == "sum" else expected.amax(2)
+    assert got.shape == (B, HKV, s.kmin.shape[2])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_group_reduce_and_missing_radius_raise():
+    q, _, s, _ = random_pages(seed=2)
+    with pytest.raises(ValueError, match="group_reduce"):
+        get_selector("quest").score(q, s.kmin, s.kmax, s.mean, "mean")
+    with pytest.raises(ValueError, match="radius"):
+        get_selector("arkvale").score(q, s.kmin, s.kmax, s.mean)
+
+
+def test_quest_upper_bounds_every_key_in_the_page():
+    q, k, s, _ = random_pages(seed=3, num_pages=9)
+    bound = get_selector("quest").head_scores(q, kmin=s.kmin, kmax=s.kmax, mean=None, radius=None)
+    qk = torch.einsum("bhgd,bhtd->bhgt", q, k).view(B, HKV, G, -1, PS).amax(-1)  # max q.k per page
+    assert (bound >= qk - 1e-4).all()
+    grouped = get_selector("quest").score(q, s.kmin, s.kmax, None, "max")
+    assert (grouped >= qk.amax(2) - 1e-4).all()
+
+
+def test_mean_abs_deviation_covers_partial_and_missing_pages():
+    num_tokens = 3 * PS + 5  # 4 pages with keys, the last partial; summaries hold 6
+    _, k, _, radius = random_pages(seed=4, num_pages=6, num_tokens=num_tokens)
+    for p in range(4):
+        keys = k[:, :, p * PS:min((p + 1) * PS, num_tokens)]
+        center = (keys.amax(2) + keys.amin(2)) / 2
+        torch.testing.assert_close(radius[:, :, p], (keys - center.unsqueeze(2)).abs().mean(2))
+    assert (radius[:, :, 4:] == 0).all()
+
+
+def check_selection(page_ids, num_selected, scores, num_pages, budget, sink, recent):
+    """Every documented invariant of one select_pages result, row by row."""
+    assert page_ids.shape == (*scores.shape[:2], budget) and page_ids.dtype == torch.int32
+    for b, n in enumerate(num_pages.tolist()):
+        assert num_selected[b] == min(n, budget)
+        for h in range(scores.shape[1]):
+            row = page_ids[b, h].tolist()
+            ids = [p for p in row if p >= 0]
+            assert row == ids + [-1] * (budget - len(ids)), "padding must come last"
+            assert len(ids) == min(n, budget) and len(set(ids)) == len(ids)
+            assert ids == sorted(ids) and ids[-1] == n - 1, "ascending, newest page last"
+            if n <= budget:
+                assert ids == list(range(n))
+                continue
+            forced = set(range(min(sink, n))) | set(range(n - recent, n))
+            assert forced <= set(ids)
+            free = [p for p in range(n) if p not in forced]
+            chosen = [p for p in free if p in ids]
+            dropped = [p for p in free if p not in ids]
+            assert len(chosen) == budget - len(forced)
+            if chosen:
+                assert min(scores[b, h, chosen]) >= max(scores[b, h, dropped])
+
+
+@pytest.mark.parametrize("budget,sink,recent", [(6, 1, 2), (4, 0, 1), (5, 2, 3), (3, 1, 2)])
+def test_select_pages_ragged_batch(budget, sink, recent):
+    gen = torch.Generator().manual_seed(budget * 10 + sink)
+    num_pages = torch.tensor([1, 2, 3, 5, 6, 7, 12, 20])
+    scores = torch.randn(len(num_pages), HKV, 20, generator=gen)
+    scores[0, :, 5:] = float("nan")  # junk past a request's pages is ignored
+    sel = select_pages(scores, num_pages, budget, sink, recent)
+    check_selection(sel.page_ids, sel.num_selected, scores, num_pages, budget, sink, recent)
+
+
+def test_select_pages_pads_when_fewer_pages_than_budget():
+    scores = torch.randn(2, HKV, 3)  # N < K: nothing to choose from beyond three pages
+    sel = select_pages(scores, torch.tensor([3, 2]), 8, 1, 2)
+    assert sel.page_ids[0, 0].tolist() == [0, 1, 2] + [-1] * 5
+    assert sel.page_ids[1, 2].tolist() == [0, 1] + [-1] * 6
+    assert sel.num_selected.tolist() == [3, 2]
+
+
+def test_select_pages_picks_the_top_scored_pages():
+    scores = torch.zeros(1, 1, 10)
+    scores[0, 0, [3, 6]] = 5.0
+    sel = select_pages(scores, torch.tensor([10]), 5, 1, 2)
+    assert sel.page_ids[0, 0].tolist() == [0, 3, 6, 8, 9]
+
+
+def test_max_reduce_logical_matches_loop():
+    g, n_logical = 4, 10
+    scores = torch.randn(B, HKV, n_logical)
+    num_logical = torch.tensor([10, 6])
+    got = max_reduce_logical(scores, g, num_logical)
+    assert got.shape == (B, HKV, 3)
+    for b in range(B):
+        for h in range(HKV):
+            for p in range(3):
+                held = [scores[b, h, j] for j in range(p * g, min((p + 1) * g, int(num_logical[b])))]
+                assert got[b, h, p] == (max(held) if held else -math.inf)
+
+
+def test_logical_pages_score_physical_pages_by_their_best_part():
+    # Logical pages of PS // 2 tokens from the same keys: a physical page scores the max of its two
+    # halves, which is <= its own (coarser) Quest bound.
+    q, k, s, _ = random_pages(seed=5)
+    half = PageSummaries(B, HKV, 2 * s.kmin.shape[2], PS // 2, D, torch.float32)
+    for b in range(B):
+        half.update(b, k[b].transpose(0, 1), torch.arange(k.shape[2]))
+    quest = get_selector("quest")
+    fine = max_reduce_logical(quest.score(q, half.kmin, half.kmax, None, "max"), 2)
+    coarse = quest.score(q, s.kmin, s.kmax, None, "max")
+    assert fine.shape == coarse.shape and (fine <= coarse + 1e-4).all()
+
+
+def dense_loop(q, k, v, seq_len, keep=None):
+    """Per request and query head: softmax(q.k / sqrt(D)) v over kept tokens, plus the dense mass on them."""
+    out, mass = torch.zeros_like(q), torch.zeros(q.shape[:2])
+    group = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        n = int(seq_len[b])
+        for h in range(q.shape[1]):
+            kh, vh = k[b, h // group, :n], v[b, h // group, :n]
+            logits = kh @ q[b, h] / math.sqrt(D)
+            m = torch.ones(n, dtype=torch.bool) if keep is None else keep[b, h // group, :n]
+            out[b, h] = torch.softmax(logits[m], 0) @ vh[m]
+            mass[b, h] = torch.softmax(logits, 0)[m].sum()
+    return out, mass
+
+
+def test_sparse_attention_reference_dense_and_masked():
+    gen = torch.Generator().manual_seed(6)
+    num_tokens = 9 * PS
+    q = torch.randn(B, HKV * G, D, generator=gen)
+    k, v = torch.randn(2, B, HKV, num_tokens, D, generator=gen)
+    seq_len = torch.tensor([num_tokens, 5 * PS + 3])
+    num_pages = (seq_len + PS - 1) // PS
+    dense, _ = dense_loop(q, k, v, seq_len)
+
+    all_pages = select_pages(torch.randn(B, HKV, 9, generator=gen), num_pages, 9, 1, 2).page_ids
+    torch.testing.assert_close(sparse_attention_reference(q, k, v, all_pages, PS, seq_len), dense)
+    torch.testing.assert_close(sparse_attention_reference(q, k, v, None, PS, seq_len), dense)
+    assert torch.allclose(attention_mass_recall(q, k, all_pages, PS, seq_len), torch.ones(B, HKV * G))
+
+    sel = select_pages(torch.randn(B, HKV, 9, generator=gen), num_pages, 4, 1, 2).page_ids
+    keep = torch.zeros(B, HKV, num_tokens, dtype=torch.bool)
+    for b, h, j in torch.cartesian_prod(torch.arange(B), torch.arange(HKV), torch.arange(4)).tolist():
+        if sel[b, h, j] >= 0:
+            keep[b, h, int(sel[b, h, j]) * PS:(int(sel[b, h, j]) + 1) * PS] = True
+    expected, mass = dense_loop(q, k, v, seq_len, keep)
+    torch.testing.assert_close(sparse_attention_reference(q, k, v, sel, PS, seq_len), expected)
+    torch.testing.assert_close(attention_mass_recall(q, k, sel, PS, seq_len), mass)
+    assert not torch.allclose(expected, dense)
