@@ -68,7 +68,9 @@ INTRO = ("There is an important info hidden inside a lot of irrelevant text. Fin
          "I will quiz you about the important information there.\n\n")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "\n\nWhat is the pass key? The pass key is"
+# A bare continuation, as the model is known to answer it: with "What is the pass key?" before it,
+# dense SmolLM2 itself answered "the pass key..." in 4 of 9 cases; without, it finds 9 of 9.
+QUESTION = "\n\nThe pass key is"
 
 
 @dataclass(frozen=True)
