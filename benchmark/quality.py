@@ -31,7 +31,6 @@ import json
 import math
 import random
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -52,6 +51,7 @@ from sparse_sglang.attention import (
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.mem_cache import PageSummaries
+from sparse_sglang.testing.provenance import git_commit
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -329,17 +329,6 @@ def mean(xs) -> float:
 
 def rounded(xs: list[float]) -> list[float]:
     return [round(x, 4) for x in xs]
-
-
-def git_commit() -> str:
-    """HEAD, with ``-dirty`` when tracked files changed or untracked (not ignored) files exist."""
-    def git(*args):
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
-
-    head = git("rev-parse", "HEAD")
-    if head.returncode != 0:
-        return "unknown"
-    return head.stdout.strip() + ("-dirty" if git("status", "--porcelain").stdout.strip() else "")
 
 
 def find_row(rows: list[dict], **match) -> dict:

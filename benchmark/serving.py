@@ -34,6 +34,7 @@ import requests
 
 from sparse_sglang.testing.models import write_llama3_8b_dummy
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
+from sparse_sglang.testing.provenance import git_commit
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {"vanilla": VANILLA_MODULE, "sparse": SPARSE_MODULE}
@@ -518,17 +519,6 @@ def gpu_name() -> str:
     # In a child process: a CUDA context here would hold GPU memory during the whole run.
     probe = [sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"]
     return subprocess.run(probe, capture_output=True, text=True).stdout.strip() or "unknown"
-
-
-def git_commit() -> str:
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
-
-    head = git("rev-parse", "HEAD")
-    if head.returncode != 0:
-        return "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
-    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def run_benchmark(plan: list[RatePlan], args: argparse.Namespace) -> dict:

@@ -18,13 +18,13 @@ import datetime
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from sparse_sglang.testing.provenance import git_commit
 from sparse_sglang.transfer import (
     DirectD2H,
     FlashD2H,
@@ -267,15 +267,6 @@ def choose_save_path(d2h_16k: dict) -> str:
     return max(paths, key=lambda p: d2h_16k[p]["beside_matmul_gbps"])
 
 
-def git_commit() -> str:
-    try:
-        described = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty", "--abbrev=40",
-                                    "--exclude=*"], capture_output=True, text=True, timeout=30)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return described.stdout.strip() if described.returncode == 0 else "unknown"
-
-
 def print_table(result: dict) -> None:
     c = result["contiguous"]
     print(f"\n{result['device']}: contiguous 1 GiB H2D {c['h2d_gbps']:.1f} GB/s, D2H {c['d2h_gbps']:.1f} GB/s "
@@ -305,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=default_num_threads(), help="FlashD2H scatter threads")
     p.add_argument("--buffers", type=int, default=4, help="FlashD2H staging buffers")
     p.add_argument("--direct-ctas", type=int, default=16, help="grid of the direct-write kernel")
-    p.add_argument("--commit", default=None, help="recorded commit (default: git describe of this checkout)")
+    p.add_argument("--commit", default=None, help="recorded commit (default: $SPARSE_SGLANG_COMMIT, else git HEAD of this checkout)")
     args = p.parse_args(argv)
     began = time.perf_counter()
     torch.manual_seed(0)

@@ -24,6 +24,7 @@ import requests
 
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.testing.models import write_llama3_8b_dummy
+from sparse_sglang.testing.provenance import git_commit
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
 
 pytestmark = pytest.mark.gpu
@@ -152,7 +153,7 @@ def _record(model: str, outputs: dict, meta: dict) -> None:
     path.write_text(json.dumps({
         "device": torch.cuda.get_device_name(0),
         "date": datetime.date.today().isoformat(),
-        "commit": os.environ.get("SPARSE_SGLANG_COMMIT", "unknown"),
+        "commit": git_commit(),
         "model": model,
         "servers": meta,
         "outputs": outputs,

@@ -1,0 +1,30 @@
+"""What every benchmark result records about where it came from."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+# The checkout this package runs from (editable install or PYTHONPATH=python).
+REPO = Path(__file__).resolve().parents[3]
+COMMIT_ENV = "SPARSE_SGLANG_COMMIT"  # the GPU host's copy of the tree has no .git: pass the commit in
+
+
+def git_commit() -> str:
+    """``$SPARSE_SGLANG_COMMIT``, else HEAD with ``-dirty`` when tracked or untracked (not ignored)
+    files differ from it (new code is code that ran), else ``unknown``."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain").stdout.strip()
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty else "")
