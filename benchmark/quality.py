@@ -51,7 +51,7 @@ from sparse_sglang.attention import (
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.mem_cache import PageSummaries
-from sparse_sglang.testing.provenance import git_commit
+from sparse_sglang.testing.provenance import git_commit, save_result
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -435,8 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["summary"] = summarize_results(recall, passkey, passkey_policies)
     result["run_time_s"] = round(time.monotonic() - start, 1)
     out = args.out or REPO / "benchmark" / "results" / f"quality-{today}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    save_result(result, out)
     print_tables(result)
     print(f"wrote {out}")
     return result

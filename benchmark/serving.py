@@ -34,7 +34,7 @@ import requests
 
 from sparse_sglang.testing.models import write_llama3_8b_dummy
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
-from sparse_sglang.testing.provenance import git_commit
+from sparse_sglang.testing.provenance import git_commit, save_result
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {"vanilla": VANILLA_MODULE, "sparse": SPARSE_MODULE}
@@ -604,8 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.merge_into or Path(args.out_dir) / f"serving-{document['date']}.json")
     if args.merge_into and out.exists():
         document = merge_documents(json.loads(out.read_text()), document)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(document, indent=1) + "\n")
+    save_result(document, out)
     plot(document["results"], out.with_suffix(".png"))
     print_table(document["results"])
     print(f"\nsummary: {json.dumps(document['summary'], indent=1)}\nwrote {out} and {out.with_suffix('.png')}")

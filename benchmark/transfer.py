@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_sglang.testing.provenance import git_commit
+from sparse_sglang.testing.provenance import git_commit, save_result
 from sparse_sglang.transfer import (
     DirectD2H,
     FlashD2H,
@@ -352,9 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": summary,
         "wall_s": time.perf_counter() - began,
     }
-    out = Path(args.out_dir) / f"transfer-{date}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = save_result(result, Path(args.out_dir) / f"transfer-{date}.json")
     print_table(result)
     print(f"wrote {out} ({result['wall_s']:.0f} s, compile {compiled:.0f} s)")
     return result

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from sparse_sglang.mem_cache.page_table import TwoLevelPageTable
-from sparse_sglang.mem_cache.utils import FreeStack, check_kv_shape, itemsize, units_for_budget
+from sparse_sglang.mem_cache.utils import FreeStack, check_kv_shape, units_for_budget
 
 NEVER = torch.iinfo(torch.int64).max  # eviction priority of slots that must not be evicted
 
@@ -35,7 +35,7 @@ def slots_for_budget(gb: float, page_size: int, head_dim: int, dtype: torch.dtyp
     """Slots (one K and one V block of ``page_size x head_dim``) that fit in ``gb`` GiB."""
     check_kv_shape(page_size, head_dim, dtype)
     what = f"GPU page cache budget (one slot = K+V of {page_size} tokens x {head_dim} dims, {dtype})"
-    return units_for_budget(gb, 2 * page_size * head_dim * itemsize(dtype), 1, what)
+    return units_for_budget(gb, 2 * page_size * head_dim * dtype.itemsize, 1, what)
 
 
 class GPUPageCache:

@@ -16,7 +16,7 @@ from collections.abc import Hashable
 
 import torch
 
-from sparse_sglang.mem_cache.utils import FreeStack, check_kv_shape, itemsize, units_for_budget
+from sparse_sglang.mem_cache.utils import FreeStack, check_kv_shape, units_for_budget
 from sparse_sglang.transfer.layout import alloc_host_store
 
 RESERVED_PAGES = 1  # page 0: the padding page
@@ -28,7 +28,7 @@ class HostMemoryExhausted(RuntimeError):
 
 def host_page_bytes(num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one host page id: its K and V blocks in every (layer, kv head)."""
-    return 2 * num_layers * num_kv_heads * page_size * head_dim * itemsize(dtype)
+    return 2 * num_layers * num_kv_heads * page_size * head_dim * dtype.itemsize
 
 
 def pages_for_budget(

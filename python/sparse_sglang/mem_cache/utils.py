@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import torch
 
-GIB = 1 << 30
+from sparse_sglang.config import GIB
 
 # Element types of the KV store and page cache; fp8 takes one byte per element.
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes of one element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def check_kv_shape(page_size: int, head_dim: int, dtype: torch.dtype, **counts: int) -> None:

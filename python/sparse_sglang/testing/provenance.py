@@ -1,7 +1,8 @@
-"""What every benchmark result records about where it came from."""
+"""Where a benchmark result came from, and writing it down."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -28,3 +29,11 @@ def git_commit() -> str:
     if head.returncode != 0:
         return "unknown"
     return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def save_result(result: dict, path: str | Path) -> Path:
+    """Write a result document as indented JSON (folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path

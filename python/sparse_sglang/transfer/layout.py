@@ -15,9 +15,9 @@ import math
 
 import torch
 
+from sparse_sglang.config import GIB
 from sparse_sglang.transfer.native import host_ext
 
-GIB = 1 << 30
 
 
 class PinnedMemoryError(RuntimeError):
@@ -91,7 +91,7 @@ def alloc_host_tensor(
     allocator, which rounds up to a power of two). Raises :class:`PinnedMemoryError` naming the size."""
     if not pin:
         return torch.empty(shape, dtype=dtype)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     try:
         buf = host_ext().alloc_pinned(nbytes)
     except RuntimeError as err:

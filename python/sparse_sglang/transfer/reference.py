@@ -23,7 +23,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def random_bits(shape, dtype: torch.dtype, generator: torch.Generator | None = None, device="cpu") -> torch.Tensor:
     """A tensor of ``dtype`` holding random bytes: every bit pattern, NaNs included."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     bits = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), dtype=torch.uint8, generator=generator)
     return bits.to(device).view(dtype)
 
