@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from sparse_sglang.attention import page_mean_abs_deviation
 from sparse_sglang.mem_cache import (
     GPUCacheFull,
     GPUPageCache,
@@ -22,7 +23,7 @@ from sparse_sglang.mem_cache import (
     pages_for_budget,
     slots_for_budget,
 )
-from sparse_sglang.transfer import scatter_tokens_reference
+from sparse_sglang.transfer import gather_blocks_reference, scatter_tokens_reference
 
 GIB = 1 << 30
 FP8 = torch.float8_e4m3fn
@@ -174,6 +175,9 @@ def test_summaries_match_brute_force_over_multi_call_out_of_order_fills(dtype):
         # split over several calls, so pages fill across calls and out of order.
         slots = torch.cat([torch.arange(page_size, 5 * page_size), torch.arange(5 * page_size, 5 * page_size + 3)])
         slots = slots[torch.randperm(slots.numel(), generator=gen)]
+        # A page's offset-0 token starts it (and clears a previous owner's summaries), so it comes
+        # first, as SGLang writes a page's tokens in position order; the others arrive in any order.
+        slots = torch.cat([slots[slots % page_size == 0], slots[slots % page_size != 0]])
         for chunk in torch.split(slots, [1, 5, 2, 6, 5]):
             chunk = torch.cat([chunk, torch.tensor([-1])])  # a padding row, holding NaNs
             k = (torch.randn(chunk.numel(), heads, dim, generator=gen) * 3).to(dtype)
@@ -203,6 +207,27 @@ def test_summaries_match_brute_force_over_multi_call_out_of_order_fills(dtype):
     summ.update(0, k, torch.tensor([2 * page_size + 1, 2 * page_size]))
     ref.write(0, k, torch.tensor([2 * page_size + 1, 2 * page_size]))
     ref.check(summ, 0)
+
+
+def test_summaries_of_a_reused_page_start_over_at_its_offset_0_token():
+    summ = PageSummaries(1, 1, 3, 4, 2, torch.bfloat16)
+    summ.update(0, torch.full((4, 1, 2), 9.0).to(torch.bfloat16), torch.arange(4, 8))  # page 1, old owner
+    k = torch.tensor([[[1.0, -1.0]], [[3.0, 1.0]]]).to(torch.bfloat16)
+    summ.update(0, k, torch.tensor([5, 4]))  # new owner: offsets 1 and 0 (page freed without reset)
+    assert summ.count[0, 1] == 2 and summ.kmax[0, 0, 1].tolist() == [3.0, 1.0] and summ.kmin[0, 0, 1].tolist() == [1.0, -1.0]
+    assert summ.mean[0, 0, 1].tolist() == [2.0, 0.0]
+
+
+def test_arkvale_radius_of_a_page_filled_in_one_call_is_the_mean_abs_deviation():
+    gen = torch.Generator().manual_seed(5)
+    heads, pages, page_size, dim = 2, 4, 8, 16
+    summ = PageSummaries(1, heads, pages, page_size, dim, torch.float16, with_radius=True)
+    k = torch.randn(2 * page_size + 3, heads, dim, generator=gen).to(torch.float16)  # pages 1, 2 full, 3 partial
+    summ.update(0, k, torch.arange(page_size, 3 * page_size + 3))
+    keys = torch.cat([torch.zeros(page_size, heads, dim), k.float()]).transpose(0, 1)  # [H, T, D] from page 0
+    expect = page_mean_abs_deviation(keys, summ.kmin[0], summ.kmax[0], page_size)
+    torch.testing.assert_close(summ.radius[0, :, 1:], expect[:, 1:], rtol=1e-5, atol=1e-5)
+    assert summ.layer(0)["radius"].shape == (heads, pages + 1, dim)
 
 
 def test_fp8_summaries_are_of_dequantized_keys():
@@ -298,64 +323,109 @@ def test_page_table_grows_by_segment_shrinks_and_reports_memory():
 # GPU page cache.
 
 
-def make_cache(slots, reqs=2, layers=2, heads=2, max_pages=16, page_size=4, dim=16, dtype=torch.bfloat16):
-    table = TwoLevelPageTable(reqs, layers, heads, max_pages, 64, segment_pages=4, debug=True)
-    return GPUPageCache(slots, page_size, dim, dtype, table)
+def make_cache(slots, reqs=3, layers=2, heads=2, max_pages=16, page_size=4, dim=16, dtype=torch.bfloat16, width=4):
+    return GPUPageCache(slots, layers, heads, page_size, dim, dtype, max_requests=reqs, row_width=width,
+                        max_pages=max_pages, total_pages=2 * max_pages)  # fmt: skip
 
 
-def test_gpu_cache_write_allocate_fills_free_slots_then_evicts_lru_and_invalidates():
-    cache = make_cache(6)
-    table = cache.page_table
-    cache.resize_request(0, 4)
-    first = cache.write_allocate(0, torch.tensor([0]), torch.tensor([0]))  # step 0: page 0, 2 heads
-    assert first.shape == (1, 2) and cache.num_free == 4
-    cache.next_step()
-    second = cache.write_allocate(0, torch.tensor([0, 0]), torch.tensor([1, 2]))  # step 1
-    assert cache.num_free == 0 and len(set(torch.cat([first, second]).view(-1).tolist())) == 6
-    assert cache.owner[second[1, 0]].tolist() == [0, 0, 0, 2]
-    cache.next_step()
-    cache.touch(torch.cat([first.view(-1), second[1], torch.tensor([-1])]))  # step 2: pages 0, 2 hit; padding
-    third = cache.write_allocate(0, torch.tensor([0]), torch.tensor([3]))  # evicts page 1 (step 1)
-    assert sorted(third.view(-1).tolist()) == sorted(second[0].tolist())
-    assert table.lookup(0, 0, torch.arange(2), 1).tolist() == [-1, -1]  # invalidated
-    assert torch.equal(table.lookup(0, 0, torch.arange(2), 3), third[0].int())
-    assert torch.equal(table.lookup(0, 0, torch.arange(2), 0), first[0].int())
-    # Everything left was used in step 2: nothing may be evicted, and nothing changes.
-    with pytest.raises(GPUCacheFull, match="unused in this step"):
-        cache.admit(0, 1, 0, 0)
-    assert cache.num_free == 0 and (cache.owner[:, 0] == 0).all()
-    # Shrinking frees the dropped pages' slots; finishing frees the rest.
-    cache.resize_request(0, 3)
-    assert cache.num_free == 2 and table.lookup(0, 0, 0, 3).item() == -1
-    cache.free_request(0)
-    assert cache.num_free == 6 and (cache.owner == -1).all() and (cache.last_used == -1).all()
-    assert table.segments_in_use == 0
-    with pytest.raises(IndexError, match="resize the request first"):
-        cache.admit(1, 0, 0, 0)  # request slot 1 has no pages yet
-    assert cache.num_free == 6 and (cache.owner == -1).all()
+def test_gpu_cache_rows_open_close_and_refuse_when_full():
+    cache = make_cache(2 * 2 * 4 * 2 + 3)  # room for two rows of 16 slots
+    assert cache.row_slots == 16 and cache.max_open_requests == 2
+    cache.open_request(1, 5)
+    cache.open_request(2)
+    with pytest.raises(GPUCacheFull, match="needs 16 slots, 3 of 35 are free"):
+        cache.open_request(0)
+    with pytest.raises(ValueError, match="already has a row"):
+        cache.open_request(1)
+    rows = cache.rows[[1, 2]]
+    assert len(set(rows.view(-1).tolist())) == 32 and (cache.rows[0] == -1).all()
+    assert cache.write_allocate(1, 0, 6) == 4  # the row holds 4 pages per layer and head
+    assert cache.write_allocate(1, 4, 1) == 0
+    assert torch.equal(cache.page_table.lookup(1, 1, 1, torch.arange(5)), torch.cat([rows[0, 1, 1], torch.tensor([-1])]).int())
+    cache.close_request(1)
+    assert cache.num_free == 19 and (cache.rows[1] == -1).all() and (cache.slot_page == -1).all()
+    assert cache.page_table.segments_in_use == 0  # request 2 holds no pages yet
+    cache.open_request(0, 3)
+    assert cache.page_table.lookup(0, 0, 0, torch.arange(3)).tolist() == [-1, -1, -1]
+
+
+def host_with_pages(layers, heads, pages, page_size, dim, dtype, gen):
+    host = HostKVPool(layers, heads, pages, page_size, dim, dtype, pin=False)
+    host.k.view(torch.uint8).copy_(torch.randint(0, 256, host.k.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))
+    host.v.view(torch.uint8).copy_(torch.randint(0, 256, host.v.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))
+    return host
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
+def test_gpu_cache_retrieve_loads_misses_into_lru_victims_like_a_per_row_lru(dtype):
+    """Random selections over many steps: every returned slot holds the selected page's host
+    block, and the loads are exactly the misses of a per-(request, layer, head) LRU model. The
+    rows are padded to the selection width with -1."""
+    gen = torch.Generator().manual_seed(7)
+    rng = random.Random(7)
+    layers, heads, page_size, dim, width, k_sel = 2, 2, 4, 16, 5, 3
+    cache = make_cache(64, layers=layers, heads=heads, dtype=dtype, width=width)
+    host = host_with_pages(layers, heads, 40, page_size, dim, dtype, gen)
+    host_pages = torch.tensor([[3 + i for i in range(12)], [20 + i for i in range(12)]])  # [B, N]
+    req_slots = torch.tensor([2, 0])
+    for r in req_slots.tolist():
+        cache.open_request(r, 12)
+    loads = []
+
+    def load(src, dst):
+        loads.append(int((dst >= 0).sum()))
+        gather_blocks_reference(host.k, host.v, cache.k, cache.v, src, dst)
+
+    model = {(b, l, h): [] for b in range(2) for l in range(layers) for h in range(heads)}  # LRU lists
+    for _ in range(40):
+        cache.next_step()
+        for layer in range(layers):
+            page_ids = torch.full((2, heads, k_sel), -1)
+            expected_misses = 0
+            for b in range(2):
+                for h in range(heads):
+                    # One page per row and step keeps the LRU order total (no ties to break).
+                    chosen = [rng.randrange(12)]
+                    page_ids[b, h, : len(chosen)] = torch.tensor(chosen)
+                    lru = model[b, layer, h]
+                    missing = [p for p in chosen if p not in lru]
+                    expected_misses += len(missing)
+                    hits = [p for p in lru if p in chosen]
+                    kept = [p for p in lru if p not in chosen][len(missing) - (width - len(lru)) if len(lru) + len(missing) > width else 0:]
+                    model[b, layer, h] = kept + hits + missing
+            slots = cache.retrieve(layer, req_slots, page_ids, host_pages, load, host.num_pages)
+            assert loads.pop() == expected_misses
+            assert torch.equal(slots < 0, page_ids < 0)
+            for b, h, j in (page_ids >= 0).nonzero().tolist():
+                page = host_pages[b, page_ids[b, h, j]]
+                assert torch.equal(cache.k[slots[b, h, j]].view(torch.uint8), host.k[layer, h, page].view(torch.uint8))
+                assert torch.equal(cache.v[slots[b, h, j]].view(torch.uint8), host.v[layer, h, page].view(torch.uint8))
+                assert slots[b, h, j] in cache.rows[req_slots[b], layer, h]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 def test_gpu_cache_write_allocate_holds_every_token_like_the_host_store(dtype):
-    """Prefill then decode with a cache big enough for everything: each page's block in the cache
-    equals its host block, so attention never needs the host."""
+    """Prefill then decode with rows wide enough for every page: each page's block in the cache
+    equals its host block, so a decode step selecting every page loads nothing from the host."""
     gen = torch.Generator().manual_seed(5)
     layers, heads, page_size, dim = 2, 2, 4, 16
-    cache = make_cache(64, layers=layers, heads=heads, dtype=dtype)
+    cache = make_cache(64, layers=layers, heads=heads, dtype=dtype, width=4)
     host = HostKVPool(layers, heads, 16, page_size, dim, dtype, pin=False)
     lengths = {0: 9, 1: 4}  # prompt tokens of request slots 0 and 1
     host_pages = torch.stack([host.allocator.alloc_for_request(r, 4) for r in lengths])  # [request slot, page]
+    for r in lengths:
+        cache.open_request(r)
 
     def run(positions_by_req):
+        for r, ps in positions_by_req.items():  # the scheduler's side: pages started now
+            first, last = ps[0] // page_size + (ps[0] % page_size > 0), ps[-1] // page_size
+            cache.resize_request(r, last + 1)
+            cache.write_allocate(r, first, last - first + 1)
         reqs = torch.tensor([r for r, ps in positions_by_req.items() for _ in ps] + [-1])  # one padding token
         pos = torch.tensor([p for ps in positions_by_req.values() for p in ps] + [-1])
-        new = (pos % page_size == 0) & (pos >= 0)  # pages started now: the scheduler knows them
-        for r, ps in positions_by_req.items():
-            cache.resize_request(r, ps[-1] // page_size + 1)
         host_page = host_pages[reqs.clamp_min(0), pos.clamp_min(0) // page_size]
         slots = torch.where(pos >= 0, host_page * page_size + pos % page_size, -1)
         for layer in range(layers):
-            cache.write_allocate(layer, reqs[new], pos[new] // page_size)
             k, v = (torch.randn(pos.numel(), heads, dim, generator=gen).to(dtype) for _ in range(2))
             cache.store(layer, reqs, pos, k, v)
             scatter_tokens_reference(host.k, host.v, layer, k, v, slots)
@@ -364,7 +434,6 @@ def test_gpu_cache_write_allocate_holds_every_token_like_the_host_store(dtype):
     for _ in range(6):  # decode
         run({r: [lengths[r]] for r in lengths})
         lengths = {r: n + 1 for r, n in lengths.items()}
-    assert cache.num_free == 64 - layers * heads * (4 + 3)
     for r, n in lengths.items():
         for layer in range(layers):
             for lp in range(math.ceil(n / page_size)):
@@ -374,6 +443,12 @@ def test_gpu_cache_write_allocate_holds_every_token_like_the_host_store(dtype):
                 for gpu, store in ((cache.k, host.k), (cache.v, host.v)):
                     want = store[layer, :, page, :filled].view(torch.uint8)
                     assert torch.equal(gpu[slots.long(), :filled].view(torch.uint8), want)
+    every = torch.tensor([[0, 1, 2, 3], [0, 1, 2, -1]]).view(2, 1, 4).expand(2, heads, 4)  # 15 and 10 tokens
+    loads = []
+    slots = cache.retrieve(1, torch.tensor([0, 1]), every, host_pages, lambda s, d: loads.append(d), 16)
+    assert (loads[0] < 0).all()  # all hits
+    want = cache.page_table.lookup(torch.tensor([0, 1]).view(2, 1, 1), 1, torch.arange(heads).view(1, -1, 1), every)
+    assert torch.equal(slots, want.long())
 
 
 def test_slots_for_budget():
@@ -383,5 +458,4 @@ def test_slots_for_budget():
         slots_for_budget(1e-6, 32, 128, torch.bfloat16)
     with pytest.raises(ValueError, match="power of two"):
         slots_for_budget(1, 24, 128, torch.bfloat16)
-    cache = GPUPageCache.from_budget(64 * 2 * 4 * 16 * 2 / GIB, 4, 16, torch.bfloat16, make_cache(1).page_table)
-    assert cache.k.shape == (64, 4, 16) and cache.k.is_contiguous()
+    assert slots_for_budget(64 * 2 * 4 * 16 * 2 / GIB, 4, 16, torch.bfloat16) == 64

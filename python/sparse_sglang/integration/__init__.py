@@ -30,8 +30,11 @@ def install() -> None:
         register_sparse_attention_backend,
     )
 
+    from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
+
     add_sparse_backend_choice()
     register_sparse_attention_backend()
+    patch_alloc_memory_pool()
     _installed = True
     logger.info("sparse-sglang installed into SGLang (%d hooks)", len(HOOKS))
 

@@ -1,22 +1,36 @@
 """The ``sparse`` attention backend, as SGLang sees it.
 
-SGLang builds attention backends by name from ``ATTENTION_BACKENDS``. We add
-``sparse``: a FlashInfer backend whose prefill stays dense FlashInfer and whose
-decode is where sparse attention over the per-head KV hierarchy plugs in. Until
-that lands it delegates decode to FlashInfer unchanged (a passthrough), which
-the serving benchmark holds to within 3% of vanilla SGLang.
+SGLang builds attention backends by name from ``ATTENTION_BACKENDS``. We add ``sparse``: a
+FlashInfer backend whose
+
+- **prefill** stays dense FlashInfer: new tokens attend to each other with the ragged kernel and
+  to a cached prefix through :class:`~sparse_sglang.attention.prefix.PrefixAttention` (staged
+  from the host); the new KV is saved to the host store, the summaries and the page cache;
+- **decode** runs :class:`~sparse_sglang.attention.sparse_decode.SparseDecoder`: score pages,
+  keep the top pages within the token budget per (request, kv head), load misses with FlashH2D,
+  FlashInfer paged decode over the selected pages.
+
+Per forward, :meth:`SparseAttnBackend.init_forward_metadata` does the host-side work (request
+rows of the page cache, write-allocation of new pages, the FlashInfer plans); the per-layer work
+runs on the device only.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
+import torch
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
+from sparse_sglang.attention.prefix import PrefixAttention
+from sparse_sglang.attention.sparse_decode import SparseDecoder, host_page_table
 from sparse_sglang.integration.registry import relies_on
 
 if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -29,12 +43,124 @@ BACKEND_NAME = "sparse"
     at="sglang/srt/layers/attention/flashinfer_backend.py:288",
 )
 class SparseAttnBackend(FlashInferAttnBackend):
-    """Dense FlashInfer prefill; decode over the selected KV pages (passthrough for now)."""
+    """Dense FlashInfer prefill over the host-resident KV; sparse decode over selected pages."""
 
     def __init__(self, model_runner: ModelRunner, init_new_workspace: bool = False):
         super().__init__(model_runner, init_new_workspace=init_new_workspace)
         self.sparse_config = model_runner.server_args.sparse
+        self.kv_pool = model_runner.token_to_kv_pool
+        self.store = self.kv_pool.store
+        self.req_generation = model_runner.req_to_token_pool.req_generation  # bumps when a slot gets a new request
+        self.row_generation: dict[int, int] = {}  # request slot -> generation its cache row belongs to
+        self.num_q_heads = self.num_qo_heads_per_rank(model_runner)
+        max_batch = model_runner.req_to_token_pool.size + 1
+        self.decoder = SparseDecoder(self.store, self.sparse_config, self.num_q_heads, self.workspace_buffer, max_batch)
+        self.prefix = PrefixAttention(self.store, self.num_q_heads, self.workspace_buffer, model_runner.model_config.context_len)
         logger.info("sparse attention backend: %s", self.sparse_config)
+
+    @staticmethod
+    def num_qo_heads_per_rank(model_runner: ModelRunner) -> int:
+        from sglang.srt.runtime_context import get_parallel
+
+        return model_runner.model_config.num_attention_heads // get_parallel().attn_tp_size
+
+    # Per forward, on the host.
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch):
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            return super().init_forward_metadata(forward_batch)
+        self.store.wait_saves()  # earlier prefill saves land before any host read below
+        if mode.is_decode():
+            self._begin_decode(forward_batch)
+        elif mode.is_extend() and not mode.is_target_verify() and not mode.is_mixed():
+            super().init_forward_metadata(forward_batch)  # plans the ragged (new tokens) prefill
+            if not self.forward_metadata.use_ragged:
+                raise RuntimeError("the sparse backend needs FlashInfer's ragged prefill (unset SGLANG_FLASHINFER_USE_PAGED, "
+                                   "deterministic inference and multimodal inputs)")  # fmt: skip
+            self._begin_extend(forward_batch)
+        else:
+            raise NotImplementedError(f"the sparse backend does not run {mode} batches (speculative decoding, "
+                                      "mixed chunks); turn those options off")  # fmt: skip
+
+    def _open_rows(self, req_slots: list[int]) -> None:
+        """Give each request its page-cache row; a slot holding a new request drops the old row."""
+        cache = self.store.cache
+        for slot in req_slots:
+            generation = int(self.req_generation[slot])
+            if self.row_generation.get(slot) != generation:
+                if cache.is_open(slot):
+                    cache.close_request(slot)
+                cache.open_request(slot)
+                self.row_generation[slot] = generation
+
+    def _begin_extend(self, fb: ForwardBatch) -> None:
+        page = self.store.shape.page_size
+        cache = self.store.cache
+        slots = fb.req_pool_indices.tolist()
+        self._open_rows(slots)
+        for slot, prefix, new in zip(slots, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+            first, end = math.ceil(prefix / page), math.ceil((prefix + new) / page)
+            cache.resize_request(slot, end)
+            cache.write_allocate(slot, first, end - first)  # new pages go to free row slots while any are left
+        req_per_token = torch.repeat_interleave(fb.req_pool_indices, fb.extend_seq_lens, output_size=sum(fb.extend_seq_lens_cpu))
+        self.store.bind_tokens(req_per_token, fb.positions)
+        self.prefix.plan(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu,
+                         fb.extend_seq_lens_cpu)  # fmt: skip
+
+    def _begin_decode(self, fb: ForwardBatch) -> None:
+        page = self.store.shape.page_size
+        cache = self.store.cache
+        slots = fb.req_pool_indices.tolist()
+        seq_lens = fb.seq_lens_cpu.tolist()
+        self._open_rows(slots)  # normally open since their prefill; a no-op then
+        cache.next_step()
+        for slot, length in zip(slots, seq_lens):
+            pages = math.ceil(length / page)
+            cache.resize_request(slot, pages)
+            if (length - 1) % page == 0:  # this token starts a page
+                cache.write_allocate(slot, pages - 1, 1)
+        host_pages = host_page_table(self.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                                     math.ceil(max(seq_lens) / page), page)  # fmt: skip
+        self.decoder.plan(fb.req_pool_indices, fb.seq_lens_cpu, host_pages)
+        self.store.bind_tokens(fb.req_pool_indices, fb.seq_lens - 1)
+
+    # Per layer, on the device.
+
+    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
+        heads, dim = layer.tp_q_head_num, layer.head_dim
+        q3 = q.contiguous().view(-1, heads, dim)
+        k3, v3 = k.view(-1, layer.tp_k_head_num, dim), v.view(-1, layer.tp_v_head_num, dim)
+        cap = layer.logit_cap or None
+        if not self.prefix.active:
+            o = self.prefill_wrapper_ragged.forward(q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap)
+        else:
+            o_new, lse_new = self.prefill_wrapper_ragged.forward_return_lse(
+                q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap
+            )
+            o_prefix, lse_prefix = self.prefix.run(layer.layer_id - self.kv_pool.start_layer, q3, layer.scaling, cap)
+            o = merge_attention_states(o_new, lse_new, o_prefix, lse_prefix)
+        if save_kv_cache:
+            self.kv_pool.save(layer.layer_id, forward_batch.out_cache_loc, k3, v3, staged=True,
+                              k_scale=layer.k_scale_float, v_scale=layer.v_scale_float)  # fmt: skip
+        return o.view(-1, heads * dim)
+
+    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
+        heads, dim = layer.tp_q_head_num, layer.head_dim
+        if save_kv_cache and k is not None:
+            self.kv_pool.save(layer.layer_id, forward_batch.out_cache_loc, k, v, staged=False,
+                              k_scale=layer.k_scale_float, v_scale=layer.v_scale_float)  # fmt: skip
+        o = self.decoder.run(layer.layer_id - self.kv_pool.start_layer, q.contiguous().view(-1, heads, dim),
+                             layer.scaling, layer.logit_cap)  # fmt: skip
+        return o.view(-1, heads * dim)
+
+
+def merge_attention_states(o_a, lse_a, o_b, lse_b) -> torch.Tensor:
+    """Attention over two disjoint key sets, from each half's output ``[T, H, D]`` and
+    log-sum-exp ``[T, H]`` (FlashInfer's merge; a half with no keys has ``lse = -inf``)."""
+    import flashinfer
+
+    return flashinfer.merge_state(o_a, lse_a, o_b, lse_b)[0]
 
 
 @relies_on(

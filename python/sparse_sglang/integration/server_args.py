@@ -52,7 +52,27 @@ class SparseServerArgs(ServerArgs):
                     )
             if self.attention_backend is None:
                 self.attention_backend = BACKEND_NAME
+            self._sparse_overrides()
         super().__post_init__()
+
+    def _sparse_overrides(self) -> None:
+        """SGLang settings the sparse path needs, set before SGLang resolves its own defaults."""
+        page = self.sparse.page_size
+        if self.page_size not in (None, page):
+            raise ValueError(f"--page-size {self.page_size}: with sparse decode SGLang's page is the KV page; "
+                             f"set --sparse-page-size {self.page_size} instead (or leave --page-size out)")  # fmt: skip
+        for flag, on in (("--enable-mixed-chunk", self.enable_mixed_chunk),
+                         ("--speculative-algorithm", self.speculative_algorithm is not None)):  # fmt: skip
+            if on:
+                raise ValueError(f"{flag} is not supported with sparse decode (add --sparse-enabled false)")
+        self.page_size = page
+        # One batch at a time: the backend's host-side bookkeeping (cache rows, plans) and the
+        # waits for saved prefill KV follow the forwards in order.
+        self.disable_overlap_schedule = True
+        # Prefill saves KV through host threads (FlashD2H), which a CUDA graph cannot replay; decode
+        # runs eagerly for now (its per-layer step is graph-safe: no host syncs, fixed shapes).
+        self.disable_prefill_cuda_graph = True
+        self.disable_decode_cuda_graph = True
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

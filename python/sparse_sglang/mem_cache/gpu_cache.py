@@ -1,198 +1,202 @@
-"""The GPU page cache: slots holding (layer, kv head, page) KV blocks, allocated from a free-slot
-stack and reclaimed by LRU eviction, mapped through a :class:`TwoLevelPageTable`.
+"""The GPU page cache: per-head KV slots in HBM, handed to running requests in rows.
 
-The host store holds every token (FlashD2H writes all new KV there), so the cache is
-write-through: new pages are write-allocated into slots (with a big enough cache a decode step
-never reads the host), tokens of a page that is not cached just skip the GPU copy, and an evicted
-block needs no write-back.
+Every running request owns a *row* of ``row_width`` slots in each (layer, kv head), taken from
+the shared slot pool when it starts and returned when it ends. A :class:`TwoLevelPageTable` maps
+(request slot, layer, kv head, logical page) to the slot holding that page, or -1 when the page
+is only on the host. Rows make the decode path free of host synchronization: a step selects at
+most ``budget_pages <= row_width`` pages per (request, layer, head), so the misses always fit in
+the row's slots that hold no selected page, and choosing them (least recently used first) is a
+per-row sort on the device.
+
+The host store holds every token (the save path writes all new KV there), so the cache is
+write-through: new pages are *write-allocated* into a row's free slots while it has some (a
+request whose pages all fit never reads the host), tokens of uncached pages just skip the GPU
+copy, and an evicted block needs no write-back.
 
 Where the work happens
 ----------------------
-- ``store`` and ``touch`` are device ops without host synchronization (CUDA-graph safe).
-- ``admit``/``write_allocate`` take a host-known number of blocks (from the scheduler's lengths,
-  or a miss count): the free stack's count lives on the host, so popping needs no sync; when it
-  must evict, choosing victims is a device ``topk`` and one host sync checks that enough blocks
-  not used in this step exist.
-- ``resize_request`` (shrink/finish) finds the request's slots with ``nonzero`` (a host sync);
-  the scheduler calls it between steps.
+- ``open_request``/``close_request``/``resize_request``/``write_allocate`` run on the host
+  between steps (the scheduler knows request lengths): free-slot bookkeeping is CPU-side.
+- ``store`` and ``retrieve`` are device ops with fixed shapes and no host synchronization, so a
+  decode step can run inside a CUDA graph.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from sparse_sglang.mem_cache.page_table import TwoLevelPageTable
 from sparse_sglang.mem_cache.utils import FreeStack, check_kv_shape, units_for_budget
 
-NEVER = torch.iinfo(torch.int64).max  # eviction priority of slots that must not be evicted
-
 
 class GPUCacheFull(RuntimeError):
-    """Every cached block was used in this step: no slot can be freed for new blocks."""
+    """The slot pool has no room for another request's row."""
+
+
+def slot_bytes(page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one slot: the K and V block of one (layer, kv head, page)."""
+    return 2 * page_size * head_dim * dtype.itemsize
 
 
 def slots_for_budget(gb: float, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
     """Slots (one K and one V block of ``page_size x head_dim``) that fit in ``gb`` GiB."""
     check_kv_shape(page_size, head_dim, dtype)
     what = f"GPU page cache budget (one slot = K+V of {page_size} tokens x {head_dim} dims, {dtype})"
-    return units_for_budget(gb, 2 * page_size * head_dim * dtype.itemsize, 1, what)
+    return units_for_budget(gb, slot_bytes(page_size, head_dim, dtype), 1, what)
 
 
 class GPUPageCache:
-    """Slot pool for KV blocks with write-allocate and LRU eviction.
+    """Slot pool, request rows, page table, and the device-side hit/miss/evict path.
 
     Parameters
     ----------
-    num_slots, page_size, head_dim : int
+    num_slots : int
+        Slots in the pool (rows of ``num_layers * num_kv_heads * row_width`` are carved from it).
+    num_layers, num_kv_heads, page_size, head_dim : int
     dtype : torch.dtype
         KV dtype (matches the host store).
-    page_table : TwoLevelPageTable
-        Updated on admission and invalidated on eviction; on the same device.
+    max_requests : int
+        Request slots (SGLang's ``req_pool_idx`` range, padding row 0 included).
+    row_width : int
+        Slots per (request, layer, kv head); at least the pages one decode step selects.
+    max_pages : int
+        Most logical pages one request may have (sizes the page table's directory).
+    total_pages : int
+        Most logical pages all requests hold together (sizes the page table's segment pool).
+    device : torch.device or str
 
     Attributes
     ----------
     k, v : torch.Tensor
-        ``[num_slots, page_size, head_dim]`` (contiguous views; FlashH2D's destination).
-    owner : torch.Tensor
-        ``[num_slots, 4]`` int64: the (request slot, layer, head, logical page) a slot holds, -1 if free.
+        ``[num_slots, page_size, head_dim]`` (views; FlashH2D's and FlashInfer's paged KV).
+    rows : torch.Tensor
+        ``[max_requests, num_layers, num_kv_heads, row_width]`` int64 slots of each open request.
+    slot_page : torch.Tensor
+        ``[num_slots + 1]`` int64 logical page a slot holds, -1 if none (entry ``num_slots`` is
+        the scratch slot that padded writes land in).
     last_used : torch.Tensor
-        ``[num_slots]`` int64: the last step that admitted or touched the slot, -1 if free.
+        ``[num_slots + 1]`` int64 step that last read or filled the slot, -1 if empty.
     step : torch.Tensor
-        0-dim int64 step counter on the device (see :meth:`next_step`).
+        0-dim int64 decode step counter on the device (:meth:`next_step`).
     """
 
     def __init__(
-        self, num_slots: int, page_size: int, head_dim: int, dtype: torch.dtype, page_table: TwoLevelPageTable,
+        self, num_slots: int, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int,
+        dtype: torch.dtype, *, max_requests: int, row_width: int, max_pages: int, total_pages: int,
+        device: torch.device | str = "cpu", segment_pages: int = 128,
     ):
-        check_kv_shape(page_size, head_dim, dtype, num_slots=num_slots)
-        device = page_table.directory.device
-        self.num_slots, self.page_size, self.page_table = num_slots, page_size, page_table
-        # Row num_slots is a scratch block: padded token writes and touches land there.
+        check_kv_shape(page_size, head_dim, dtype, num_slots=num_slots, num_layers=num_layers,
+                       num_kv_heads=num_kv_heads, max_requests=max_requests, row_width=row_width)  # fmt: skip
+        self.num_slots, self.num_layers, self.num_kv_heads = num_slots, num_layers, num_kv_heads
+        self.page_size, self.row_width = page_size, row_width
+        segment_pages = min(segment_pages, max_pages)
+        self.page_table = TwoLevelPageTable(
+            max_requests, num_layers, num_kv_heads, max_pages,
+            TwoLevelPageTable.segments_needed(num_layers, num_kv_heads, total_pages, max_requests, segment_pages),
+            segment_pages, device,
+        )  # fmt: skip
+        # Row num_slots is the scratch block: padded token writes land there.
         self._k = torch.zeros(num_slots + 1, page_size, head_dim, dtype=dtype, device=device)
         self._v = torch.zeros_like(self._k)
         self.k, self.v = self._k[:num_slots], self._v[:num_slots]
-        self._last_used = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
-        self.last_used = self._last_used[:num_slots]
-        self.owner = torch.full((num_slots, 4), -1, dtype=torch.int64, device=device)
+        self.rows = torch.full((max_requests, num_layers, num_kv_heads, row_width), -1, dtype=torch.int64, device=device)
+        self.slot_page = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
+        self.last_used = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
         self.step = torch.zeros((), dtype=torch.int64, device=device)
-        self._free = FreeStack(torch.arange(num_slots, device=device))
+        self._heads = torch.arange(num_kv_heads, device=device)
+        self._layers = torch.arange(num_layers, device=device)
+        # Host side: free slots, and per open request its row (CPU copy) and write-allocated count.
+        self._free = FreeStack(torch.arange(num_slots))
+        self._row_slots: dict[int, torch.Tensor] = {}
+        self._filled: dict[int, int] = {}
 
-    @classmethod
-    def from_budget(
-        cls, gpu_cache_gb: float, page_size: int, head_dim: int, dtype: torch.dtype, page_table: TwoLevelPageTable,
-    ) -> GPUPageCache:
-        return cls(slots_for_budget(gpu_cache_gb, page_size, head_dim, dtype), page_size, head_dim, dtype, page_table)
+    @property
+    def row_slots(self) -> int:
+        """Slots one request's row takes in all layers and heads."""
+        return self.num_layers * self.num_kv_heads * self.row_width
+
+    @property
+    def max_open_requests(self) -> int:
+        return self.num_slots // self.row_slots
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    def is_open(self, req_slot: int) -> bool:
+        return req_slot in self._row_slots
+
     def next_step(self) -> None:
         """Advance the step counter (once per decode step, on the device)."""
         self.step += 1
 
-    def _scratch(self, slots: torch.Tensor) -> torch.Tensor:
-        """``slots`` as int64 with padding (-1) redirected to the scratch row."""
-        slots = slots.long()
-        return torch.where(slots < 0, self.num_slots, slots)
+    # Host side: rows and page-table sizes, between steps.
 
-    def touch(self, slots: torch.Tensor) -> None:
-        """Mark ``slots`` (any shape, -1 = padding) as used in this step."""
-        self._last_used[self._scratch(slots)] = self.step
-
-    # Allocation and eviction.
-
-    def alloc(self, n: int) -> torch.Tensor:
-        """``n`` unmapped slots (``[n]`` int64): free ones first, then LRU victims.
+    def open_request(self, req_slot: int, num_pages: int = 0) -> None:
+        """Give request slot ``req_slot`` its row and a page table of ``num_pages`` pages.
 
         Raises
         ------
         GPUCacheFull
-            When fewer than ``n`` slots are free or evictable; nothing changes then.
+            When fewer than a row's slots are free (nothing changes then).
         """
-        take = min(n, self.num_free)
-        victims = self._evict(n - take)
-        return torch.cat([self._free.pop(take), victims])
-
-    def select_victims(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eviction policy hook: the ``n`` least recently used mapped slots, and their priorities
-        (``NEVER`` for a slot that may not be evicted: free, or used in this step)."""
-        evictable = (self.owner[:, 0] >= 0) & (self.last_used < self.step)
-        priority = torch.where(evictable, self.last_used, NEVER)
-        victims = torch.topk(priority, n, largest=False, sorted=False).indices
-        return victims, priority[victims]
-
-    def _evict(self, n: int) -> torch.Tensor:
-        """Unmap ``n`` victims (invalidating their page table entries) and return their slots."""
-        if n == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.owner.device)
-        if n > self.num_slots:
-            raise GPUCacheFull(f"GPU page cache: {n} blocks requested beyond the free ones, {self.num_slots} slots in all")
-        victims, priority = self.select_victims(n)
-        if (priority == NEVER).any():  # the one host sync of the eviction path
+        if self.is_open(req_slot):
+            raise ValueError(f"request slot {req_slot} already has a row (close it first)")
+        if self.row_slots > self.num_free:
             raise GPUCacheFull(
-                f"GPU page cache full: {n} blocks to evict but fewer mapped blocks are unused in this step "
-                f"({self.num_slots} slots); lower the batch size or raise --sparse-gpu-cache-gb"
+                f"GPU page cache full: a request needs {self.row_slots} slots, {self.num_free} of "
+                f"{self.num_slots} are free; raise --sparse-gpu-cache-gb or lower --max-running-requests"
             )
-        self.page_table.invalidate(*self.owner[victims].unbind(1))
-        self.owner[victims] = -1
-        self._last_used[victims] = -1
-        return victims
+        self.page_table.resize(req_slot, num_pages)
+        slots = self._free.pop(self.row_slots)
+        self._row_slots[req_slot] = slots
+        self._filled[req_slot] = 0
+        self.rows[req_slot] = slots.view(self.num_layers, self.num_kv_heads, self.row_width).to(self.rows.device)
 
-    def _release(self, slots: torch.Tensor) -> None:
-        """Unmap ``slots`` (owned, distinct) and return them to the free stack."""
-        self.page_table.invalidate(*self.owner[slots].unbind(1))
-        self.owner[slots] = -1
-        self._last_used[slots] = -1
+    def close_request(self, req_slot: int) -> None:
+        """Return the row of ``req_slot`` (finish, abort, or the slot's reuse) and drop its table."""
+        slots = self._row_slots.pop(req_slot)
+        del self._filled[req_slot]
+        self.page_table.release(req_slot)
+        dev = self.slot_page.device
+        self.slot_page[slots.to(dev)] = -1
+        self.last_used[slots.to(dev)] = -1
+        self.rows[req_slot] = -1
         self._free.push(slots)
 
-    def admit(self, req_slots, layer, heads, logical_pages) -> torch.Tensor:
-        """Allocate a slot for each (request slot, layer, head, logical page) and map it.
-
-        Parameters
-        ----------
-        req_slots, layer, heads, logical_pages : int or torch.Tensor
-            Broadcast to one shape ``[...]`` of distinct, currently unmapped blocks (no padding);
-            the request's page table must cover the pages (``resize_request``).
-
-        Returns
-        -------
-        torch.Tensor
-            ``[...]`` int64 slots, marked used in this step. The caller fills them: FlashH2D for
-            blocks loaded from the host, :meth:`store` for new tokens.
-        """
-        dev = self.owner.device
-        coords = torch.broadcast_tensors(
-            *(torch.as_tensor(x, device=dev).long() for x in (req_slots, layer, heads, logical_pages))
-        )
-        slots = self.alloc(coords[0].numel()).view(coords[0].shape)
-        try:
-            self.page_table.assign(*coords, slots)
-        except IndexError:  # a page beyond the request's size (debug tables check): give the slots back
-            self._free.push(slots.view(-1))
-            raise
-        self.owner[slots] = torch.stack(coords, dim=-1)
-        self._last_used[slots] = self.step
-        return slots
-
-    def write_allocate(self, layer: int, req_slots: torch.Tensor, logical_pages: torch.Tensor) -> torch.Tensor:
-        """Admit new pages ``[n]`` of ``req_slots`` ``[n]`` in every kv head of ``layer``; returns
-        slots ``[n, num_kv_heads]`` (the scheduler knows ``n``: the pages its requests start now)."""
-        heads = torch.arange(self.page_table.num_kv_heads, device=self.owner.device)
-        return self.admit(req_slots.reshape(-1, 1), layer, heads, logical_pages.reshape(-1, 1))
-
     def resize_request(self, req_slot: int, num_pages: int) -> None:
-        """Set a request's logical page count: free the slots of its pages ``>= num_pages`` (host
-        sync), then resize its page table. ``num_pages=0`` on finish or abort."""
-        drop = (self.owner[:, 0] == req_slot) & (self.owner[:, 3] >= num_pages)
-        self._release(drop.nonzero().squeeze(1))
-        self.page_table.resize(req_slot, num_pages)
+        """Let request ``req_slot`` hold ``num_pages`` logical pages (grow only: a request's pages
+        are dropped all at once by :meth:`close_request`)."""
+        if num_pages > self.page_table.num_pages[req_slot]:
+            self.page_table.resize(req_slot, num_pages)
 
-    def free_request(self, req_slot: int) -> None:
-        """``resize_request(req_slot, 0)``."""
-        self.resize_request(req_slot, 0)
+    def write_allocate(self, req_slot: int, first_page: int, num_pages: int) -> int:
+        """Map new pages ``[first_page, first_page + n)`` of ``req_slot`` to free slots of its row
+        in every layer and head, ``n = min(num_pages, free columns)``; returns ``n``.
 
-    # Data.
+        Called when a request creates pages (prefill, or a decode step starting a page), before
+        their tokens are stored, so :meth:`store` writes them into the cache as well."""
+        filled = self._filled[req_slot]
+        n = max(0, min(num_pages, self.row_width - filled))
+        if n == 0:
+            return 0
+        dev = self.rows.device
+        pages = torch.arange(first_page, first_page + n, device=dev)
+        slots = self.rows[req_slot, :, :, filled : filled + n]  # [L, H, n]
+        self.page_table.assign(req_slot, self._layers.view(-1, 1, 1), self._heads.view(1, -1, 1), pages.view(1, 1, -1), slots)
+        self.slot_page[slots] = pages.view(1, 1, -1).expand_as(slots)
+        self.last_used[slots] = self.step
+        self._filled[req_slot] = filled + n
+        return n
+
+    # Device side: token writes and the decode read path.
+
+    def _scratch(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` as int64 with padding (-1) redirected to the scratch slot."""
+        slots = slots.long()
+        return torch.where(slots < 0, self.num_slots, slots)
 
     def store(self, layer: int, req_slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens into the cached blocks of their pages (write-through: uncached pages
@@ -206,10 +210,66 @@ class GPUPageCache:
         k, v : torch.Tensor
             ``[T, num_kv_heads, head_dim]`` of the cache dtype.
         """
-        heads = torch.arange(k.shape[1], device=k.device)
         pages = torch.where(positions >= 0, positions // self.page_size, -1)
-        slots = self.page_table.lookup(req_slots[:, None], layer, heads[None], pages[:, None])  # [T, H]
+        slots = self.page_table.lookup(req_slots[:, None], layer, self._heads[None], pages[:, None])  # [T, H]
         slots = self._scratch(slots)
         offsets = (positions % self.page_size)[:, None].expand_as(slots)
         self._k[slots, offsets] = k
         self._v[slots, offsets] = v
+
+    def retrieve(
+        self, layer: int, req_slots: torch.Tensor, page_ids: torch.Tensor, host_pages: torch.Tensor,
+        load: Callable[[torch.Tensor, torch.Tensor], None], num_host_pages: int,
+    ) -> torch.Tensor:
+        """Slots holding the selected pages of one layer, loading the misses from the host.
+
+        Parameters
+        ----------
+        layer : int
+        req_slots : torch.Tensor
+            ``[B]`` request slots (each open).
+        page_ids : torch.Tensor
+            ``[B, Hkv, K]`` selected logical pages, ``-1`` padded; ``K <= row_width``.
+        host_pages : torch.Tensor
+            ``[B, N]`` host page id of each logical page of each request.
+        load : callable
+            ``load(src_blocks, dst_slots)`` copies host blocks into slots, skipping ``dst < 0``
+            (FlashH2D, or ``gather_blocks_reference`` on the CPU).
+        num_host_pages : int
+            Pages in the host store (its flat block index is ``(layer * Hkv + head) * N + page``).
+
+        Returns
+        -------
+        torch.Tensor
+            ``[B, Hkv, K]`` int64 slots, ``-1`` where ``page_ids`` is.
+
+        Notes
+        -----
+        Hits are marked used in this step first; the row's other slots, sorted by last use
+        (empty ones first), are the victims, and the ``i``-th miss of a row takes its ``i``-th
+        victim. Every row has at least ``K - hits >= misses`` such slots.
+        """
+        batch, heads, width = page_ids.shape
+        assert width <= self.row_width, f"{width} selected pages exceed the cache row ({self.row_width})"
+        req = req_slots.long().view(batch, 1, 1)
+        head = self._heads.view(1, heads, 1)
+        page = page_ids.long()
+        hit = self.page_table.lookup(req, layer, head, page).long()  # [B, H, K]
+        self.last_used[self._scratch(hit)] = self.step
+        miss = (page >= 0) & (hit < 0)
+
+        row = self.rows[req_slots.long(), layer]  # [B, H, W]
+        victims = row.gather(-1, self.last_used[row].argsort(dim=-1, stable=True))
+        rank = (miss.long().cumsum(-1) - 1).clamp(0, self.row_width - 1)
+        dst = torch.where(miss, victims.gather(-1, rank), -1)  # [B, H, K]
+
+        # Unmap what the victims held, map the misses, then fill them.
+        old = torch.where(dst >= 0, self.slot_page[self._scratch(dst)], -1)
+        self.page_table.invalidate(req, layer, head, old)
+        self.page_table.assign(req, layer, head, torch.where(miss, page, -1), dst)
+        self.slot_page[self._scratch(dst)] = torch.where(miss, page, -1)
+        self.last_used[self._scratch(dst)] = self.step
+        host_page = host_pages.long().gather(1, page.clamp_min(0).view(batch, -1)).view(batch, heads, width)
+        src = (layer * self.num_kv_heads + head) * num_host_pages + host_page
+        load(src.reshape(-1), dst.reshape(-1))
+        return torch.where(miss, dst, hit)

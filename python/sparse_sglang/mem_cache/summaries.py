@@ -49,6 +49,8 @@ class PageSummaries:
         Type of the keys (bf16, fp16, fp8); sets the storage type of ``kmin``/``kmax``.
     device : torch.device or str
         Where the summaries live (the GPU in the server).
+    with_radius : bool
+        Also keep ArkVale's per-page mean ``|k - centre|`` (the ``arkvale`` selector reads it).
 
     Attributes
     ----------
@@ -58,22 +60,38 @@ class PageSummaries:
         ``[num_layers, num_kv_heads, num_pages, head_dim]`` float32.
     count : torch.Tensor
         ``[num_layers, num_pages]`` int32: tokens summarized per (layer, page).
+    radius : torch.Tensor or None
+        ``[num_layers, num_kv_heads, num_pages, head_dim]`` float32 when ``with_radius``.
     """
 
     def __init__(
         self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
-        kv_dtype: torch.dtype, device: torch.device | str = "cpu",
+        kv_dtype: torch.dtype, device: torch.device | str = "cpu", *, with_radius: bool = False,
     ):
-        shape = (num_layers, num_kv_heads, num_pages, head_dim)
-        self.page_size = page_size
-        self.kmin = torch.full(shape, float("inf"), dtype=bound_dtype(kv_dtype), device=device)
-        self.kmax = torch.full(shape, float("-inf"), dtype=bound_dtype(kv_dtype), device=device)
-        self.mean = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.count = torch.zeros(num_layers, num_pages, dtype=torch.int32, device=device)
+        # One extra page at index num_pages: padding tokens fold into it, so updates need no masks.
+        shape = (num_layers, num_kv_heads, num_pages + 1, head_dim)
+        self.page_size, self.num_pages = page_size, num_pages
+        self._kmin = torch.full(shape, float("inf"), dtype=bound_dtype(kv_dtype), device=device)
+        self._kmax = torch.full(shape, float("-inf"), dtype=bound_dtype(kv_dtype), device=device)
+        self._mean = torch.zeros(shape, dtype=torch.float32, device=device)
+        self._count = torch.zeros(num_layers, num_pages + 1, dtype=torch.int32, device=device)
+        self._radius = torch.zeros(shape, dtype=torch.float32, device=device) if with_radius else None
+        self.kmin, self.kmax, self.mean = self._kmin[:, :, :num_pages], self._kmax[:, :, :num_pages], self._mean[:, :, :num_pages]
+        self.count = self._count[:, :num_pages]
+        self.radius = None if self._radius is None else self._radius[:, :, :num_pages]
+
+    def layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """The summaries of one layer, ``[num_kv_heads, num_pages + 1, head_dim]`` each (the
+        row stride the scoring kernel reads; page ``num_pages`` is padding)."""
+        out = {"kmin": self._kmin[layer], "kmax": self._kmax[layer], "mean": self._mean[layer]}
+        if self._radius is not None:
+            out["radius"] = self._radius[layer]
+        return out
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.kmin, self.kmax, self.mean, self.count))
+        parts = (self._kmin, self._kmax, self._mean, self._count, self._radius)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def update(self, layer: int, k: torch.Tensor, token_slots: torch.Tensor) -> None:
         """Fold new keys of one layer into the summaries of their pages.
@@ -86,31 +104,46 @@ class PageSummaries:
         token_slots : torch.Tensor
             ``[T]`` int32/int64 host token slots ``page * page_size + offset``; ``-1`` entries are
             padding and ignored. Each slot must be summarized once (tokens of a page may arrive
-            over several calls, in any order).
+            over several calls, in any order within a call).
 
         Notes
         -----
-        Min/max merge by ``scatter_reduce`` (amin/amax). The mean of page ``p`` with ``c`` old tokens
-        of mean ``m`` and new keys ``x_t`` becomes ``m + sum_t (x_t - m) / (c + n)``: each token adds
-        ``(x_t - m) / (c + n)`` by ``index_add``. No loops, no host synchronization, so the update
+        A token at offset 0 starts its page: the page's old summaries (a previous owner's) are
+        cleared first, so freed pages need no reset. Min/max merge by ``scatter_reduce``
+        (amin/amax). The mean of page ``p`` with ``c`` old tokens of mean ``m`` and new keys ``x_t``
+        becomes ``m + sum_t (x_t - m) / (c + n)``: each token adds ``(x_t - m) / (c + n)`` by
+        ``index_add``. The ArkVale radius (mean ``|k - centre|``) is kept the same way against the
+        centre after the update: exact for a page filled in one call, an approximation for a page
+        filled over several (its centre moves). No loops, no host synchronization, so the update
         can run inside a CUDA graph.
         """
         num_tokens, heads, dim = k.shape
         slots = token_slots.long()
         valid = slots >= 0
-        page = torch.where(valid, slots // self.page_size, 0)
-        index = page.view(1, -1, 1).expand(heads, num_tokens, dim)
-        keep = valid.view(1, -1, 1)
-        kb = k.to(self.kmin.dtype).transpose(0, 1)  # [H, T, D], exact (see module doc)
-        self.kmin[layer].scatter_reduce_(1, index, kb.masked_fill(~keep, float("inf")), "amin")
-        self.kmax[layer].scatter_reduce_(1, index, kb.masked_fill(~keep, float("-inf")), "amax")
+        page = torch.where(valid, slots // self.page_size, self.num_pages)  # padding -> spare page
+        fresh = torch.where(valid & (slots % self.page_size == 0), page, self.num_pages)
+        self._kmin[layer][:, fresh] = float("inf")
+        self._kmax[layer][:, fresh] = float("-inf")
+        self._mean[layer][:, fresh] = 0.0
+        self._count[layer][fresh] = 0
+        if self._radius is not None:
+            self._radius[layer][:, fresh] = 0.0
 
-        mean = self.mean[layer]  # [H, N, D]
-        old = mean[:, page]  # [H, T, D], gathered before any update
-        count = self.count[layer]
-        count.index_add_(0, page, valid.to(count.dtype))
-        step = (k.float().transpose(0, 1) - old) / count[page].clamp_min(1).view(1, -1, 1)  # (x - m) / (c + n)
-        mean.index_add_(1, page, step.masked_fill(~keep, 0.0))  # padding rows may hold NaNs: masked, not scaled
+        index = page.view(1, -1, 1).expand(heads, num_tokens, dim)
+        kb = k.to(self._kmin.dtype).transpose(0, 1)  # [H, T, D], exact (see module doc)
+        self._kmin[layer].scatter_reduce_(1, index, kb, "amin")
+        self._kmax[layer].scatter_reduce_(1, index, kb, "amax")
+
+        count = self._count[layer]
+        count.index_add_(0, page, torch.ones_like(page, dtype=count.dtype))
+        scale = count[page].view(1, -1, 1).float()  # c + n
+        kf = k.float().transpose(0, 1)
+        mean = self._mean[layer]  # [H, N + 1, D]
+        mean.index_add_(1, page, (kf - mean[:, page]) / scale)
+        if self._radius is not None:
+            centre = (self._kmax[layer][:, page].float() + self._kmin[layer][:, page].float()) / 2
+            radius = self._radius[layer]
+            radius.index_add_(1, page, ((kf - centre).abs() - radius[:, page]) / scale)
 
     def reset(self, pages: torch.Tensor) -> None:
         """Empty the summaries of ``pages`` (host page ids, ``[n]``) in every layer and head,
@@ -120,6 +153,8 @@ class PageSummaries:
         self.kmax.index_fill_(2, pages, float("-inf"))
         self.mean.index_fill_(2, pages, 0.0)
         self.count.index_fill_(1, pages, 0)
+        if self.radius is not None:
+            self.radius.index_fill_(2, pages, 0.0)
 
     def center(self, layer: int) -> torch.Tensor:
         """Cuboid centres of one layer, ``[num_kv_heads, num_pages, head_dim]`` float32."""

@@ -1,0 +1,177 @@
+"""Sparse decode step vs dense FlashInfer decode, one layer of the Llama-3-8B shape, on the GPU.
+
+For each context (8K/32K/128K) and batch (1/8/32), in the same process:
+
+- **dense**: FlashInfer paged decode over every page (HND, page 32), the step SGLang runs;
+- **sparse, all hits**: score + select (budget 2048) + page-cache lookup + FlashInfer over the
+  selected pages, with every selected page already cached (a warm cache);
+- **sparse, 10% / 50% misses**: the same step after unmapping that share of the selected pages,
+  so FlashH2D loads them from pinned host memory;
+- **select**: scoring + top-k alone (its share of the all-hit step).
+
+Every timed step is a CUDA graph replay (the sparse step is built to be captured: no host
+synchronization, fixed shapes), timed with CUDA events, median of ``--iters``. Summaries are
+random (the selected pages then look random, as misses would). Writes
+``benchmark/results/decode-<date>.json``::
+
+    python benchmark/decode.py                 # full grid, ~3 minutes on an H100
+    python benchmark/decode.py --quick         # 8K and 32K, batch 1 and 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from sparse_sglang.config import SparseConfig
+from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
+from sparse_sglang.testing.provenance import git_commit, save_result
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = Llama8BShape(num_layers=1)
+
+
+def time_graph(fn, iters: int, before=None) -> float:
+    """Median milliseconds of a CUDA-graph replay of ``fn`` (``before()`` runs untimed before each)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the graph (lazy init, JIT)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def dense_step(batch: int, context: int, workspace: torch.Tensor, kv: torch.Tensor, q: torch.Tensor):
+    import flashinfer
+
+    page = 32
+    pages = -(-(context + 1) // page)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=True)
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+    indices = torch.arange(batch * pages, dtype=torch.int32, device="cuda")
+    last = torch.full((batch,), (context + 1) - (pages - 1) * page, dtype=torch.int32)
+    wrapper.plan(indptr, indices, last, SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.head_dim, page,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+    k, v = kv[0][: batch * pages], kv[1][: batch * pages]
+    return lambda: wrapper.run(q, (k, v))
+
+
+def run(args) -> dict:
+    config = SparseConfig(token_budget=args.budget, host_cache_gb=1.0)
+    max_batch, max_context = max(args.batches), max(args.contexts)
+    store = make_store(SHAPE, config, max_batch, max_context)
+    workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    max_pages = max_batch * -(-(max_context + 1) // 32)
+    dense_kv = torch.randn(2, max_pages, SHAPE.num_kv_heads, 32, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
+            b.fill_summaries_randomly(gen)
+            b.plan()
+            q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+            row = {"context": context, "batch": batch, "budget": args.budget}
+            row["dense_ms"] = time_graph(dense_step(batch, context, workspace, dense_kv, q), args.iters)
+            step = lambda: b.decoder.run(0, q)  # noqa: E731
+            step()  # loads every selected page: the cache is warm from here on
+            pages = b.decoder.select(0, q)
+            row["sparse_hit_ms"] = time_graph(step, args.iters)
+            row["select_ms"] = time_graph(lambda: b.decoder.select(0, q), args.iters)
+            for frac in args.miss_fracs:
+                counts = []
+
+                def evict(frac=frac, counts=counts):
+                    counts.append(b.evict(0, pages, frac, gen))
+
+                row[f"sparse_miss{int(frac * 100)}_ms"] = time_graph(step, args.iters, before=evict)
+                row[f"miss{int(frac * 100)}_pages"] = statistics.median(counts)
+            row["speedup"] = row["dense_ms"] / row["sparse_hit_ms"]
+            row["select_frac"] = row["select_ms"] / row["sparse_hit_ms"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return {"rows": rows}
+
+
+def summarize(rows: list[dict]) -> dict:
+    def at(context, key, agg):
+        vals = [r[key] for r in rows if r["context"] == context]
+        return agg(vals) if vals else None
+
+    summary = {
+        "speedup_128k": at(131072, "speedup", min),
+        "speedup_32k": at(32768, "speedup", min),
+        "select_frac_128k": at(131072, "select_frac", max),
+    }
+    return summary
+
+
+def quality_summary() -> dict:
+    """Q1 error (this run's GPU test output, if given) and the committed quality results."""
+    out = {}
+    files = sorted(glob.glob(str(REPO / "benchmark/results/quality-*.json")))
+    if files:
+        q = json.loads(Path(files[-1]).read_text())["summary"]
+        out["recall_512_8k"] = q.get("recall_512_7k", q.get("recall_512"))
+        out["passkey_cpu_equal"] = q.get("passkey_cpu_equal")
+        out["quality_file"] = Path(files[-1]).name
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--q1", type=Path, help="q1.json written by test/test_sparse_decode_gpu.py")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.contexts, args.batches = [8192, 32768], [1, 8]
+    result = run(args)
+    summary = summarize(result["rows"])
+    if args.q1 and args.q1.exists():
+        summary.update(json.loads(args.q1.read_text()))
+    summary.update(quality_summary())
+    date = datetime.date.today().isoformat()
+    doc = {
+        "device": torch.cuda.get_device_name(),
+        "commit": git_commit(),
+        "date": date,
+        "command": "python benchmark/decode.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "config": {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest"},
+        **result,
+        "summary": summary,
+    }
+    save_result(doc, args.out_dir / f"decode-{date}.json")
+    print(json.dumps(summary, indent=1))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

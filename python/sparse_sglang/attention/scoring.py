@@ -1,0 +1,129 @@
+"""Page scores for a decode batch, straight from the host-page-indexed summaries.
+
+:func:`score_pages_reference` gathers each request's page summaries into dense ``[B, Hkv, N, D]``
+tensors and calls the :class:`~sparse_sglang.attention.Selector` (plain torch, any device).
+:func:`score_pages` is the GPU path: one Triton kernel reads the summaries of the pages each
+request holds and writes the group-reduced scores, never materializing the gathered copies
+(at 128K tokens and batch 32 those would be ~1 GiB per layer).
+
+Both return ``[B, Hkv, N]`` float32 with ``-inf`` past each request's pages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
+
+try:  # Triton comes with CUDA builds of torch; the CPU path does not need it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+KERNEL_SELECTORS = ("quest", "arkvale", "mean")
+
+
+def gather_layer(summary: torch.Tensor, host_pages: torch.Tensor) -> torch.Tensor:
+    """``[Hkv, num_host_pages, D]`` summaries of one layer -> ``[B, Hkv, N, D]`` for the pages
+    ``host_pages`` ``[B, N]`` (entries past a request's pages may be any valid page id)."""
+    return summary[:, host_pages.long()].permute(1, 0, 2, 3)
+
+
+def score_pages_reference(
+    selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
+    num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE,
+) -> torch.Tensor:
+    """Scores of every page of every request (plain torch).
+
+    Parameters
+    ----------
+    selector : str
+        A registered selector name.
+    q : torch.Tensor
+        ``[B, Hkv, G, D]`` decode queries.
+    layer_summaries : dict
+        ``kmin``/``kmax``/``mean``/``radius`` of one layer, each ``[Hkv, num_host_pages, D]``
+        (only those the selector reads are needed).
+    host_pages : torch.Tensor
+        ``[B, N]`` host page id of each logical page (anything valid past ``num_pages``).
+    num_pages : torch.Tensor
+        ``[B]`` pages each request holds.
+    """
+    sel = get_selector(selector)
+    gathered = {name: gather_layer(layer_summaries[name], host_pages) for name in sel.summaries}
+    scores = sel.score(q, gathered.get("kmin"), gathered.get("kmax"), gathered.get("mean"), group_reduce,
+                       radius=gathered.get("radius"))  # fmt: skip
+    held = torch.arange(host_pages.shape[1], device=q.device) < num_pages.to(q.device).view(-1, 1)
+    return scores.masked_fill(~held.unsqueeze(1), -math.inf)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _score_kernel(
+        q_ptr, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr,
+        num_kv_heads, max_pages, head_stride,
+        D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
+    ):  # fmt: skip
+        # One program: BLOCK_N pages of one (request, kv head). KIND 0 quest, 1 arkvale, 2 mean.
+        bh = tl.program_id(0)
+        b = bh // num_kv_heads
+        h = bh % num_kv_heads
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_row = offs_n < max_pages
+        held = offs_n < tl.load(num_pages_ptr + b)
+        page = tl.load(pages_ptr + b * max_pages + offs_n, mask=held, other=0).to(tl.int64)
+        offs_d = tl.arange(0, D)
+        rows = h.to(tl.int64) * head_stride + page[:, None] * D + offs_d[None, :]
+        mask = held[:, None]
+        if KIND == 2:
+            centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            radius = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+        else:
+            lo = tl.load(kmin_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            hi = tl.load(kmax_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            centre = (hi + lo) * 0.5
+            if KIND == 1:
+                radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            else:
+                radius = (hi - lo) * 0.5
+        acc = tl.full([BLOCK_N], float("-inf") if GROUP_MAX else 0.0, dtype=tl.float32)
+        for g in tl.static_range(G):
+            qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
+            # q . c + |q| . r: the max of q . k over the cuboid (selectors.cuboid_score).
+            s = tl.sum(centre * qg[None, :] + radius * tl.abs(qg)[None, :], axis=1)
+            acc = tl.maximum(acc, s) if GROUP_MAX else acc + s
+        tl.store(out_ptr + bh * max_pages + offs_n, tl.where(held, acc, float("-inf")), mask=in_row)
+
+
+def score_pages(
+    selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
+    num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`score_pages_reference` in one Triton kernel (CUDA tensors; same arguments).
+
+    ``host_pages`` is ``[B, N]`` int32/int64 and contiguous; ``out`` (optional) a ``[B, Hkv, N]``
+    float32 buffer to write into (e.g. inside a CUDA graph).
+    """
+    if not q.is_cuda or triton is None or selector not in KERNEL_SELECTORS:
+        return score_pages_reference(selector, q, layer_summaries, host_pages, num_pages, group_reduce)
+    batch, heads, group, dim = q.shape
+    max_pages = host_pages.shape[1]
+    if out is None:
+        out = torch.empty(batch, heads, max_pages, dtype=torch.float32, device=q.device)
+    ref = layer_summaries["mean" if selector == "mean" else "kmin"]
+    dummy = ref
+    kind = KERNEL_SELECTORS.index(selector)
+    block_n = 32 if dim <= 64 else 16
+    grid = (batch * heads, triton.cdiv(max_pages, block_n))
+    _score_kernel[grid](
+        q.contiguous(), layer_summaries.get("kmin", dummy), layer_summaries.get("kmax", dummy),
+        layer_summaries.get("mean", dummy), layer_summaries.get("radius", dummy),
+        host_pages.contiguous(), num_pages.to(torch.int32), out,
+        heads, max_pages, ref.stride(0),
+        D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max",
+    )  # fmt: skip
+    return out

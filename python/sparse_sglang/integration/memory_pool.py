@@ -1,0 +1,154 @@
+"""SGLang's KV memory, sparse: the token pool is the host store, the GPU keeps summaries and a cache.
+
+SGLang sizes its KV pool from free GPU memory and allocates ``[tokens, heads, dim]`` buffers per
+layer on the GPU. With sparse decode the KV lives in pinned host memory instead, so
+:func:`patch_alloc_memory_pool` replaces ``ModelRunner.alloc_memory_pool`` (when ``--sparse-enabled``)
+with :func:`alloc_sparse_memory_pool`: it plans the split (:func:`~sparse_sglang.mem_cache.plan.plan_memory`),
+builds the :class:`~sparse_sglang.mem_cache.kv_store.SparseKVStore`, and hands SGLang
+
+- a :class:`SparseTokenToKVPool` whose token locations are host slots (page ``loc // page_size``
+  of the host store), so SGLang's paged allocator and radix cache manage host pages;
+- SGLang's own ``ReqToTokenPool`` and ``PagedTokenToKVPoolAllocator`` over that index space;
+- ``max_total_num_tokens`` = the host capacity and ``max_running_requests`` = the requests whose
+  GPU cache rows fit.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
+
+from sparse_sglang.config import GIB
+from sparse_sglang.integration.registry import relies_on
+from sparse_sglang.mem_cache.kv_store import SparseKVStore
+from sparse_sglang.mem_cache.plan import plan_memory
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@relies_on("sglang.srt.mem_cache.memory_pool:KVCache", at="sglang/srt/mem_cache/memory_pool.py:1609")
+class SparseTokenToKVPool(KVCache):
+    """SGLang's view of the :class:`SparseKVStore`: token location ``loc`` is host slot ``loc``.
+
+    ``set_kv_buffer`` saves to the host store (plus summaries and cached pages). There are no
+    per-layer GPU KV buffers to hand out: the ``sparse`` attention backend reads the page cache and
+    stages prefixes itself, so ``get_key_buffer`` and friends fail loudly on any other path.
+    """
+
+    def __init__(self, store: SparseKVStore, size: int, device: str, start_layer: int | None = None,
+                 end_layer: int | None = None):  # fmt: skip
+        from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import UnquantizedKVCacheMethod
+
+        s = store.shape
+        super().__init__(size, s.page_size, s.dtype, s.num_layers, device, False, start_layer, end_layer)
+        self.store = store
+        self.head_num, self.head_dim, self.v_head_dim = s.num_kv_heads, s.head_dim, s.head_dim
+        self.quant_method = UnquantizedKVCacheMethod()
+        self.mem_usage = store.gpu_bytes / GIB
+        logger.info("sparse KV pool: %d host tokens, %.2f GiB on the GPU", size, self.mem_usage)
+
+    def get_kv_size_bytes(self) -> int:
+        return self.store.gpu_bytes
+
+    def _no_buffer(self, what: str):
+        raise NotImplementedError(
+            f"{what}: the sparse KV pool keeps KV on the host and has no per-layer GPU buffer; only "
+            "the 'sparse' attention backend (dense ragged prefill, sparse decode) can read it"
+        )
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        self._no_buffer("get_key_buffer")
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        self._no_buffer("get_value_buffer")
+
+    def get_kv_buffer(self, layer_id: int):
+        self._no_buffer("get_kv_buffer")
+
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None, **_):
+        loc, _, _ = unwrap_write_loc(loc_info)
+        self.save(layer.layer_id, loc, cache_k, cache_v, staged=True, k_scale=k_scale, v_scale=v_scale)
+
+    def save(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, staged: bool,
+             k_scale=None, v_scale=None) -> None:  # fmt: skip
+        """Save new K/V (``[T, Hkv * D]`` or ``[T, Hkv, D]``) of one layer at token locations ``loc``."""
+        s = self.store.shape
+        k, v = k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim)
+        if k.dtype != s.dtype and k_scale is not None:  # fp8 KV with a calibrated scale, as SGLang stores it
+            k, v = k / k_scale, v / v_scale
+        self.store.save(layer_id - self.start_layer, loc, k.contiguous(), v.contiguous(), staged=staged)
+
+
+@relies_on("sglang.srt.model_executor.model_runner:ModelRunner.alloc_memory_pool",
+           at="sglang/srt/model_executor/model_runner.py:769")  # fmt: skip
+def patch_alloc_memory_pool() -> None:
+    """Make ``ModelRunner.alloc_memory_pool`` build the sparse pools when sparse is enabled."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    original = ModelRunner.alloc_memory_pool
+    if getattr(original, "sparse_sglang", False):
+        return
+
+    @functools.wraps(original)
+    def alloc_memory_pool(self: ModelRunner, memory_pool_config=None):
+        sparse = getattr(self.server_args, "sparse", None)
+        if sparse is None or not sparse.enabled or self.is_draft_worker:
+            return original(self, memory_pool_config)
+        return alloc_sparse_memory_pool(self)
+
+    alloc_memory_pool.sparse_sglang = True
+    ModelRunner.alloc_memory_pool = alloc_memory_pool
+
+
+@relies_on("sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator._profile_available_bytes",
+           at="sglang/srt/mem_cache/kv_cache_configurator.py:1614")  # fmt: skip
+def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
+    """Plan and build the sparse pools and install them on ``runner`` (see module doc)."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
+    from sglang.srt.runtime_context import get_parallel
+
+    sparse = runner.server_args.sparse
+    runner.init_kv_cache_configurator()
+    conf = runner.kv_cache_configurator
+    model = runner.model_config
+    dtype = runner.kv_cache_dtype
+    if dtype in (torch.float8_e4m3fnuz,):
+        raise ValueError(f"sparse KV store: kv cache dtype {dtype} is not supported (bf16, fp16, fp8_e4m3, fp8_e5m2 are)")
+    plan = plan_memory(
+        sparse,
+        num_layers=conf.layer_info.num_effective_layers,
+        num_kv_heads=model.get_num_kv_heads(get_parallel().attn_tp_size),
+        head_dim=model.head_dim,
+        dtype=dtype,
+        context_len=model.context_len,
+        gpu_kv_bytes=conf._profile_available_bytes(runner.pre_model_load_memory),
+        max_running_requests=runner.server_args.max_running_requests,
+        max_total_tokens=runner.server_args.max_total_tokens,
+        with_radius=sparse.selector == "arkvale",
+    )
+    logger.info("sparse memory plan: %s", plan.describe())
+    store = SparseKVStore(plan.shape, runner.device, with_radius=sparse.selector == "arkvale")
+    pool = SparseTokenToKVPool(store, plan.max_total_tokens, runner.device,
+                               conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip
+    runner.req_to_token_pool = conf._build_req_to_token_pool(max_num_reqs=plan.max_running_requests)
+    runner.token_to_kv_pool = pool
+    runner.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
+        plan.max_total_tokens, page_size=plan.shape.page_size, dtype=dtype, device=runner.device, kvcache=pool,
+        need_sort=False,
+    )  # fmt: skip
+    runner.max_total_num_tokens = plan.max_total_tokens
+    runner.max_running_requests = plan.max_running_requests
+    runner.memory_pool_config = MemoryPoolConfig(
+        max_total_num_tokens=plan.max_total_tokens, max_running_requests=plan.max_running_requests
+    )
+    runner._unified_memory_pool = None
+    runner.sparse_plan = plan
+    runner._init_post_memory_pool_components()

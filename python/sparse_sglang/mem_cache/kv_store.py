@@ -1,0 +1,120 @@
+"""The sparse KV store: everything the server keeps for KV, in one object.
+
+- the pinned host store holding every token's K/V (:class:`HostKVPool`), addressed by SGLang's
+  token locations (``host page * page_size + offset``);
+- the per-page key summaries on the GPU (:class:`PageSummaries`);
+- the GPU page cache of selected pages (:class:`GPUPageCache`);
+- the transfer engines: FlashD2H saves prefill KV, the direct-write kernel saves decode tokens
+  (a few rows, stream-ordered, CUDA-graph safe), FlashH2D loads cache misses.
+
+:meth:`SparseKVStore.save` is what SGLang's ``set_kv_buffer`` becomes. It needs each token's
+request slot and position (for the page cache), which the attention backend binds once per
+forward with :meth:`bind_tokens`, before the layers run.
+
+On a CPU device (tests) the engines are replaced by their pure-torch references.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparse_sglang.mem_cache.gpu_cache import GPUPageCache
+from sparse_sglang.mem_cache.host_pool import HostKVPool
+from sparse_sglang.mem_cache.summaries import PageSummaries
+from sparse_sglang.transfer import gather_blocks_reference, scatter_tokens_reference
+
+
+@dataclass(frozen=True, slots=True)
+class StoreShape:
+    """Sizes of a :class:`SparseKVStore` (see :func:`sparse_sglang.mem_cache.plan.plan_memory`)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+    num_host_pages: int  # page 0 included (reserved: SGLang pads with it)
+    num_slots: int  # GPU page cache slots
+    max_requests: int  # request slots, SGLang's padding row 0 included
+    row_width: int  # cache slots per (request, layer, kv head)
+    max_pages: int  # logical pages of the longest request
+    max_save_tokens: int  # tokens one FlashD2H submit takes (longer batches go in parts)
+
+
+class SparseKVStore:
+    """Host store, summaries, page cache and transfer engines (see module doc).
+
+    Parameters
+    ----------
+    shape : StoreShape
+    device : torch.device or str
+        The GPU (or ``"cpu"`` for tests: unpinned host store, reference transfers).
+    with_radius : bool
+        Keep ArkVale's radius summary (the ``arkvale`` selector).
+    """
+
+    def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False):
+        self.shape = shape
+        self.device = torch.device(device)
+        on_gpu = self.device.type == "cuda"
+        s = shape
+        self.host = HostKVPool(s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype, pin=on_gpu)
+        self.summaries = PageSummaries(s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype,
+                                       self.device, with_radius=with_radius)  # fmt: skip
+        self.cache = GPUPageCache(
+            s.num_slots, s.num_layers, s.num_kv_heads, s.page_size, s.head_dim, s.dtype,
+            max_requests=s.max_requests, row_width=s.row_width, max_pages=s.max_pages,
+            total_pages=s.num_host_pages, device=self.device,
+        )  # fmt: skip
+        if on_gpu:
+            from sparse_sglang.transfer import DirectD2H, FlashD2H, FlashH2D
+
+            self.load = FlashH2D(self.host.k, self.host.v, self.cache.k, self.cache.v)
+            self.flash_d2h = FlashD2H(self.host.k, self.host.v, s.max_save_tokens, device=self.device)
+            self.direct_d2h = DirectD2H(self.host.k, self.host.v, device=self.device)
+        else:
+            self.load = lambda src, dst: gather_blocks_reference(self.host.k, self.host.v, self.cache.k, self.cache.v, src, dst)
+            self.flash_d2h = self.direct_d2h = None
+        # The current forward's tokens: request slot and position of each (bind_tokens).
+        self.token_req_slots = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.token_positions = torch.empty(0, dtype=torch.int64, device=self.device)
+
+    @property
+    def gpu_bytes(self) -> int:
+        cache = (self.cache.k.numel() + self.cache.v.numel()) * self.shape.dtype.itemsize
+        return self.summaries.nbytes + cache
+
+    def bind_tokens(self, req_slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Request slot and position ``[T]`` of each token the next forward saves."""
+        self.token_req_slots, self.token_positions = req_slots.long(), positions.long()
+
+    def save(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, staged: bool) -> None:
+        """Save one layer's new K/V ``[T, Hkv, D]`` at host token slots ``loc`` ``[T]``.
+
+        Summaries and cached pages are updated on the current stream. The host copy goes through
+        FlashD2H when ``staged`` (prefill: large, off the GPU's SMs, finished by CPU threads;
+        :meth:`wait_saves` before reading those pages from the host) and through the direct-write
+        kernel otherwise (decode: a few rows, stream-ordered, capturable in a CUDA graph).
+        """
+        k, v = k.to(self.shape.dtype), v.to(self.shape.dtype)
+        self.summaries.update(layer, k, loc)
+        self.cache.store(layer, self.token_req_slots, self.token_positions, k, v)
+        if self.flash_d2h is None:
+            scatter_tokens_reference(self.host.k, self.host.v, layer, k.cpu(), v.cpu(), loc.cpu())
+        elif staged:
+            step = self.shape.max_save_tokens
+            for start in range(0, k.shape[0], step):
+                self.flash_d2h.submit(layer, k[start : start + step], v[start : start + step], loc[start : start + step])
+        else:
+            self.direct_d2h(layer, k, v, loc)
+
+    def wait_saves(self) -> None:
+        """Block until every staged save is in the host store."""
+        if self.flash_d2h is not None:
+            self.flash_d2h.synchronize()
+
+    def close(self) -> None:
+        if self.flash_d2h is not None:
+            self.flash_d2h.close()

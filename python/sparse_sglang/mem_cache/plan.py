@@ -1,0 +1,121 @@
+"""How the server's KV memory is split: host pages, GPU summaries, page cache, request rows.
+
+:func:`plan_memory` turns the sparse config, the model's KV shape and the GPU bytes SGLang leaves
+for KV into a :class:`~sparse_sglang.mem_cache.kv_store.StoreShape` and the number of requests
+that may run at once (each running request owns a cache row per layer and kv head). Pure
+arithmetic: every sizing error is raised here, at start-up, naming the flag to change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sparse_sglang.config import GIB, SparseConfig
+from sparse_sglang.mem_cache.gpu_cache import slot_bytes
+from sparse_sglang.mem_cache.host_pool import pages_for_budget
+from sparse_sglang.mem_cache.kv_store import StoreShape
+from sparse_sglang.mem_cache.summaries import bound_dtype
+
+# Cache row width over the selection width: room for pages selected in recent steps to stay
+# cached (SparseServe's working sets overlap heavily from step to step).
+ROW_SLACK = 1.25
+SAVE_CHUNK_TOKENS = 8192  # tokens per FlashD2H staging buffer (larger prefill batches go in parts)
+
+
+class MemoryPlanError(ValueError):
+    """The memory budgets cannot hold the model's sparse KV; one line naming the flag."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    shape: StoreShape
+    max_running_requests: int
+    selection_pages: int  # pages one decode step attends per (request, kv head)
+    summary_bytes: int
+    cache_bytes: int
+    staging_bytes: int  # one layer of prefix KV for chunked prefill / cached prefixes
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Token locations SGLang's allocator hands out (every host page but the reserved page 0)."""
+        return (self.shape.num_host_pages - 1) * self.shape.page_size
+
+    def describe(self) -> str:
+        s = self.shape
+        return (
+            f"host store {s.num_host_pages - 1} pages ({self.max_total_tokens} tokens); GPU: summaries "
+            f"{self.summary_bytes / GIB:.2f} GiB, page cache {self.cache_bytes / GIB:.2f} GiB ({s.num_slots} slots, "
+            f"rows of {s.row_width} pages), prefix staging {self.staging_bytes / GIB:.2f} GiB; "
+            f"{self.max_running_requests} requests at once, {self.selection_pages} pages per kv head per step"
+        )
+
+
+def plan_memory(
+    config: SparseConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    context_len: int, gpu_kv_bytes: int, max_running_requests: int | None = None,
+    max_total_tokens: int | None = None, with_radius: bool = False,
+) -> MemoryPlan:
+    """Split the budgets (see module doc).
+
+    Parameters
+    ----------
+    config : SparseConfig
+    num_layers, num_kv_heads, head_dim : int
+        KV shape of the model (per tensor-parallel rank).
+    dtype : torch.dtype
+        KV dtype.
+    context_len : int
+        The model's (or ``--context-length``) longest request.
+    gpu_kv_bytes : int
+        GPU bytes SGLang leaves for KV after weights and activations (``--mem-fraction-static``).
+    max_running_requests, max_total_tokens : int, optional
+        SGLang's caps, when the user set them.
+    with_radius : bool
+        Summaries include ArkVale's radius.
+    """
+    page = config.page_size
+    try:
+        host_pages = pages_for_budget(config.host_cache_gb, num_layers, num_kv_heads, page, head_dim, dtype)
+    except ValueError as err:
+        raise MemoryPlanError(f"--sparse-host-cache-gb: {err}") from None
+    if max_total_tokens is not None:
+        host_pages = min(host_pages, math.ceil(max_total_tokens / page) + 1)
+    max_pages = math.ceil(context_len / page)
+    selection = min(config.budget_pages, max_pages)
+    row_width = min(max(selection, math.ceil(selection * ROW_SLACK)), max_pages)
+
+    per_channel = 2 * bound_dtype(dtype).itemsize + 4 + (4 if with_radius else 0)
+    summary_bytes = num_layers * num_kv_heads * (host_pages + 1) * head_dim * per_channel + num_layers * (host_pages + 1) * 4
+    staging_bytes = 2 * context_len * num_kv_heads * head_dim * dtype.itemsize
+    table_bytes = num_layers * num_kv_heads * (host_pages + 64) * 4 * 2  # segments + directory, roughly
+    if config.gpu_cache_gb is not None:
+        cache_bytes = int(config.gpu_cache_gb * GIB)
+    else:
+        cache_bytes = gpu_kv_bytes - summary_bytes - staging_bytes - table_bytes
+        if cache_bytes <= 0:
+            raise MemoryPlanError(
+                f"--sparse-host-cache-gb: the page summaries of {config.host_cache_gb:g} GiB of host KV "
+                f"({summary_bytes / GIB:.2f} GiB) and the prefix staging buffer ({staging_bytes / GIB:.2f} GiB) "
+                f"leave no GPU memory for the page cache ({gpu_kv_bytes / GIB:.2f} GiB for KV); lower it, or "
+                "raise --mem-fraction-static"
+            )
+    num_slots = cache_bytes // slot_bytes(page, head_dim, dtype)
+    row = num_layers * num_kv_heads * row_width
+    fits = num_slots // row
+    if fits < 1:
+        need = row * slot_bytes(page, head_dim, dtype) / GIB
+        raise MemoryPlanError(
+            f"--sparse-gpu-cache-gb: the GPU page cache ({cache_bytes / GIB:.2f} GiB) holds no request; one "
+            f"request needs {need:.2f} GiB ({row_width} pages x {num_layers} layers x {num_kv_heads} kv heads); "
+            "raise it (or --mem-fraction-static), or lower --sparse-token-budget"
+        )
+    running = min(fits, max_running_requests) if max_running_requests else fits
+    shape = StoreShape(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page, dtype=dtype,
+        num_host_pages=host_pages, num_slots=num_slots, max_requests=running + 1, row_width=row_width,
+        max_pages=max_pages, max_save_tokens=SAVE_CHUNK_TOKENS,
+    )  # fmt: skip
+    return MemoryPlan(shape, running, selection, summary_bytes, num_slots * slot_bytes(page, head_dim, dtype), staging_bytes)

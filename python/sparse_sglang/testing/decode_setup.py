@@ -1,0 +1,107 @@
+"""A sparse decode step outside the server, for the GPU tests and ``benchmark/decode.py``.
+
+:class:`DecodeBench` holds one :class:`SparseKVStore` with ``batch`` requests of ``context``
+tokens each (their own host pages), a :class:`SparseDecoder` planned for the step, and helpers to
+fill the host store and summaries from real K/V, and to evict a fraction of the cached pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sparse_sglang.attention.sparse_decode import SparseDecoder
+from sparse_sglang.config import SparseConfig
+from sparse_sglang.mem_cache.kv_store import SparseKVStore, StoreShape
+from sparse_sglang.mem_cache.plan import ROW_SLACK
+
+
+@dataclass(frozen=True)
+class Llama8BShape:
+    num_layers: int = 1
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+
+
+def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_context: int,
+               dtype=torch.bfloat16) -> SparseKVStore:  # fmt: skip
+    page = config.page_size
+    max_pages = math.ceil((max_context + 1) / page)
+    width = min(max_pages, max(config.budget_pages, math.ceil(config.budget_pages * ROW_SLACK)))
+    s = StoreShape(
+        num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, page_size=page,
+        dtype=dtype, num_host_pages=max_batch * max_pages + 1, num_slots=max_batch * shape.num_layers * shape.num_kv_heads * width,
+        max_requests=max_batch + 1, row_width=width, max_pages=max_pages, max_save_tokens=8192,
+    )  # fmt: skip
+    return SparseKVStore(s, "cuda", with_radius=config.selector == "arkvale")
+
+
+class DecodeBench:
+    """``batch`` requests (slots ``1..batch``) of ``context`` tokens plus the one decoded now."""
+
+    def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, batch: int, context: int,
+                 workspace: torch.Tensor):  # fmt: skip
+        s = store.shape
+        self.store, self.batch, self.context = store, batch, context
+        self.seq_len = context + 1
+        self.num_pages = math.ceil(self.seq_len / s.page_size)
+        self.req_slots = torch.arange(1, batch + 1, device="cuda")
+        cache = store.cache
+        for slot in range(1, s.max_requests):
+            if cache.is_open(slot):
+                cache.close_request(slot)
+        for slot in range(1, batch + 1):
+            cache.open_request(slot, self.num_pages)
+        # Request b holds host pages 1 + b * num_pages ... (distinct pages, as in the server).
+        self.host_pages = (1 + torch.arange(batch, device="cuda").view(-1, 1) * self.num_pages
+                           + torch.arange(self.num_pages, device="cuda").view(1, -1)).to(torch.int32)  # fmt: skip
+        self.decoder = SparseDecoder(store, config, num_q_heads, workspace, batch)
+        self.positions = torch.full((batch,), context, device="cuda")
+
+    def plan(self) -> None:
+        self.store.cache.next_step()
+        self.decoder.plan(self.req_slots, torch.full((self.batch,), self.seq_len), self.host_pages)
+        self.store.bind_tokens(self.req_slots, self.positions)
+
+    def token_slots(self) -> torch.Tensor:
+        """``[batch, seq_len]`` host token slots of every token of every request."""
+        page = self.store.shape.page_size
+        t = torch.arange(self.seq_len, device="cuda")
+        return (self.host_pages.long()[:, t // page] * page + t % page).view(self.batch, -1)
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Save ``[batch, seq_len, Hkv, D]`` K/V of one layer (host store, summaries; not cached)."""
+        slots = self.token_slots().reshape(-1)
+        req = self.req_slots.repeat_interleave(self.seq_len)
+        pos = torch.arange(self.seq_len, device="cuda").repeat(self.batch)
+        self.store.bind_tokens(req, pos)
+        heads, dim = k.shape[-2:]
+        self.store.save(layer, slots, k.reshape(-1, heads, dim), v.reshape(-1, heads, dim), staged=True)
+        self.store.wait_saves()
+
+    def fill_summaries_randomly(self, generator: torch.Generator | None = None) -> None:
+        """Random page summaries (timing runs: the pages a step selects look random)."""
+        summ = self.store.summaries
+        lo = torch.randn(summ.kmin.shape, device="cuda", generator=generator).to(summ.kmin.dtype)
+        summ.kmin.copy_(lo)
+        summ.kmax.copy_(lo + torch.rand(summ.kmax.shape, device="cuda", generator=generator).to(summ.kmax.dtype))
+        summ.mean.copy_((summ.kmin.float() + summ.kmax.float()) / 2)
+
+    def evict(self, layer: int, page_ids: torch.Tensor, fraction: float, generator: torch.Generator) -> int:
+        """Unmap ``fraction`` of the selected pages ``[B, Hkv, K]`` of ``layer`` (the next step misses
+        them); returns how many."""
+        cache = self.store.cache
+        valid = page_ids >= 0
+        pick = valid & (torch.rand(page_ids.shape, device="cuda", generator=generator) < fraction)
+        req = self.req_slots.view(-1, 1, 1)
+        heads = torch.arange(page_ids.shape[1], device="cuda").view(1, -1, 1)
+        pages = torch.where(pick, page_ids.long(), -1)
+        slots = cache.page_table.lookup(req, layer, heads, pages).long()
+        cache.page_table.invalidate(req, layer, heads, pages)
+        scratch = torch.where(slots < 0, cache.num_slots, slots)
+        cache.slot_page[scratch] = -1
+        cache.last_used[scratch] = -1
+        return int(pick.sum())

@@ -1,0 +1,59 @@
+"""CPU tests of the memory plan and of the sparse KV store's save path (pure-torch references)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_sglang.config import GIB, SparseConfig
+from sparse_sglang.mem_cache.kv_store import SparseKVStore
+from sparse_sglang.mem_cache.plan import MemoryPlanError, plan_memory
+
+LLAMA8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": torch.bfloat16, "context_len": 131072}
+
+
+def test_plan_for_the_8b_shape_splits_gpu_memory_into_summaries_cache_and_rows():
+    plan = plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=40 * GIB, **LLAMA8B)
+    s = plan.shape
+    assert s.num_host_pages == 16 * GIB // (2 * 32 * 8 * 32 * 128 * 2)  # 4 MiB per host page
+    assert plan.max_total_tokens == (s.num_host_pages - 1) * 32
+    assert plan.selection_pages == 64 and s.row_width == 80 and s.max_pages == 4096
+    assert plan.summary_bytes < 16 * GIB * 0.07  # 6.25% of the host KV, plus counts
+    assert plan.summary_bytes + plan.cache_bytes + plan.staging_bytes < 40 * GIB
+    assert plan.max_running_requests == s.num_slots // (32 * 8 * 80) and s.max_requests == plan.max_running_requests + 1
+    assert "requests at once" in plan.describe()
+    capped = plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=40 * GIB, max_running_requests=4,
+                         max_total_tokens=1000, **LLAMA8B)  # fmt: skip
+    assert capped.max_running_requests == 4 and capped.shape.num_host_pages == 33
+
+
+def test_plan_errors_name_the_flag():
+    with pytest.raises(MemoryPlanError, match="--sparse-host-cache-gb: the page summaries"):
+        plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=GIB, **LLAMA8B)
+    with pytest.raises(MemoryPlanError, match="--sparse-gpu-cache-gb: .* holds no request"):
+        plan_memory(SparseConfig(host_cache_gb=8, gpu_cache_gb=0.1), gpu_kv_bytes=40 * GIB, **LLAMA8B)
+
+
+def test_short_context_models_cache_every_page_of_a_request():
+    plan = plan_memory(SparseConfig(host_cache_gb=1), gpu_kv_bytes=4 * GIB, num_layers=30, num_kv_heads=3,
+                       head_dim=64, dtype=torch.bfloat16, context_len=1000)  # fmt: skip
+    assert plan.selection_pages == plan.shape.row_width == plan.shape.max_pages == 32
+
+
+def test_store_save_updates_host_summaries_and_cached_pages():
+    plan = plan_memory(SparseConfig(host_cache_gb=0.01, gpu_cache_gb=0.01), gpu_kv_bytes=GIB, num_layers=2,
+                       num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, context_len=256)  # fmt: skip
+    store = SparseKVStore(plan.shape, "cpu")
+    cache = store.cache
+    cache.open_request(1, 2)
+    cache.write_allocate(1, 0, 1)  # page 0 cached, page 1 host-only
+    loc = torch.tensor([5 * 32 + 0, 5 * 32 + 1, 7 * 32 + 0])  # tokens 0, 1 in host page 5, token 32 in page 7
+    store.bind_tokens(torch.tensor([1, 1, 1]), torch.tensor([0, 1, 32]))
+    k, v = torch.randn(3, 2, 16).bfloat16(), torch.randn(3, 2, 16).bfloat16()
+    store.save(1, loc, k, v, staged=True)
+    assert torch.equal(store.host.k[1, :, 5, :2], k[:2].transpose(0, 1))
+    assert torch.equal(store.host.v[1, :, 7, 0], v[2])
+    assert store.summaries.count[1, 5] == 2 and store.summaries.count[1, 7] == 1
+    slot = cache.page_table.lookup(1, 1, torch.arange(2), 0).long()
+    assert torch.equal(cache.k[slot, :2], k[:2].transpose(0, 1))
+    assert (cache.page_table.lookup(1, 1, torch.arange(2), 1) == -1).all()

@@ -1,0 +1,115 @@
+"""Sparse decode quality through the real server on the GPU host (SmolLM2, real weights).
+
+- Q1 (server): 10 prompts, 64 greedy tokens each, sparse on with the budget covering every
+  context and the exact shortcut off (so scoring, selection and retrieval all run) gives the same
+  tokens as sparse off (plain SGLang, FlashInfer).
+- Q4: the pass-key prompts of ``benchmark/quality.py`` (2K/4K/7K tokens, depths 0.1/0.5/0.9),
+  greedy, through the sparse server at budget 512 and through plain SGLang: the same answers.
+
+Results go to ``$SPARSE_SGLANG_RESULTS_DIR/gpu-quality.json`` when that is set.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import requests
+
+from sparse_sglang.default_model import default_model_path
+from sparse_sglang.testing.provenance import git_commit
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess
+
+pytestmark = pytest.mark.gpu
+
+LICENSES = Path("/usr/share/common-licenses")
+COMMON = ["--mem-fraction-static", "0.7", "--sparse-host-cache-gb", "8", "--cuda-graph-max-bs", "8"]
+DENSE = ["--sparse-enabled", "false", "--attention-backend", "flashinfer"]
+PASSKEY_BUDGET = 512
+RESULTS: dict = {}
+
+
+def q1_prompts() -> list[str]:
+    """10 prompts from a few words to ~1.5K tokens (several pages, partial last pages)."""
+    text = (LICENSES / "GPL-3").read_text() if (LICENSES / "GPL-3").exists() else "The quick brown fox. " * 2000
+    short = ["The capital of France is", "def quicksort(xs):\n", "Once upon a time,", "The three primary colors are",
+             "Q: What is 17 * 3?\nA:"]  # fmt: skip
+    long = [text[i * 1500 : i * 1500 + n] + "\n\nSummary:" for i, n in enumerate((600, 1800, 3000, 4500, 6000))]
+    return short + long
+
+
+def generate(url: str, payload: dict) -> dict:
+    assert requests.post(url + "/flush_cache", timeout=60).status_code == 200  # no cached prefixes
+    response = requests.post(url + "/generate", json=payload, timeout=300)
+    assert response.status_code == 200, response.text[:500]
+    return response.json()
+
+
+def passkey_cases(tokenizer) -> list[dict]:
+    from benchmark.quality import passkey_prompt
+
+    rng = random.Random(0)  # benchmark/quality.py's default seed and order
+    cases = []
+    for length in (2048, 4096, 7168):
+        for depth in (0.1, 0.5, 0.9):
+            key = rng.randrange(10_000, 100_000)
+            cases.append({"length": length, "depth": depth, "key": str(key), "ids": passkey_prompt(tokenizer, length, depth, key)})
+    return cases
+
+
+def serve(args: list[str], tag: str, log_dir: Path, work) -> dict:
+    with ServerProcess(SPARSE_MODULE, default_model_path(), [*COMMON, *args], log_path=log_dir / f"{tag}.log") as server:
+        out = work(server.url)
+        log = server.log_path.read_text(errors="replace")
+    assert server.stopped_cleanly, server.log_tail()
+    return {"out": out, "sparse_backend": "sparse attention backend: SparseConfig(" in log}
+
+
+def test_q1_and_q4_through_the_server(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    prompts = q1_prompts()
+    cases = passkey_cases(tokenizer)
+    greedy = {"temperature": 0, "max_new_tokens": 64}
+
+    def q1(url):
+        return [generate(url, {"text": p, "sampling_params": greedy})["output_ids"] for p in prompts]
+
+    def q4(url):
+        params = {"temperature": 0, "max_new_tokens": 8}
+        return [tokenizer.decode(generate(url, {"input_ids": c["ids"], "sampling_params": params})["output_ids"])
+                for c in cases]  # fmt: skip
+
+    dense = serve(DENSE, "dense", tmp_path, lambda url: {"q1": q1(url), "q4": q4(url)})
+    exact = serve(["--sparse-exact-shortcut", "false"], "sparse-exact", tmp_path, q1)
+    budget = serve(["--sparse-token-budget", str(PASSKEY_BUDGET)], "sparse-512", tmp_path, q4)
+    assert exact["sparse_backend"] and budget["sparse_backend"] and not dense["sparse_backend"]
+
+    q1_equal = [a == b for a, b in zip(exact["out"], dense["out"]["q1"])]
+    rows = []
+    for case, d, s in zip(cases, dense["out"]["q4"], budget["out"]):
+        rows.append({"length": case["length"], "prompt_tokens": len(case["ids"]), "depth": case["depth"], "key": case["key"],
+                     "dense": d, "sparse": s, "dense_has_key": case["key"] in d, "sparse_has_key": case["key"] in s})  # fmt: skip
+    summary = {
+        "q1_server_equal": all(q1_equal),
+        "q1_prompts_equal": f"{sum(q1_equal)}/{len(q1_equal)}",
+        "passkey_server_equal": all(r["dense"] == r["sparse"] for r in rows),
+        "passkey_dense_correct": sum(r["dense_has_key"] for r in rows),
+        "passkey_sparse_correct": sum(r["sparse_has_key"] for r in rows),
+    }
+    record = {"summary": summary, "q1": {"prompts": prompts, "dense": dense["out"]["q1"], "sparse": exact["out"]},
+              "q4": {"budget": PASSKEY_BUDGET, "rows": rows}}  # fmt: skip
+    if os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
+        import torch
+
+        record = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+                  "commit": git_commit(), **record}  # fmt: skip
+        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], "gpu-quality.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(summary))
+    assert summary["q1_server_equal"], summary
+    assert summary["passkey_server_equal"], summary
