@@ -79,7 +79,6 @@ class SparseConfig:
     selector: str = knob("quest", help=f"Page scorer: {' | '.join(SELECTORS)}.")
     sink_pages: int = knob(1, help="Leading pages every decode step keeps (attention sinks).")
     recent_pages: int = knob(2, help="Newest pages every decode step keeps, the partial newest page included (>= 1).")
-    dense_layers: int = knob(0, help="Leading layers that always decode densely (Quest leaves its first two layers dense); 0 = every layer sparse.")
     exact_shortcut: bool = knob(True, help="Skip scoring when every request's context fits in the budget (all pages are attended anyway); false checks the selection machinery.")
     working_set_window: int = knob(12, help="Decode steps over which a request's selected pages form its working set (SparseServe's w).")
     gpu_cache_gb: float | None = knob(None, help="HBM (GiB) for cached KV pages; auto = what SGLang's --mem-fraction-static leaves for KV.")
@@ -110,8 +109,6 @@ class SparseConfig:
                 f"sink ({self.sink_pages}) + recent ({self.recent_pages}) pages exceed the "
                 f"token budget's {budget_pages} pages",
             )
-        if self.dense_layers < 0:
-            raise SparseConfigError("dense_layers", f"must be >= 0, got {self.dense_layers}")
         if self.working_set_window < 1:
             raise SparseConfigError("working_set_window", f"must be >= 1, got {self.working_set_window}")
         if self.gpu_cache_gb is not None and self.gpu_cache_gb <= 0:
