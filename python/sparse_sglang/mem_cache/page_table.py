@@ -138,7 +138,10 @@ class TwoLevelPageTable:
         if self.debug and unmapped.any():
             raise IndexError("assign to a logical page beyond its request's size (resize the request first)")
         seg = torch.where(valid & ~unmapped, seg, self.scratch)
-        values = slots.to(torch.int32) if isinstance(slots, torch.Tensor) else slots
+        if isinstance(slots, torch.Tensor):
+            values = slots.to(torch.int32)
+        else:  # a fill, not a copy from a CPU tensor (which CUDA-graph capture refuses)
+            values = torch.full((), slots, dtype=torch.int32, device=self.segments.device)
         self.segments.view(-1)[seg * self.segment_pages + column] = values
 
     def invalidate(self, req_slots, layer, heads, logical_pages) -> None:
