@@ -1,6 +1,7 @@
 """CPU checks of the quality benchmark's machinery on SmolLM2 (a 256-token input, a few seconds):
 the captured post-RoPE q/K/V reproduce the model's attention, and sparse decode with a budget
-covering the whole context is dense decode."""
+covering the whole context is dense decode, and so is one leaving every layer dense
+(``dense_layers``); dense leading layers count as recall 1 in the recall table."""
 
 from __future__ import annotations
 
@@ -54,3 +55,56 @@ def test_sparse_decode_is_dense_when_the_budget_covers_the_context(smollm):
     assert runs[512][0] == runs[None][0]
     assert all(r == pytest.approx(1.0) for r in runs[512][1])  # every page selected: exact path
     assert 0 < min(runs[128][1]) < 1  # 4 of 8 pages: sparse, really
+
+
+@pytest.fixture(scope="module")
+def prefilled(smollm):
+    """(model, dense prefill hook, cache) after all but the last 3 tokens, and those 3 tokens."""
+    from transformers import DynamicCache
+
+    _, model, ids = smollm
+    prefix, suffix = ids[:-3], ids[-3:]
+    cache = DynamicCache(config=model.config)
+    prefill = quality.SparseDecoder(model, quality.Policy(selector=None), TOKENS + 4)
+    quality.run_with(prefill, model, input_ids=torch.tensor([prefix]), past_key_values=cache, logits_to_keep=1)
+    return model, prefill, cache, suffix
+
+
+def test_dense_layers_leave_those_layers_dense_in_decode(prefilled):
+    model, prefill, cache, suffix = prefilled
+    layers, steps = model.config.num_hidden_layers, len(suffix) + 4
+    runs = {}
+    for name, policy in {
+        "dense": quality.Policy(selector=None),
+        "all_dense": quality.Policy(budget=128, dense_layers=layers),  # 4 of 8 pages, but no sparse layer
+        "two_dense": quality.Policy(budget=128, dense_layers=2),
+    }.items():
+        hook = prefill.fork(policy)
+        runs[name] = (quality.decode(model, hook, copy.deepcopy(cache), suffix, 4), hook.recall)
+    assert runs["all_dense"] == (runs["dense"][0], [])  # equal to dense; no sparse step at all
+    assert len(runs["two_dense"][1]) == steps * (layers - 2)  # one recall per sparse (layer, step)
+    assert 0 < min(runs["two_dense"][1]) < 1
+
+
+def test_recall_table_counts_dense_layers_as_exact(smollm):
+    _, model, ids = smollm
+    cap = quality.capture(model, torch.tensor([ids]), num_queries=4)
+    scale = model.model.layers[0].self_attn.scaling
+    sparse, two_dense, all_dense = quality.recall_table(
+        cap, [quality.Policy(budget=128, dense_layers=0), quality.Policy(budget=128, dense_layers=2),
+              quality.Policy(budget=128, dense_layers=len(cap.k))], scale)  # fmt: skip
+    assert two_dense["recall_per_layer"] == [1.0, 1.0] + sparse["recall_per_layer"][2:]
+    assert two_dense["rel_err_per_layer"][:2] == [0.0, 0.0]
+    assert two_dense["recall_mean_sparse_layers"] == pytest.approx(sparse["recall_mean_from_layer2"])
+    assert sparse["recall_mean_sparse_layers"] == pytest.approx(sparse["recall_mean"])
+    assert sparse["recall_mean"] < 1  # 4 of 8 pages: sparse, really
+    assert all_dense["recall_mean"] == 1.0 and all_dense["recall_mean_sparse_layers"] is None
+
+
+def test_policy_names_name_the_knobs_that_differ_from_the_defaults():
+    assert quality.Policy().name == quality.DEFAULT_SELECTOR
+    assert quality.Policy(selector=None, dense_layers=3).name == "dense"
+    name = quality.Policy(budget=1024, dense_layers=quality.Policy().dense_layers + 1).name
+    assert name == f"{quality.DEFAULT_SELECTOR}(budget=1024,dense_layers={quality.Policy().dense_layers + 1})"
+    names = [p.name for p in quality.passkey_policies()]
+    assert len(set(names)) == len(names) and "dense" not in names

@@ -27,7 +27,7 @@ from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess
 pytestmark = pytest.mark.gpu
 
 LICENSES = Path("/usr/share/common-licenses")
-COMMON = ["--mem-fraction-static", "0.7", "--sparse-host-cache-gb", "8", "--cuda-graph-max-bs", "8"]
+COMMON = ["--mem-fraction-static", "0.7", "--disable-prefill-cuda-graph", "--sparse-host-cache-gb", "8", "--cuda-graph-max-bs", "8"]
 DENSE = ["--sparse-enabled", "false", "--attention-backend", "flashinfer"]
 PASSKEY_BUDGET = 512
 RESULTS: dict = {}
