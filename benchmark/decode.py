@@ -24,6 +24,7 @@ import argparse
 import datetime
 import glob
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -131,7 +132,9 @@ def summarize(rows: list[dict]) -> dict:
 def quality_summary() -> dict:
     """Q1 error (this run's GPU test output, if given) and the committed quality results."""
     out = {}
-    files = sorted(glob.glob(str(REPO / "benchmark/results/quality-*.json")))
+    # quality-<date>.json only (not the probes beside them)
+    files = sorted(f for f in glob.glob(str(REPO / "benchmark/results/quality-*.json"))
+                   if re.fullmatch(r"quality-\d{4}-\d{2}-\d{2}\.json", Path(f).name))
     if files:
         q = json.loads(Path(files[-1]).read_text())["summary"]
         out["recall_512_8k"] = q.get("recall_512_7k", q.get("recall_512"))
