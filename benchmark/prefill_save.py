@@ -8,9 +8,9 @@ CUDA events in one process, median of ``--reps``:
 
 - **base**: the prefill alone (what a GPU-resident KV pool costs, minus its KV write);
 - **summaries**: each layer also does what :meth:`SparseKVStore.save` does on the GPU besides the
-  host copy: :meth:`PageSummaries.update` (key min/max/mean per page and kv head) and
-  :meth:`GPUPageCache.store` (page-table lookup, write of the write-allocated pages); per forward
-  also the host-side ``resize_request`` + ``write_allocate`` the backend runs before the layers;
+  host copy, :meth:`SparseKVStore.index` (one fused kernel: key min/max/mean per page and kv head,
+  page-table lookup, write of the write-allocated pages); per forward also the host-side
+  ``resize_request`` + ``write_allocate`` + :class:`SaveRuns` the backend runs before the layers;
 - **full save**: the same with the host copy too (FlashD2H: one D2H copy per layer to pinned
   staging, scattered by CPU threads), waited for at the end, as the server does before it next
   reads the host store.
@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from sparse_sglang.config import SparseConfig
+from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.testing.decode_setup import Llama8BShape, make_store
 from sparse_sglang.testing.provenance import git_commit, save_result
 
@@ -107,7 +108,6 @@ def run(args) -> dict:
     cache, slot = store.cache, 1
     num_pages = math.ceil(tokens / page)
     loc = torch.arange(page, page + tokens, device="cuda")  # host pages 1.. (page 0 is SGLang's padding)
-    positions = torch.arange(tokens, device="cuda")
 
     def begin_forward():
         # What SparseAttnBackend._begin_extend does for one new request, on the host.
@@ -116,11 +116,10 @@ def run(args) -> dict:
         cache.open_request(slot)
         cache.resize_request(slot, num_pages)
         cache.write_allocate(slot, 0, num_pages)
-        store.bind_tokens(torch.full((tokens,), slot, device="cuda"), positions)
+        store.bind_runs(SaveRuns.for_extend([slot], [0], [tokens], page, "cuda"))
 
     def gpu_side(layer, k, v):
-        store.summaries.update(layer, k, loc)
-        cache.store(layer, store.token_req_slots, store.token_positions, k, v)
+        store.index(layer, loc, k.contiguous(), v.contiguous())
 
     def base():
         model.forward()

@@ -1,6 +1,10 @@
-"""Test-wide settings: ``gpu``-marked tests skip where torch sees no CUDA device."""
+"""Test-wide settings: ``gpu``-marked tests skip where torch sees no CUDA device, and there
+Triton kernels run in Triton's interpreter (on CPU tensors), so their CPU tests check the real
+kernel code against the torch references."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -20,3 +24,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+if not _cuda_available():
+    # Read when a kernel is decorated: before any test module imports one.
+    os.environ.setdefault("TRITON_INTERPRET", "1")

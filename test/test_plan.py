@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sparse_sglang.config import GIB, SparseConfig
+from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.plan import MemoryPlanError, plan_memory
 
@@ -40,20 +41,24 @@ def test_short_context_models_cache_every_page_of_a_request():
     assert plan.selection_pages == plan.shape.row_width == plan.shape.max_pages == 32
 
 
-def test_store_save_updates_host_summaries_and_cached_pages():
+@pytest.mark.parametrize("fused", [False, True])
+def test_store_save_updates_host_summaries_and_cached_pages(fused):
     plan = plan_memory(SparseConfig(host_cache_gb=0.01, gpu_cache_gb=0.01), gpu_kv_bytes=GIB, num_layers=2,
                        num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, context_len=256)  # fmt: skip
-    store = SparseKVStore(plan.shape, "cpu")
+    store = SparseKVStore(plan.shape, "cpu", fused=fused)  # fused on CPU: Triton's interpreter
     cache = store.cache
     cache.open_request(1, 2)
     cache.write_allocate(1, 0, 1)  # page 0 cached, page 1 host-only
-    loc = torch.tensor([5 * 32 + 0, 5 * 32 + 1, 7 * 32 + 0])  # tokens 0, 1 in host page 5, token 32 in page 7
-    store.bind_tokens(torch.tensor([1, 1, 1]), torch.tensor([0, 1, 32]))
     k, v = torch.randn(3, 2, 16).bfloat16(), torch.randn(3, 2, 16).bfloat16()
-    store.save(1, loc, k, v, staged=True)
+    # A forward saving tokens 0, 1 (host page 5), then one saving token 32 (host page 7).
+    store.bind_runs(SaveRuns.for_extend([1], [0], [2], page_size=32, device="cpu"))
+    store.save(1, torch.tensor([5 * 32 + 0, 5 * 32 + 1]), k[:2], v[:2], staged=True)
+    store.bind_runs(SaveRuns.for_decode(torch.tensor([1]), torch.tensor([33]), page_size=32))
+    store.save(1, torch.tensor([7 * 32 + 0]), k[2:], v[2:], staged=False)
     assert torch.equal(store.host.k[1, :, 5, :2], k[:2].transpose(0, 1))
     assert torch.equal(store.host.v[1, :, 7, 0], v[2])
     assert store.summaries.count[1, 5] == 2 and store.summaries.count[1, 7] == 1
+    assert torch.equal(store.summaries.kmax[1, :, 5], k[:2].amax(0))
     slot = cache.page_table.lookup(1, 1, torch.arange(2), 0).long()
     assert torch.equal(cache.k[slot, :2], k[:2].transpose(0, 1))
     assert (cache.page_table.lookup(1, 1, torch.arange(2), 1) == -1).all()

@@ -27,6 +27,7 @@ from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from sparse_sglang.attention.prefix import PrefixAttention
 from sparse_sglang.attention.sparse_decode import SparseDecoder, host_page_table
 from sparse_sglang.integration.registry import relies_on
+from sparse_sglang.mem_cache.kernels import SaveRuns
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -103,8 +104,8 @@ class SparseAttnBackend(FlashInferAttnBackend):
             first, end = math.ceil(prefix / page), math.ceil((prefix + new) / page)
             cache.resize_request(slot, end)
             cache.write_allocate(slot, first, end - first)  # new pages go to free row slots while any are left
-        req_per_token = torch.repeat_interleave(fb.req_pool_indices, fb.extend_seq_lens, output_size=sum(fb.extend_seq_lens_cpu))
-        self.store.bind_tokens(req_per_token, fb.positions)
+        self.store.bind_runs(SaveRuns.for_extend(slots, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, page,
+                                                 fb.req_pool_indices.device))  # fmt: skip
         self.prefix.plan(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu,
                          fb.extend_seq_lens_cpu)  # fmt: skip
 
@@ -123,7 +124,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         host_pages = host_page_table(self.req_to_token_pool.req_to_token, fb.req_pool_indices,
                                      math.ceil(max(seq_lens) / page), page)  # fmt: skip
         self.decoder.plan(fb.req_pool_indices, fb.seq_lens_cpu, host_pages)
-        self.store.bind_tokens(fb.req_pool_indices, fb.seq_lens - 1)
+        self.store.bind_runs(SaveRuns.for_decode(fb.req_pool_indices, fb.seq_lens, page))
 
     # Per layer, on the device.
 

@@ -9,9 +9,11 @@
 
 :meth:`SparseKVStore.save` is what SGLang's ``set_kv_buffer`` becomes. It needs each token's
 request slot and position (for the page cache), which the attention backend binds once per
-forward with :meth:`bind_tokens`, before the layers run.
+forward as :class:`~sparse_sglang.mem_cache.kernels.SaveRuns` (:meth:`bind_runs`), before the
+layers run.
 
-On a CPU device (tests) the engines are replaced by their pure-torch references.
+On a CPU device (tests) the engines are replaced by their pure-torch references, and the fused
+index kernel by ``PageSummaries.update`` + ``GPUPageCache.store``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from sparse_sglang.mem_cache.gpu_cache import GPUPageCache
 from sparse_sglang.mem_cache.host_pool import HostKVPool
+from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs
 from sparse_sglang.mem_cache.summaries import PageSummaries
 from sparse_sglang.transfer import gather_blocks_reference, scatter_tokens_reference
 
@@ -53,9 +56,13 @@ class SparseKVStore:
         The GPU (or ``"cpu"`` for tests: unpinned host store, reference transfers).
     with_radius : bool
         Keep ArkVale's radius summary (the ``arkvale`` selector).
+    fused : bool
+        Index new tokens with the fused kernel (default: on CUDA; on CPU it runs in Triton's
+        interpreter) instead of the torch reference.
     """
 
-    def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False):
+    def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False,
+                 fused: bool | None = None):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
@@ -77,18 +84,27 @@ class SparseKVStore:
         else:
             self.load = lambda src, dst: gather_blocks_reference(self.host.k, self.host.v, self.cache.k, self.cache.v, src, dst)
             self.flash_d2h = self.direct_d2h = None
-        # The current forward's tokens: request slot and position of each (bind_tokens).
-        self.token_req_slots = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.token_positions = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.fused = on_gpu if fused is None else fused
+        self.runs: SaveRuns | None = None  # the current forward's tokens (bind_runs)
 
     @property
     def gpu_bytes(self) -> int:
         cache = (self.cache.k.numel() + self.cache.v.numel()) * self.shape.dtype.itemsize
         return self.summaries.nbytes + cache
 
-    def bind_tokens(self, req_slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """Request slot and position ``[T]`` of each token the next forward saves."""
-        self.token_req_slots, self.token_positions = req_slots.long(), positions.long()
+    def bind_runs(self, runs: SaveRuns) -> None:
+        """The tokens the next forward saves (their request slots and positions, as runs)."""
+        self.runs = runs
+
+    def index(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The GPU side of a save (SPIN's *Index*): fold keys ``[T, Hkv, D]`` (store dtype,
+        contiguous) into the page summaries and write K/V into the cached blocks of their pages."""
+        runs = self.runs
+        if self.fused:
+            index_runs(self.summaries, self.cache, layer, k, v, loc, runs)
+        else:
+            self.summaries.update(layer, k, loc)
+            self.cache.store(layer, runs.token_req_slots, runs.token_positions, k, v)
 
     def save(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, staged: bool) -> None:
         """Save one layer's new K/V ``[T, Hkv, D]`` at host token slots ``loc`` ``[T]``.
@@ -98,9 +114,8 @@ class SparseKVStore:
         :meth:`wait_saves` before reading those pages from the host) and through the direct-write
         kernel otherwise (decode: a few rows, stream-ordered, capturable in a CUDA graph).
         """
-        k, v = k.to(self.shape.dtype), v.to(self.shape.dtype)
-        self.summaries.update(layer, k, loc)
-        self.cache.store(layer, self.token_req_slots, self.token_positions, k, v)
+        k, v = k.to(self.shape.dtype).contiguous(), v.to(self.shape.dtype).contiguous()
+        self.index(layer, loc, k, v)
         if self.flash_d2h is None:
             scatter_tokens_reference(self.host.k, self.host.v, layer, k.cpu(), v.cpu(), loc.cpu())
         elif staged:

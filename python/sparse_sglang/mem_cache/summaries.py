@@ -88,6 +88,10 @@ class PageSummaries:
             out["radius"] = self._radius[layer]
         return out
 
+    def layer_count(self, layer: int) -> torch.Tensor:
+        """Tokens summarized per page of one layer, ``[num_pages + 1]`` int32 (padding page last)."""
+        return self._count[layer]
+
     @property
     def nbytes(self) -> int:
         parts = (self._kmin, self._kmax, self._mean, self._count, self._radius)

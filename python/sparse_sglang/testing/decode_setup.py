@@ -14,6 +14,7 @@ import torch
 
 from sparse_sglang.attention.sparse_decode import SparseDecoder
 from sparse_sglang.config import SparseConfig
+from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.mem_cache.kv_store import SparseKVStore, StoreShape
 from sparse_sglang.mem_cache.plan import ROW_SLACK
 
@@ -43,7 +44,7 @@ class DecodeBench:
     """``batch`` requests (slots ``1..batch``) of ``context`` tokens plus the one decoded now."""
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, batch: int, context: int,
-                 workspace: torch.Tensor):  # fmt: skip
+                 workspace: torch.Tensor, **decoder_options):  # fmt: skip
         s = store.shape
         self.store, self.batch, self.context = store, batch, context
         self.seq_len = context + 1
@@ -58,13 +59,13 @@ class DecodeBench:
         # Request b holds host pages 1 + b * num_pages ... (distinct pages, as in the server).
         self.host_pages = (1 + torch.arange(batch, device="cuda").view(-1, 1) * self.num_pages
                            + torch.arange(self.num_pages, device="cuda").view(1, -1)).to(torch.int32)  # fmt: skip
-        self.decoder = SparseDecoder(store, config, num_q_heads, workspace, batch)
+        self.decoder = SparseDecoder(store, config, num_q_heads, workspace, batch, **decoder_options)
         self.positions = torch.full((batch,), context, device="cuda")
 
     def plan(self) -> None:
         self.store.cache.next_step()
         self.decoder.plan(self.req_slots, torch.full((self.batch,), self.seq_len), self.host_pages)
-        self.store.bind_tokens(self.req_slots, self.positions)
+        self.store.bind_runs(SaveRuns.for_decode(self.req_slots, self.positions + 1, self.store.shape.page_size))
 
     def token_slots(self) -> torch.Tensor:
         """``[batch, seq_len]`` host token slots of every token of every request."""
@@ -75,9 +76,8 @@ class DecodeBench:
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Save ``[batch, seq_len, Hkv, D]`` K/V of one layer (host store, summaries; not cached)."""
         slots = self.token_slots().reshape(-1)
-        req = self.req_slots.repeat_interleave(self.seq_len)
-        pos = torch.arange(self.seq_len, device="cuda").repeat(self.batch)
-        self.store.bind_tokens(req, pos)
+        page = self.store.shape.page_size
+        self.store.bind_runs(SaveRuns.for_extend(self.req_slots.tolist(), [0] * self.batch, [self.seq_len] * self.batch, page, "cuda"))
         heads, dim = k.shape[-2:]
         self.store.save(layer, slots, k.reshape(-1, heads, dim), v.reshape(-1, heads, dim), staged=True)
         self.store.wait_saves()

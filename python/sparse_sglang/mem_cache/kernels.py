@@ -1,0 +1,302 @@
+"""Fused Triton kernels of the hierarchy's two per-layer hot paths, each one launch:
+
+- :func:`index_runs` (the *Index* half of a save): fold new keys into the page summaries and
+  write new K/V into the cached blocks of their pages. Its reference is
+  :meth:`PageSummaries.update` + :meth:`GPUPageCache.store` (dozens of torch ops with atomics
+  when a page's tokens contend, 4 ms per layer of a 32K-token prefill on an H100).
+- :func:`retrieve_pages`: for a decode step's selected pages, look up the page table, choose LRU
+  victims in each request's cache row for the misses, update the table, and write FlashInfer's
+  page indices and the FlashH2D copy list. Its reference is :meth:`GPUPageCache.retrieve`.
+
+Both work on *runs*: tokens are saved in runs of consecutive positions of one request inside one
+page (:class:`SaveRuns`), so one program owns one (page, kv head) and needs no atomics. A page's
+tokens arrive in position order (SGLang appends), so a run starting at page offset ``o`` finds
+``o`` tokens in the page already: that is the page's old count.
+
+Without CUDA, the CPU tests run these kernels in Triton's interpreter (``TRITON_INTERPRET=1``,
+set by ``test/conftest.py``) and compare them with the torch references.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:  # Triton comes with CUDA builds of torch (and runs on the CPU in its interpreter).
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRuns:
+    """The tokens one forward saves, as runs of consecutive positions of one request in one page.
+
+    Attributes
+    ----------
+    start, length : torch.Tensor
+        ``[R]`` int32: first token (index into the forward's token order) and token count
+        (``1..page_size``) of each run.
+    req_slot, logical_page, page_offset : torch.Tensor
+        ``[R]`` int32: request slot, logical page (``position // page_size``) and offset of the
+        run's first token in the page (``position % page_size``).
+    token_req_slots, token_positions : torch.Tensor
+        ``[T]`` int64: the same per token (the torch reference path reads these).
+    """
+
+    start: torch.Tensor
+    length: torch.Tensor
+    req_slot: torch.Tensor
+    logical_page: torch.Tensor
+    page_offset: torch.Tensor
+    token_req_slots: torch.Tensor
+    token_positions: torch.Tensor
+
+    @property
+    def num_runs(self) -> int:
+        return self.start.shape[0]
+
+    @classmethod
+    def for_extend(cls, req_slots: list[int], prefix_lens: list[int], extend_lens: list[int], page_size: int,
+                   device: torch.device | str) -> SaveRuns:  # fmt: skip
+        """Runs of an extend batch: request ``i`` saves positions ``[prefix_lens[i], prefix_lens[i] +
+        extend_lens[i])``, its tokens following request ``i - 1``'s. Built on the host from the
+        scheduler's lengths (no device reads), copied to ``device`` without blocking."""
+        slots = torch.tensor(req_slots, dtype=torch.int64)
+        starts = torch.tensor(prefix_lens, dtype=torch.int64)
+        lens = torch.tensor(extend_lens, dtype=torch.int64)
+        ends = starts + lens
+        has = lens > 0
+        first = starts // page_size
+        nruns = torch.where(has, (ends - 1) // page_size - first + 1, 0)
+        owner = torch.repeat_interleave(torch.arange(len(req_slots)), nruns)
+        run_base = torch.cumsum(nruns, 0) - nruns
+        page = first[owner] + torch.arange(int(nruns.sum())) - run_base[owner]
+        lo = torch.maximum(page * page_size, starts[owner])
+        hi = torch.minimum((page + 1) * page_size, ends[owner])
+        token_base = torch.cumsum(lens, 0) - lens
+        token_req = torch.repeat_interleave(slots, lens)
+        token_pos = torch.cat([torch.arange(s, e) for s, e in zip(starts.tolist(), ends.tolist())]) if len(req_slots) else lens
+        runs = (token_base[owner] + lo - starts[owner], hi - lo, slots[owner], page, lo % page_size)
+        to = lambda t, dtype: t.to(dtype).to(device, non_blocking=True)  # noqa: E731
+        return cls(*(to(t, torch.int32) for t in runs), to(token_req, torch.int64), to(token_pos, torch.int64))
+
+    @classmethod
+    def for_decode(cls, req_slots: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> SaveRuns:
+        """Runs of a decode batch (one token per request, at position ``seq_lens - 1``), on the
+        device from device tensors: no host synchronization, fine inside a CUDA graph."""
+        pos = seq_lens.long() - 1
+        batch = req_slots.shape[0]
+        i32 = torch.int32
+        return cls(torch.arange(batch, dtype=i32, device=req_slots.device), torch.ones(batch, dtype=i32, device=req_slots.device),
+                   req_slots.to(i32), (pos // page_size).to(i32), (pos % page_size).to(i32), req_slots.long(), pos)  # fmt: skip
+
+
+if triton is not None:
+
+    @triton.jit
+    def _index_runs_kernel(
+        k_ptr, v_ptr, token_slots_ptr,
+        run_start_ptr, run_len_ptr, run_req_ptr, run_page_ptr, run_offset_ptr,
+        kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, count_ptr,
+        directory_ptr, segments_ptr, cache_k_ptr, cache_v_ptr,
+        layer, num_layers, num_heads, num_dir, summary_head_stride,
+        P: tl.constexpr, D: tl.constexpr, SEG: tl.constexpr, WITH_RADIUS: tl.constexpr, STORE_CACHE: tl.constexpr,
+    ):  # fmt: skip
+        # One program: one run (<= P tokens of one page) of one kv head.
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        start = tl.load(run_start_ptr + r).to(tl.int64)
+        n = tl.load(run_len_ptr + r)
+        offset = tl.load(run_offset_ptr + r)
+        first_slot = tl.load(token_slots_ptr + start)
+        ok = first_slot >= 0  # padding runs (CUDA-graph filler) save nothing
+        page = tl.where(ok, first_slot // P, 0)
+        t = tl.arange(0, P)
+        d = tl.arange(0, D)
+        tok = ok & (t < n)
+        rows = (start + t)[:, None] * (num_heads * D) + h * D + d[None, :]
+        x = tl.load(k_ptr + rows, mask=tok[:, None], other=0.0).to(tl.float32)
+
+        # Summaries: the page held `offset` tokens before this run (see module doc).
+        s = h.to(tl.int64) * summary_head_stride + page * D + d
+        keep = ok & (offset > 0) & (d < D)  # merge with the old values; offset 0 starts the page
+        old_min = tl.load(kmin_ptr + s, mask=keep, other=float("inf")).to(tl.float32)
+        old_max = tl.load(kmax_ptr + s, mask=keep, other=float("-inf")).to(tl.float32)
+        old_mean = tl.load(mean_ptr + s, mask=keep, other=0.0)
+        lo = tl.minimum(old_min, tl.min(tl.where(tok[:, None], x, float("inf")), axis=0))
+        hi = tl.maximum(old_max, tl.max(tl.where(tok[:, None], x, float("-inf")), axis=0))
+        c = offset.to(tl.float32)
+        total = c + n.to(tl.float32)
+        store = ok & (d < D)
+        tl.store(kmin_ptr + s, lo.to(kmin_ptr.dtype.element_ty), mask=store)
+        tl.store(kmax_ptr + s, hi.to(kmax_ptr.dtype.element_ty), mask=store)
+        tl.store(mean_ptr + s, (old_mean * c + tl.sum(x, axis=0)) / total, mask=store)
+        if WITH_RADIUS:  # ArkVale: mean |k - centre| against the updated (stored) cuboid
+            centre = (lo.to(kmin_ptr.dtype.element_ty).to(tl.float32) + hi.to(kmax_ptr.dtype.element_ty).to(tl.float32)) * 0.5
+            old_radius = tl.load(radius_ptr + s, mask=keep, other=0.0)
+            dev = tl.sum(tl.where(tok[:, None], tl.abs(x - centre[None, :]), 0.0), axis=0)
+            tl.store(radius_ptr + s, (old_radius * c + dev) / total, mask=store)
+        if h == 0:
+            tl.store(count_ptr + page, (offset + n).to(tl.int32), mask=ok)
+
+        if STORE_CACHE:  # write-through into the page's cache block, if the page is cached
+            req = tl.load(run_req_ptr + r).to(tl.int64)
+            lpage = tl.load(run_page_ptr + r).to(tl.int64)
+            entry = ((req * num_layers + layer) * num_heads + h) * num_dir + lpage // SEG
+            seg = tl.load(directory_ptr + entry, mask=ok & (req >= 0), other=0).to(tl.int64)
+            slot = tl.load(segments_ptr + seg * SEG + lpage % SEG, mask=ok & (req >= 0), other=-1).to(tl.int64)
+            dst = (slot * P + offset + t)[:, None] * D + d[None, :]
+            cached = tok[:, None] & (slot >= 0)
+            tl.store(cache_k_ptr + dst, x.to(cache_k_ptr.dtype.element_ty), mask=cached)
+            xv = tl.load(v_ptr + rows, mask=cached, other=0.0)
+            tl.store(cache_v_ptr + dst, xv, mask=cached)
+
+    @triton.jit
+    def _retrieve_kernel(
+        pages_ptr, num_pages_ptr, req_slots_ptr, host_pages_ptr,
+        directory_ptr, segments_ptr, rows_ptr, slot_page_ptr, last_used_ptr, step_ptr,
+        indptr_ptr, indices_ptr, miss_src_ptr, miss_dst_ptr,
+        layer, num_layers, num_heads, num_dir, host_pages_stride, num_host_pages,
+        K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SEG: tl.constexpr,
+    ):  # fmt: skip
+        # One program: one (request, kv head) row of the selection.
+        bh = tl.program_id(0)
+        b = bh // num_heads
+        h = bh % num_heads
+        req = tl.load(req_slots_ptr + b).to(tl.int64)
+        n = tl.load(num_pages_ptr + b).to(tl.int64)
+        step = tl.load(step_ptr)
+        j = tl.arange(0, KP)
+        page = tl.load(pages_ptr + bh * K + j, mask=j < K, other=-1).to(tl.int64)
+        valid = (page >= 0) & (page < n)
+        page = tl.where(valid, page, 0)
+        dir_base = ((req * num_layers + layer) * num_heads + h) * num_dir
+        seg = tl.load(directory_ptr + dir_base + page // SEG, mask=valid, other=0).to(tl.int64)
+        entry = seg * SEG + page % SEG
+        hit = tl.load(segments_ptr + entry, mask=valid, other=-1).to(tl.int64)
+        is_hit = valid & (hit >= 0)
+        miss = valid & (hit < 0)
+
+        # Victims: the row's slots by last use (hits count as used now), oldest first; ties by position.
+        w = tl.arange(0, WP)
+        in_row = w < W
+        row_base = ((req * num_layers + layer) * num_heads + h) * W
+        row = tl.load(rows_ptr + row_base + w, mask=in_row, other=-1)
+        used = tl.load(last_used_ptr + row, mask=in_row, other=0)
+        hit_now = tl.max(((row[:, None] == hit[None, :]) & is_hit[None, :]).to(tl.int32), axis=1) > 0
+        used = tl.where(hit_now, step, used)
+        order = tl.sort(tl.where(in_row, (used + 1) * WP + w, (step + 2) * WP + w))
+        rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+        victim = tl.gather(order % WP, tl.where(miss, rank, 0), 0)
+        dst = tl.load(rows_ptr + row_base + victim, mask=miss, other=-1)
+
+        # Unmap what the victims held, map the misses, stamp the use.
+        old = tl.load(slot_page_ptr + dst, mask=miss, other=-1)
+        had = miss & (old >= 0)
+        old_c = tl.where(had, old, 0)
+        old_seg = tl.load(directory_ptr + dir_base + old_c // SEG, mask=had, other=0).to(tl.int64)
+        tl.store(segments_ptr + old_seg * SEG + old_c % SEG, tl.full([KP], -1, tl.int32), mask=had)
+        tl.store(segments_ptr + entry, dst.to(tl.int32), mask=miss)
+        tl.store(slot_page_ptr + dst, page, mask=miss)
+        slot = tl.where(miss, dst, hit)
+        tl.store(last_used_ptr + slot, tl.full([KP], 0, tl.int64) + step, mask=valid)
+
+        # FlashInfer's page indices for this row: the newest page last (last_page_len covers it).
+        count = tl.sum(valid.to(tl.int32), axis=0)
+        newest = valid & (page == n - 1)
+        other = valid & (page != n - 1)
+        pos = tl.where(newest, count - 1, tl.cumsum(other.to(tl.int32), axis=0) - 1)
+        base = tl.load(indptr_ptr + bh)
+        tl.store(indices_ptr + base + pos, slot.to(tl.int32), mask=valid)
+
+        # FlashH2D's copy list: flat host block (layer, head, host page) -> slot; -1 = nothing.
+        host_page = tl.load(host_pages_ptr + b * host_pages_stride + page, mask=miss, other=0).to(tl.int64)
+        tl.store(miss_src_ptr + bh * K + j, ((layer * num_heads + h) * num_host_pages + host_page), mask=j < K)
+        tl.store(miss_dst_ptr + bh * K + j, tl.where(miss, dst, -1), mask=j < K)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, token_slots: torch.Tensor,
+               runs: SaveRuns, *, store_cache: bool = True) -> None:  # fmt: skip
+    """Fold one layer's new keys into ``summaries`` and write new K/V into ``cache`` (one launch).
+
+    Parameters
+    ----------
+    summaries : PageSummaries
+    cache : GPUPageCache
+    layer : int
+    k, v : torch.Tensor
+        ``[T, Hkv, D]`` contiguous, of the cache dtype.
+    token_slots : torch.Tensor
+        ``[T]`` int64 host token slots (``-1`` = padding: the run saves nothing).
+    runs : SaveRuns
+        The forward's runs (their tokens are ``k``'s rows).
+    store_cache : bool
+        Also write the cached blocks (the reference: :meth:`GPUPageCache.store`).
+    """
+    if runs.num_runs == 0:
+        return
+    num_tokens, heads, dim = k.shape
+    assert k.is_contiguous() and v.is_contiguous() and dim & (dim - 1) == 0, "k/v [T, H, D] contiguous, D a power of two"
+    pt = cache.page_table
+    lay = summaries.layer(layer)
+    kmin = lay["kmin"]
+    _index_runs_kernel[(runs.num_runs, heads)](
+        k, v, token_slots, runs.start, runs.length, runs.req_slot, runs.logical_page, runs.page_offset,
+        kmin, lay["kmax"], lay["mean"], lay.get("radius", kmin), summaries.layer_count(layer),
+        pt.directory, pt.segments, cache._k, cache._v,
+        layer, pt.num_layers, heads, pt.directory.shape[-1], kmin.stride(0),
+        P=cache.page_size, D=dim, SEG=pt.segment_pages, WITH_RADIUS="radius" in lay, STORE_CACHE=store_cache,
+    )  # fmt: skip
+
+
+def retrieve_pages(
+    cache, layer: int, req_slots: torch.Tensor, page_ids: torch.Tensor, num_pages: torch.Tensor,
+    host_pages: torch.Tensor, num_host_pages: int, indptr: torch.Tensor, indices: torch.Tensor,
+    miss_src: torch.Tensor, miss_dst: torch.Tensor,
+) -> None:
+    """Hits, LRU victims, table updates, FlashInfer indices and the miss list of one layer (one launch).
+
+    Parameters
+    ----------
+    cache : GPUPageCache
+    layer : int
+    req_slots : torch.Tensor
+        ``[B]`` request slots (each open).
+    page_ids : torch.Tensor
+        ``[B, Hkv, K]`` selected logical pages in any order; ``-1`` or ``>= num_pages`` = none.
+        ``K <= row_width``; the newest page ``num_pages - 1`` should be among them.
+    num_pages : torch.Tensor
+        ``[B]`` pages each request holds.
+    host_pages : torch.Tensor
+        ``[B, N]`` host page id of each logical page.
+    num_host_pages : int
+        Pages per (layer, head) of the host store (the flat block index's stride).
+    indptr : torch.Tensor
+        ``[B * Hkv + 1]`` int32 FlashInfer indptr: row ``b * Hkv + h`` holds ``min(num_pages, K)``.
+    indices : torch.Tensor
+        int32 FlashInfer page indices, written at ``indptr[row] ..`` (the newest page last).
+    miss_src, miss_dst : torch.Tensor
+        ``[B * Hkv * K]`` int64 outputs: the copies FlashH2D must do (``miss_dst < 0`` = none).
+
+    Notes
+    -----
+    Same choices as :meth:`GPUPageCache.retrieve` (its reference): hits are stamped used now, the
+    row's other slots sorted by last use (stable) are the victims, the ``i``-th miss of a row (in
+    ``page_ids`` order) takes the ``i``-th victim.
+    """
+    batch, heads, width = page_ids.shape
+    assert width <= cache.row_width, f"{width} selected pages exceed the cache row ({cache.row_width})"
+    pt = cache.page_table
+    _retrieve_kernel[(batch * heads,)](
+        page_ids, num_pages, req_slots, host_pages, pt.directory, pt.segments, cache.rows, cache.slot_page,
+        cache.last_used, cache.step, indptr, indices, miss_src, miss_dst,
+        layer, pt.num_layers, heads, pt.directory.shape[-1], host_pages.stride(0), num_host_pages,
+        K=width, KP=_pow2(width), W=cache.row_width, WP=_pow2(cache.row_width), SEG=pt.segment_pages,
+    )  # fmt: skip

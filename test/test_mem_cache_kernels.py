@@ -1,0 +1,147 @@
+"""The fused Triton kernels of ``mem_cache.kernels`` against their torch references.
+
+On a machine without CUDA these run in Triton's interpreter (``test/conftest.py`` sets
+``TRITON_INTERPRET=1``); on the GPU host the same tests run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+from sparse_sglang.mem_cache import GPUPageCache, PageSummaries
+from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs, retrieve_pages
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_cache(num_slots, layers=2, heads=2, page_size=8, dim=16, dtype=torch.bfloat16, width=4, max_pages=24):
+    return GPUPageCache(num_slots, layers, heads, page_size, dim, dtype, max_requests=4, row_width=width,
+                        max_pages=max_pages, total_pages=64, device=DEVICE, segment_pages=4)  # fmt: skip
+
+
+def test_save_runs_split_each_request_at_its_page_boundaries():
+    runs = SaveRuns.for_extend([3, 1, 2], [5, 0, 16], [12, 3, 0], page_size=8, device="cpu")
+    # request 3: positions 5..16 -> pages 0 (5..7), 1 (8..15), 2 (16); request 1: 0..2 in page 0.
+    assert runs.start.tolist() == [0, 3, 11, 12]
+    assert runs.length.tolist() == [3, 8, 1, 3]
+    assert runs.req_slot.tolist() == [3, 3, 3, 1]
+    assert runs.logical_page.tolist() == [0, 1, 2, 0]
+    assert runs.page_offset.tolist() == [5, 0, 0, 0]
+    assert runs.token_req_slots.tolist() == [3] * 12 + [1] * 3
+    assert runs.token_positions.tolist() == list(range(5, 17)) + [0, 1, 2]
+    rng = random.Random(0)
+    for _ in range(50):
+        prefix = [rng.randrange(40) for _ in range(4)]
+        new = [rng.randrange(30) for _ in range(4)]
+        r = SaveRuns.for_extend([0, 1, 2, 3], prefix, new, page_size=8, device="cpu")
+        got = [(int(q), p * 8 + o + i) for s, n, q, p, o in zip(*(x.tolist() for x in (r.start, r.length, r.req_slot, r.logical_page, r.page_offset))) for i in range(n)]
+        assert got == list(zip(r.token_req_slots.tolist(), r.token_positions.tolist()))
+        assert all(0 < n <= 8 and o + n <= 8 for n, o in zip(r.length.tolist(), r.page_offset.tolist()))
+    decode = SaveRuns.for_decode(torch.tensor([2, 0]), torch.tensor([9, 16]), page_size=8)
+    assert decode.logical_page.tolist() == [1, 1] and decode.page_offset.tolist() == [0, 7]
+    assert decode.token_positions.tolist() == [8, 15] and decode.length.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("dtype,with_radius", [(torch.bfloat16, True), (torch.float16, False)])
+def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius):
+    """Prefill batches with prefixes, then decode steps: the fused kernel leaves the summaries and
+    the cached blocks as the torch reference does."""
+    gen = torch.Generator().manual_seed(3)
+    layers, heads, page, dim, host_pages = 2, 2, 8, 16, 40
+    ref_summ = PageSummaries(layers, heads, host_pages, page, dim, dtype, DEVICE, with_radius=with_radius)
+    ref_cache = make_cache(80, layers, heads, page, dim, dtype, width=4)
+    summ, cache = copy.deepcopy(ref_summ), copy.deepcopy(ref_cache)
+    reqs = {1: 0, 3: 0}  # request slot -> tokens saved so far
+    page_of = {1: list(range(1, 13)), 3: list(range(20, 32))}  # logical page -> host page
+    for c in (ref_cache, cache):
+        for r in reqs:
+            c.open_request(r)
+
+    def forward(new_tokens: dict[int, int]):
+        slots = list(new_tokens)
+        runs = SaveRuns.for_extend(slots, [reqs[r] for r in slots], list(new_tokens.values()), page, DEVICE)
+        for c in (ref_cache, cache):
+            for r, n in new_tokens.items():
+                first, end = math.ceil(reqs[r] / page), math.ceil((reqs[r] + n) / page)
+                c.resize_request(r, end)
+                c.write_allocate(r, first, end - first)
+        pos, req = runs.token_positions, runs.token_req_slots
+        loc = torch.tensor([page_of[r][p // page] * page + p % page for r, p in zip(req.tolist(), pos.tolist())], device=DEVICE)
+        for layer in range(layers):
+            k, v = (torch.randn(len(loc), heads, dim, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+            ref_summ.update(layer, k, loc)
+            ref_cache.store(layer, req, pos, k, v)
+            index_runs(summ, cache, layer, k, v, loc, runs)
+        for r, n in new_tokens.items():
+            reqs[r] += n
+
+    forward({1: 13, 3: 5})  # prefill
+    forward({3: 17})  # the rest of request 3's prompt (a chunk continuing a partial page)
+    for _ in range(12):  # decode, one token each; pages fill and start
+        forward({1: 1, 3: 1})
+    held = [p for pages in page_of.values() for p in pages]
+    for name in ("kmin", "kmax", "count"):
+        assert torch.equal(getattr(summ, name)[..., held, :] if name != "count" else summ.count[:, held],
+                           getattr(ref_summ, name)[..., held, :] if name != "count" else ref_summ.count[:, held]), name
+    torch.testing.assert_close(summ.mean[:, :, held], ref_summ.mean[:, :, held], rtol=1e-5, atol=1e-5)
+    if with_radius:
+        torch.testing.assert_close(summ.radius[:, :, held], ref_summ.radius[:, :, held], rtol=1e-4, atol=1e-4)
+    assert torch.equal(cache.k.view(torch.uint8), ref_cache.k.view(torch.uint8))
+    assert torch.equal(cache.v.view(torch.uint8), ref_cache.v.view(torch.uint8))
+
+
+def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indices():
+    """Random selections over many steps (some rows partly padded, pages past a request's end
+    ignored): the kernel's hits, victims, table updates and copies equal the reference's, and
+    each row's FlashInfer indices are its slots with the newest page last."""
+    rng = random.Random(11)
+    layers, heads, width, k_sel, page, dim = 2, 3, 6, 4, 8, 16
+    ref = make_cache(2 * layers * heads * width + 5, layers, heads, page, dim, width=width, max_pages=16)
+    host_pages = torch.tensor([[3 + i for i in range(16)], [30 + i for i in range(16)]], device=DEVICE, dtype=torch.int32)
+    req_slots = torch.tensor([2, 1], device=DEVICE)
+    for r in req_slots.tolist():
+        ref.open_request(r, 16)
+    ref.write_allocate(2, 0, 3)  # some pages cached from the prefill
+    cache = copy.deepcopy(ref)
+    for step in range(30):
+        ref.next_step()
+        cache.next_step()
+        num_pages = torch.tensor([rng.randrange(k_sel, 17), rng.randrange(1, 17)], device=DEVICE)
+        selected = num_pages.clamp(max=k_sel)
+        indptr = torch.zeros(2 * heads + 1, dtype=torch.int32, device=DEVICE)
+        indptr[1:] = torch.cumsum(selected.repeat_interleave(heads), 0)
+        for layer in range(layers):
+            page_ids = torch.full((2, heads, k_sel), -1, dtype=torch.int64)
+            for b, n in enumerate(num_pages.tolist()):
+                for h in range(heads):
+                    chosen = rng.sample(range(n - 1), min(n, k_sel) - 1) + [n - 1]  # the newest page always
+                    rng.shuffle(chosen)
+                    page_ids[b, h, : len(chosen)] = torch.tensor(chosen)
+                    if len(chosen) < k_sel and rng.random() < 0.5:
+                        page_ids[b, h, len(chosen)] = n + rng.randrange(3)  # past the end: ignored
+            page_ids = page_ids.to(DEVICE)
+            ref_ids = torch.where(page_ids < num_pages.view(-1, 1, 1), page_ids, -1)
+            loads = []
+            slots = ref.retrieve(layer, req_slots, ref_ids, host_pages, lambda s, d: loads.append((s, d)), 50)
+            indices = torch.full((int(indptr[-1]),), -7, dtype=torch.int32, device=DEVICE)
+            miss_src = torch.empty(2 * heads * k_sel, dtype=torch.int64, device=DEVICE)
+            miss_dst = torch.empty_like(miss_src)
+            retrieve_pages(cache, layer, req_slots, page_ids, num_pages, host_pages, 50, indptr, indices, miss_src, miss_dst)
+            src, dst = loads[0]
+            assert torch.equal(miss_dst, dst.view(-1)), (step, layer)
+            assert torch.equal(miss_src[dst.view(-1) >= 0], src.view(-1)[dst.view(-1) >= 0])
+            for name in ("slot_page", "last_used"):  # the reference's scratch entry (last) aside
+                assert torch.equal(getattr(cache, name)[:-1], getattr(ref, name)[:-1]), name
+            assert torch.equal(cache.page_table.segments, ref.page_table.segments)
+            for b in range(2):
+                n = int(num_pages[b])
+                for h in range(heads):
+                    row = indices[indptr[b * heads + h] : indptr[b * heads + h + 1]].tolist()
+                    valid = ref_ids[b, h] >= 0
+                    assert sorted(row) == sorted(slots[b, h][valid].tolist())
+                    assert row[-1] == int(slots[b, h][ref_ids[b, h] == n - 1])
