@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import git_commit, save_result
@@ -100,7 +101,10 @@ def run(args) -> dict:
             step()  # loads every selected page: the cache is warm from here on
             pages = b.decoder.select(0, q)
             row["sparse_hit_ms"] = time_graph(step, args.iters)
-            row["select_ms"] = time_graph(lambda: b.decoder.select(0, q), args.iters)
+            row["select_ms"] = time_graph(lambda: b.decoder.select_raw(0, q), args.iters)
+            for impl in TOPK_IMPLS:  # the top-k alone, each implementation (the default by measurement)
+                prio = torch.randn(batch, SHAPE.num_kv_heads, b.num_pages, device="cuda")
+                row[f"topk_{impl}_ms"] = time_graph(lambda impl=impl, prio=prio: topk_pages(prio, b.decoder.width, impl), args.iters)
             for frac in args.miss_fracs:
                 counts = []
 

@@ -210,3 +210,30 @@ def test_sparse_attention_reference_dense_and_masked():
     torch.testing.assert_close(sparse_attention_reference(q, k, v, sel, PS, seq_len), expected)
     torch.testing.assert_close(attention_mass_recall(q, k, sel, PS, seq_len), mass)
     assert not torch.allclose(expected, dense)
+
+
+@pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])
+@pytest.mark.parametrize("group_reduce", ["sum", "max"])
+def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, group_reduce):
+    """The Triton scoring kernel (in Triton's interpreter here, compiled on the GPU host) against
+    the torch selectors; with ``forced`` its output is a priority that a plain top-k turns into
+    ``select_pages``'s selection."""
+    from sparse_sglang.attention.scoring import force_pages, score_pages, score_pages_reference
+
+    gen = torch.Generator().manual_seed(2)
+    heads, pool, dim, group = 2, 60, 16, 3
+    lo = torch.randn(heads, pool, dim, generator=gen)
+    summ = {"kmin": lo.bfloat16(), "kmax": (lo + torch.rand(heads, pool, dim, generator=gen)).bfloat16(),
+            "mean": lo + 0.5, "radius": torch.rand(heads, pool, dim, generator=gen)}  # fmt: skip
+    host_pages = torch.randint(0, pool, (3, 40), generator=gen, dtype=torch.int32)
+    num_pages = torch.tensor([40, 17, 2], dtype=torch.int32)
+    q = torch.randn(3, heads, group, dim, generator=gen).bfloat16()
+    want = score_pages_reference(selector, q, summ, host_pages, num_pages, group_reduce)
+    got = score_pages(selector, q, summ, host_pages, num_pages, group_reduce, use_kernel=True)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+    prio = score_pages(selector, q, summ, host_pages, num_pages, group_reduce, forced=(1, 2), use_kernel=True)
+    torch.testing.assert_close(prio, force_pages(want, num_pages, 1, 2), atol=1e-3, rtol=1e-4)
+    top = prio.topk(8, dim=-1).indices
+    top = torch.where(top < num_pages.view(-1, 1, 1).long(), top, -1).sort(-1).values
+    ref = select_pages(want, num_pages, 8, 1, 2).page_ids.long()
+    assert torch.equal(top.sort(-1).values.clamp_min(-1), torch.where(ref < 0, -1, ref).sort(-1).values)

@@ -5,8 +5,11 @@
   over per-head page tables) equals dense FlashInfer decode per layer, on the cold step (every
   page loaded from the host) and the warm one (every page a cache hit).
 - With a small budget, every step equals the reference sparse attention over the pages the
-  decoder selected, while misses load and evict across steps.
-- The fused scoring kernel equals the torch selectors.
+  decoder selected, while misses load and evict across steps, on the fused path (score kernel
+  with forced pages, top-k, ``retrieve_pages``) and on the torch reference path; and both paths
+  give the same outputs step after step.
+- The fused scoring kernel equals the torch selectors; FlashInfer's top-k selects what
+  ``torch.topk`` does.
 
 Run on the GPU host: ``pytest -m gpu test/test_sparse_decode_gpu.py``; Q1's error goes to
 ``$SPARSE_SGLANG_RESULTS_DIR/q1.json`` when that is set.
@@ -36,10 +39,10 @@ def random_kv(batch, seq_len, gen):
     return k.to(torch.bfloat16), v.to(torch.bfloat16)
 
 
-def bench(config: SparseConfig, batch: int, context: int) -> DecodeBench:
+def bench(config: SparseConfig, batch: int, context: int, **decoder_options) -> DecodeBench:
     store = make_store(SHAPE, config, batch, context)
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    return DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
+    return DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace, **decoder_options)
 
 
 def dense_decode(q, k, v):
@@ -71,10 +74,11 @@ def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_con
 
 
 @pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])
-def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector):
+@pytest.mark.parametrize("path", ["fused", "reference"])
+def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector, path):
     gen = torch.Generator(device="cuda").manual_seed(1)
     config = SparseConfig(token_budget=512, selector=selector, host_cache_gb=1.0)
-    b = bench(config, batch=3, context=3000)
+    b = bench(config, batch=3, context=3000, fused=path == "fused")
     kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
     for layer, (k, v) in enumerate(kv):
         b.write_kv(layer, k, v)
@@ -84,9 +88,48 @@ def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector
         for layer, (k, v) in enumerate(kv):
             q = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
             pages = b.decoder.select(layer, q)
+            assert ((pages >= 0).sum(-1) == 16).all()  # 16 pages per (request, kv head)
+            assert (pages == b.num_pages - 1).any(-1).all() and (pages == 0).any(-1).all()  # recent, sink
             out = b.decoder.run(layer, q)
             want = sparse_attention_reference(q, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq)
             torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fused_and_reference_paths_give_the_same_steps():
+    """Mixed lengths (one request holds fewer pages than the budget), misses every step."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    config = SparseConfig(token_budget=256, host_cache_gb=1.0)
+    runs = {path: bench(config, batch=2, context=1500, fused=path == "fused") for path in ("fused", "reference")}
+    kv = [random_kv(2, 1501, gen) for _ in range(SHAPE.num_layers)]
+    for b in runs.values():
+        for layer, (k, v) in enumerate(kv):
+            b.write_kv(layer, k, v)
+    host_pages = runs["fused"].host_pages
+    for step in range(5):
+        seq_lens = torch.tensor([1501, 200 + step])  # request 1: 7 pages, under the 8-page budget
+        outs = {}
+        for path, b in runs.items():
+            b.store.cache.next_step()
+            b.decoder.plan(b.req_slots, seq_lens, host_pages)
+            qs = torch.Generator(device="cuda").manual_seed(100 + step)
+            outs[path] = [b.decoder.run(layer, torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda",
+                                                           generator=qs).to(torch.bfloat16))
+                          for layer in range(SHAPE.num_layers)]  # fmt: skip
+        for a, r in zip(outs["fused"], outs["reference"]):
+            torch.testing.assert_close(a, r, atol=1e-2, rtol=1e-2)
+
+
+def test_flashinfer_topk_selects_what_torch_topk_does():
+    from sparse_sglang.attention.sparse_decode import topk_pages
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    prio = torch.randn(4, 8, 4097, device="cuda", generator=gen)
+    prio[..., :1] = prio[..., -2:] = float("inf")  # forced pages
+    prio[1, :, 3000:] = float("-inf")  # a shorter request
+    for k in (16, 64, 128):
+        got = topk_pages(prio, k, "flashinfer").sort(-1).values
+        want = topk_pages(prio, k, "torch").sort(-1).values
+        assert torch.equal(got, want), k
 
 
 @pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])

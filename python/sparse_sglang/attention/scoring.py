@@ -26,6 +26,15 @@ except ImportError:  # pragma: no cover
 KERNEL_SELECTORS = ("quest", "arkvale", "mean")
 
 
+def force_pages(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, recent_pages: int) -> torch.Tensor:
+    """``[B, Hkv, N]`` scores as a selection priority: sink and recent pages ``+inf`` (the
+    partial newest page is a recent page), pages past a request's end ``-inf``."""
+    page = torch.arange(scores.shape[-1], device=scores.device).view(1, 1, -1)
+    n = num_pages.to(scores.device).view(-1, 1, 1)
+    forced = (page < sink_pages) | (page >= n - recent_pages)
+    return torch.where(page < n, torch.where(forced, math.inf, scores), -math.inf)
+
+
 def gather_layer(summary: torch.Tensor, host_pages: torch.Tensor) -> torch.Tensor:
     """``[Hkv, num_host_pages, D]`` summaries of one layer -> ``[B, Hkv, N, D]`` for the pages
     ``host_pages`` ``[B, N]`` (entries past a request's pages may be any valid page id)."""
@@ -65,8 +74,9 @@ if triton is not None:
     @triton.jit
     def _score_kernel(
         q_ptr, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr,
-        num_kv_heads, max_pages, head_stride,
+        num_kv_heads, max_pages, head_stride, sink_pages, recent_pages,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
+        FORCE: tl.constexpr,
     ):  # fmt: skip
         # One program: BLOCK_N pages of one (request, kv head). KIND 0 quest, 1 arkvale, 2 mean.
         bh = tl.program_id(0)
@@ -74,7 +84,8 @@ if triton is not None:
         h = bh % num_kv_heads
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_row = offs_n < max_pages
-        held = offs_n < tl.load(num_pages_ptr + b)
+        n = tl.load(num_pages_ptr + b)
+        held = offs_n < n
         page = tl.load(pages_ptr + b * max_pages + offs_n, mask=held, other=0).to(tl.int64)
         offs_d = tl.arange(0, D)
         rows = h.to(tl.int64) * head_stride + page[:, None] * D + offs_d[None, :]
@@ -96,20 +107,29 @@ if triton is not None:
             # q . c + |q| . r: the max of q . k over the cuboid (selectors.cuboid_score).
             s = tl.sum(centre * qg[None, :] + radius * tl.abs(qg)[None, :], axis=1)
             acc = tl.maximum(acc, s) if GROUP_MAX else acc + s
+        if FORCE:  # selection priority: sink and recent pages above every score
+            acc = tl.where((offs_n < sink_pages) | (offs_n >= n - recent_pages), float("inf"), acc)
         tl.store(out_ptr + bh * max_pages + offs_n, tl.where(held, acc, float("-inf")), mask=in_row)
 
 
 def score_pages(
     selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
     num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
+    forced: tuple[int, int] | None = None, use_kernel: bool | None = None,
 ) -> torch.Tensor:
     """:func:`score_pages_reference` in one Triton kernel (CUDA tensors; same arguments).
 
     ``host_pages`` is ``[B, N]`` int32/int64 and contiguous; ``out`` (optional) a ``[B, Hkv, N]``
-    float32 buffer to write into (e.g. inside a CUDA graph).
+    float32 buffer to write into (e.g. inside a CUDA graph). ``forced = (sink, recent)`` makes
+    the output a selection priority: pages ``[0, sink)`` and ``[n - recent, n)`` score ``+inf``
+    (what :func:`~sparse_sglang.attention.select_pages` forces), so a plain top-k selects.
+    ``use_kernel`` (default: CUDA tensors) runs the kernel on CPU tensors too, in Triton's interpreter.
     """
-    if not q.is_cuda or triton is None or selector not in KERNEL_SELECTORS:
-        return score_pages_reference(selector, q, layer_summaries, host_pages, num_pages, group_reduce)
+    if use_kernel is None:
+        use_kernel = q.is_cuda
+    if not use_kernel or triton is None or selector not in KERNEL_SELECTORS:
+        scores = score_pages_reference(selector, q, layer_summaries, host_pages, num_pages, group_reduce)
+        return scores if forced is None else force_pages(scores, num_pages, *forced)
     batch, heads, group, dim = q.shape
     max_pages = host_pages.shape[1]
     if out is None:
@@ -123,7 +143,7 @@ def score_pages(
         q.contiguous(), layer_summaries.get("kmin", dummy), layer_summaries.get("kmax", dummy),
         layer_summaries.get("mean", dummy), layer_summaries.get("radius", dummy),
         host_pages.contiguous(), num_pages.to(torch.int32), out,
-        heads, max_pages, ref.stride(0),
-        D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max",
+        heads, max_pages, ref.stride(0), *(forced or (0, 0)),
+        D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max", FORCE=forced is not None,
     )  # fmt: skip
     return out

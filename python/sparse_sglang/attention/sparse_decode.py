@@ -6,9 +6,11 @@ runs once per layer, on the device only:
 1. **Score** every page each request holds from the GPU summaries (:func:`score_pages`), unless
    every context fits in the budget (then every page is selected, the exact path);
 2. **Select** per (request, kv head) the sink pages, the recent pages (the partial newest one
-   included) and the top-scored rest (:func:`select_pages`): ``K`` pages, ascending;
+   included) and the top-scored rest: ``K`` pages (the score kernel ranks the forced pages
+   first, a top-k takes ``K``; :func:`select_pages` is the reference);
 3. **Retrieve**: hits come from the GPU page cache, misses are loaded by FlashH2D into LRU slots
-   of the request's cache row (:meth:`GPUPageCache.retrieve`);
+   of the request's cache row (one fused kernel, :func:`retrieve_pages`, finds them and writes
+   FlashInfer's indices; :meth:`GPUPageCache.retrieve` is the reference);
 4. **Attend** with FlashInfer's paged decode: every (request, kv head) is its own sequence of
    one kv head and its group's ``G`` query heads over its ``K`` cache slots (HND layout), the
    newest page last so ``last_page_len`` covers the partial page.
@@ -23,7 +25,24 @@ import torch
 from sparse_sglang.attention.scoring import score_pages
 from sparse_sglang.attention.selection import select_pages
 from sparse_sglang.config import SparseConfig
+from sparse_sglang.mem_cache.kernels import retrieve_pages
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
+
+
+TOPK_IMPLS = ("flashinfer", "torch")
+
+
+def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer") -> torch.Tensor:
+    """Indices ``[..., k]`` (int64, any order) of the ``k`` largest entries of each row of
+    ``priority`` ``[..., N]``: FlashInfer's radix top-k, or ``torch.topk``."""
+    rows = priority.reshape(-1, priority.shape[-1])
+    if impl == "flashinfer":
+        import flashinfer
+
+        ids = flashinfer.top_k(rows, k)[1]
+    else:
+        ids = torch.topk(rows, k, dim=-1, sorted=False).indices
+    return ids.view(*priority.shape[:-1], k)
 
 
 class SparseDecoder:
@@ -42,10 +61,18 @@ class SparseDecoder:
         Most requests one step decodes.
     use_tensor_cores : bool
         FlashInfer's tensor-core decode (prefill kernels), better for ``G >= 4``.
+    fused : bool
+        The per-layer path of fused kernels (default: on CUDA): the score kernel writes selection
+        priorities, a top-k selects, :func:`~sparse_sglang.mem_cache.kernels.retrieve_pages` does
+        the cache bookkeeping and writes FlashInfer's indices, FlashH2D loads the misses. ``False``
+        runs the torch reference path (``select_pages`` + :meth:`GPUPageCache.retrieve`).
+    topk : str
+        ``"flashinfer"`` (radix top-k) or ``"torch"`` for the fused path's top-k.
     """
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
-                 max_batch: int, use_tensor_cores: bool | None = None):  # fmt: skip
+                 max_batch: int, use_tensor_cores: bool | None = None, fused: bool | None = None,
+                 topk: str = "flashinfer"):  # fmt: skip
         import flashinfer
 
         shape = store.shape
@@ -57,14 +84,23 @@ class SparseDecoder:
             use_tensor_cores = self.group >= 4
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=use_tensor_cores)
         device = store.device
+        self.fused = store.device.type == "cuda" if fused is None else fused
+        if topk not in TOPK_IMPLS:
+            raise ValueError(f"topk must be one of {TOPK_IMPLS}, got {topk!r}")
+        self.topk = topk
         rows = max_batch * shape.num_kv_heads
         # The wrapper reads page indices from this buffer; run() rewrites it per layer. The last
-        # entry takes the padding of rows with fewer than K pages.
+        # entry takes the padding of rows with fewer than K pages (reference path).
         self.indices = torch.zeros(rows * self.width + 1, dtype=torch.int32, device=device)
+        # FlashH2D's copy list, written by retrieve_pages (fused path).
+        self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
+        self.miss_dst = torch.empty_like(self.miss_src)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector = config.selector
+        recent = min(config.recent_pages, self.width)
+        self.forced = (min(config.sink_pages, self.width - recent), recent)  # (sink, recent) pages
         # Per step (plan).
-        self.req_slots = self.host_pages = self.num_pages = self.dest = self.all_pages = None
+        self.req_slots = self.host_pages = self.num_pages = self.dest = self.all_pages = self.indptr = None
         self.batch = 0
         self.exact = False
 
@@ -89,31 +125,49 @@ class SparseDecoder:
         torch.cumsum(per_row, 0, out=indptr[1:])
         last_page_len = ((seq_lens_cpu - 1) % page + 1).to(torch.int32).repeat_interleave(heads)
         nnz = int(indptr[-1])
-        # Where entry (b, h, j) of a [B, Hkv, K] selection goes in the indices buffer.
-        j = torch.arange(width).view(1, 1, width)
-        dest = torch.where(j < selected_cpu.view(-1, 1, 1), indptr[:-1].view(batch, heads, 1) + j, self.indices.numel() - 1)
-        self.dest = dest.view(-1).to(device, non_blocking=True)
+        if not self.fused:
+            # Where entry (b, h, j) of a [B, Hkv, K] selection goes in the indices buffer.
+            j = torch.arange(width).view(1, 1, width)
+            dest = torch.where(j < selected_cpu.view(-1, 1, 1), indptr[:-1].view(batch, heads, 1) + j, self.indices.numel() - 1)
+            self.dest = dest.view(-1).to(device, non_blocking=True)
         self.wrapper.plan(
             indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
             q_data_type=self.store.shape.dtype if self.store.shape.dtype.itemsize > 1 else torch.bfloat16,
             kv_data_type=self.store.shape.dtype,
         )  # fmt: skip
+        self.indptr = indptr.to(device, non_blocking=True)
         self.req_slots, self.host_pages, self.batch = req_slots, host_pages, batch
-        self.num_pages = num_pages_cpu.to(device, non_blocking=True)
-        self.exact = self.config.exact_shortcut and int(num_pages_cpu.max()) <= width
-        if self.exact:
+        self.num_pages = num_pages_cpu.to(torch.int32).to(device, non_blocking=True)
+        self.max_pages = int(num_pages_cpu.max())
+        self.exact = self.config.exact_shortcut and self.max_pages <= width
+        if self.exact or (self.fused and self.max_pages <= width):
+            # Every page is selected: no scoring (pages >= n are padding).
             pages = torch.arange(width, device=device).view(1, 1, width)
             self.all_pages = torch.where(pages < self.num_pages.view(-1, 1, 1), pages, -1).expand(batch, heads, width)
 
     def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, K]`` logical pages one layer attends (ascending, ``-1`` padded)."""
+        """``[B, Hkv, K]`` logical pages one layer attends (``-1`` padded; ascending on the
+        reference path, any order on the fused one)."""
+        ids = self.select_raw(layer, q)
+        return ids if not self.fused else torch.where(ids < self.num_pages.view(-1, 1, 1), ids, -1)
+
+    def select_raw(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The selection as :meth:`run` uses it: on the fused path entries ``>= num_pages`` (the
+        top-k's picks of a request holding fewer than ``K`` pages) stand for none."""
         if self.exact:
             return self.all_pages
         qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
-        scores = score_pages(self.selector, qg, self.store.summaries.layer(layer), self.host_pages, self.num_pages)
-        recent = min(self.config.recent_pages, self.width)
-        sink = min(self.config.sink_pages, self.width - recent)
-        return select_pages(scores, self.num_pages, self.width, sink, recent).page_ids
+        summaries = self.store.summaries.layer(layer)
+        if not self.fused:
+            scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages)
+            return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
+        if self.max_pages <= self.width:  # every page fits: the selection is all of them
+            return self.all_pages
+        # Pages past a request's end score -inf: selected only by requests holding < K pages,
+        # and retrieve_pages ignores them.
+        priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
+                               forced=self.forced)  # fmt: skip
+        return topk_pages(priority, self.width, self.topk)
 
     def run(self, layer: int, q: torch.Tensor, sm_scale: float | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         """Sparse decode attention of one layer.
@@ -129,10 +183,17 @@ class SparseDecoder:
         torch.Tensor
             ``[B, Hq, D]``.
         """
-        page_ids = self.select(layer, q)
+        page_ids = self.select_raw(layer, q)
         store = self.store
-        slots = store.cache.retrieve(layer, self.req_slots, page_ids, self.host_pages, store.load, store.shape.num_host_pages)
-        self.indices[self.dest] = slots.view(-1).to(torch.int32)
+        if self.fused:
+            n = self.batch * self.num_kv_heads * self.width
+            src, dst = self.miss_src[:n], self.miss_dst[:n]
+            retrieve_pages(store.cache, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,
+                           store.shape.num_host_pages, self.indptr, self.indices, src, dst)  # fmt: skip
+            store.load(src, dst)
+        else:
+            slots = store.cache.retrieve(layer, self.req_slots, page_ids, self.host_pages, store.load, store.shape.num_host_pages)
+            self.indices[self.dest] = slots.view(-1).to(torch.int32)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
         out = self.wrapper.forward(qs, self.kv, sm_scale=scale, logits_soft_cap=logits_soft_cap or None)
