@@ -228,12 +228,15 @@ def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, g
     host_pages = torch.randint(0, pool, (3, 40), generator=gen, dtype=torch.int32)
     num_pages = torch.tensor([40, 17, 2], dtype=torch.int32)
     q = torch.randn(3, heads, group, dim, generator=gen).bfloat16()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernel runs in Triton's interpreter
+    summ, host_pages, num_pages, q = ({k: t.to(device) for k, t in summ.items()}, host_pages.to(device),
+                                      num_pages.to(device), q.to(device))  # fmt: skip
     want = score_pages_reference(selector, q, summ, host_pages, num_pages, group_reduce)
     got = score_pages(selector, q, summ, host_pages, num_pages, group_reduce, use_kernel=True)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
     prio = score_pages(selector, q, summ, host_pages, num_pages, group_reduce, forced=(1, 2), use_kernel=True)
     torch.testing.assert_close(prio, force_pages(want, num_pages, 1, 2), atol=1e-3, rtol=1e-4)
     top = prio.topk(8, dim=-1).indices
-    top = torch.where(top < num_pages.view(-1, 1, 1).long(), top, -1).sort(-1).values
-    ref = select_pages(want, num_pages, 8, 1, 2).page_ids.long()
+    top = torch.where(top < num_pages.view(-1, 1, 1).long(), top, -1).sort(-1).values.cpu()
+    ref = select_pages(want, num_pages, 8, 1, 2).page_ids.long().cpu()
     assert torch.equal(top.sort(-1).values.clamp_min(-1), torch.where(ref < 0, -1, ref).sort(-1).values)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from sparse_sglang.attention.scoring import score_pages
 from sparse_sglang.attention.selection import select_pages
@@ -140,7 +141,7 @@ class SparseDecoder:
         self.num_pages = num_pages_cpu.to(torch.int32).to(device, non_blocking=True)
         self.max_pages = int(num_pages_cpu.max())
         self.exact = self.config.exact_shortcut and self.max_pages <= width
-        if self.exact or (self.fused and self.max_pages <= width):
+        if self.exact:
             # Every page is selected: no scoring (pages >= n are padding).
             pages = torch.arange(width, device=device).view(1, 1, width)
             self.all_pages = torch.where(pages < self.num_pages.view(-1, 1, 1), pages, -1).expand(batch, heads, width)
@@ -161,12 +162,12 @@ class SparseDecoder:
         if not self.fused:
             scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages)
             return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
-        if self.max_pages <= self.width:  # every page fits: the selection is all of them
-            return self.all_pages
         # Pages past a request's end score -inf: selected only by requests holding < K pages,
         # and retrieve_pages ignores them.
         priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
                                forced=self.forced)  # fmt: skip
+        if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
+            priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
         return topk_pages(priority, self.width, self.topk)
 
     def run(self, layer: int, q: torch.Tensor, sm_scale: float | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
