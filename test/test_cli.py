@@ -45,6 +45,14 @@ def test_sparse_defaults_when_no_sparse_flag(model_dir):
     assert args.attention_backend == "sparse"
 
 
+def test_sparse_sets_the_sglang_modes_it_needs(model_dir):
+    args = prepare_server_args(["--model-path", model_dir, *CPU])
+    assert args.page_size == args.sparse.page_size and args.disable_overlap_schedule
+    assert args.disable_prefill_cuda_graph and args.disable_decode_cuda_graph  # eager decode by default
+    graphs = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-decode-cuda-graph", "true"])
+    assert graphs.disable_prefill_cuda_graph and not graphs.disable_decode_cuda_graph
+
+
 def test_sparse_off_leaves_attention_backend_to_sglang(model_dir):
     args = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-enabled", "false",
                                 "--attention-backend", "triton"])

@@ -145,3 +145,29 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
                     valid = ref_ids[b, h] >= 0
                     assert sorted(row) == sorted(slots[b, h][valid].tolist())
                     assert row[-1] == int(slots[b, h][ref_ids[b, h] == n - 1])
+
+
+def test_retrieve_pages_leaves_padding_rows_alone():
+    """Request slot 0 (SGLang's CUDA-graph padding, no cache row) in a batch: nothing of the cache
+    changes for it, nothing loads, and its indptr span gets slot 0 (a valid index to read)."""
+    heads, width = 2, 4
+    cache = make_cache(64, layers=1, heads=heads, width=width, max_pages=16)
+    cache.open_request(3, 6)
+    cache.next_step()
+    before = {name: getattr(cache, name).clone() for name in ("slot_page", "last_used", "rows")}
+    segments = cache.page_table.segments.clone()
+    req_slots = torch.tensor([0, 3], device=DEVICE)
+    num_pages = torch.tensor([1, 6], device=DEVICE)
+    page_ids = torch.tensor([[[0, 5, 9, 9]] * heads, [[0, 5, 2, 3]] * heads], device=DEVICE)
+    indptr = torch.tensor([0, 1, 2, 6, 10], dtype=torch.int32, device=DEVICE)
+    indices = torch.full((10,), -7, dtype=torch.int32, device=DEVICE)
+    host_pages = torch.arange(32, dtype=torch.int32, device=DEVICE).view(2, 16)
+    miss_src = torch.empty(2 * heads * width, dtype=torch.int64, device=DEVICE)
+    miss_dst = torch.empty_like(miss_src)
+    retrieve_pages(cache, 0, req_slots, page_ids, num_pages, host_pages, 40, indptr, indices, miss_src, miss_dst)
+    assert indices[:2].tolist() == [0, 0] and (indices[2:] >= 0).all()  # padding rows, then request 3's slots
+    assert (miss_dst[: heads * width] == -1).all() and (miss_dst[heads * width :] >= 0).sum() == 2 * 4  # 4 misses per head
+    changed = cache.slot_page != before["slot_page"]
+    assert set(changed.nonzero().view(-1).tolist()) <= set(cache.rows[3].reshape(-1).tolist())
+    assert torch.equal(cache.rows, before["rows"])
+    assert (cache.page_table.segments != segments).sum() == 2 * 4

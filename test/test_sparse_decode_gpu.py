@@ -146,3 +146,46 @@ def test_score_kernel_equals_the_torch_selectors(selector, group_reduce):
     got = score_pages(selector, q, summ, host_pages, num_pages, group_reduce)
     want = score_pages_reference(selector, q, summ, host_pages, num_pages, group_reduce)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row():
+    """Graph mode (static buffers, every page scored, slot-0 padding row): a captured step replayed
+    over several steps gives the eager fused path's outputs for the real requests."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    config = SparseConfig(token_budget=512, host_cache_gb=1.0)
+    runs = {mode: bench(config, batch=3, context=3000) for mode in ("eager", "graph")}
+    kv = [random_kv(3, 3001, gen) for _ in range(SHAPE.num_layers)]
+    for b in runs.values():
+        for layer, (k, v) in enumerate(kv):
+            b.write_kv(layer, k, v)
+    g = runs["graph"]
+    g.decoder.init_cuda_graph(max_batch=4)
+    slots = torch.cat([g.req_slots, torch.zeros(1, dtype=g.req_slots.dtype, device="cuda")])  # + padding slot 0
+    seq_lens = torch.tensor([3001, 3001, 3001, 1])
+    host_pages = torch.cat([g.host_pages, torch.zeros(1, g.host_pages.shape[1], dtype=g.host_pages.dtype, device="cuda")])
+    q_static = torch.zeros(4, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+    outs = [None] * SHAPE.num_layers
+
+    def step():
+        for layer in range(SHAPE.num_layers):
+            outs[layer] = g.decoder.run(layer, q_static)
+
+    graph = None
+    for i in range(4):
+        qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        e = runs["eager"]
+        e.store.cache.next_step()
+        e.decoder.plan(e.req_slots, seq_lens[:3], e.host_pages)
+        want = [e.decoder.run(layer, qs) for layer in range(SHAPE.num_layers)]
+        g.store.cache.next_step()
+        g.decoder.plan(slots, seq_lens, host_pages, graph=True)
+        q_static[:3].copy_(qs)
+        if graph is None:  # the first step runs eagerly (compiles kernels), then is captured
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        else:
+            graph.replay()
+        for layer in range(SHAPE.num_layers):
+            torch.testing.assert_close(outs[layer][:3], want[layer], atol=1e-2, rtol=1e-2, msg=f"step {i} layer {layer}")

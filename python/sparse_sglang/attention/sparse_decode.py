@@ -83,7 +83,10 @@ class SparseDecoder:
         self.width = min(config.budget_pages, shape.row_width)  # K: pages per (request, kv head)
         if use_tensor_cores is None:
             use_tensor_cores = self.group >= 4
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=use_tensor_cores)
+        self.workspace, self.use_tensor_cores = workspace, use_tensor_cores
+        self.eager_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=use_tensor_cores)
+        self.wrapper = self.eager_wrapper
+        self.graph_wrappers: dict = {}  # batch size -> CUDA-graph wrapper (init_cuda_graph)
         device = store.device
         self.fused = store.device.type == "cuda" if fused is None else fused
         if topk not in TOPK_IMPLS:
@@ -104,8 +107,47 @@ class SparseDecoder:
         self.req_slots = self.host_pages = self.num_pages = self.dest = self.all_pages = self.indptr = None
         self.batch = 0
         self.exact = False
+        self.graph = None  # static buffers of CUDA-graph mode (init_cuda_graph)
 
-    def plan(self, req_slots: torch.Tensor, seq_lens_cpu: torch.Tensor, host_pages: torch.Tensor) -> None:
+    def init_cuda_graph(self, max_batch: int) -> None:
+        """Static buffers for decode steps captured in CUDA graphs, batches of up to ``max_batch``.
+
+        A captured step cannot change its path or shapes, so in graph mode every step scores (no
+        exact shortcut) over the most pages a request can hold (the store's ``max_pages``; pages
+        past a request's end score ``-inf``), and per-step values live in these buffers, rewritten
+        by :meth:`plan` before each replay. Request slot 0 (SGLang's padding row) has no cache row:
+        ``retrieve_pages`` skips it.
+        """
+        if not self.fused:
+            raise ValueError("CUDA-graph decode runs the fused path")
+        heads, device = self.num_kv_heads, self.store.device
+        rows = max_batch * heads
+        if self.indices.numel() < rows * self.width + 1:  # before any capture: the buffers never move after
+            self.indices = torch.zeros(rows * self.width + 1, dtype=torch.int32, device=device)
+            self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
+            self.miss_dst = torch.empty_like(self.miss_src)
+        pages = self.store.shape.max_pages
+        self.graph = {
+            "indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
+            "last_page_len": torch.ones(rows, dtype=torch.int32, device=device),
+            "num_pages": torch.ones(max_batch, dtype=torch.int32, device=device),
+            "host_pages": torch.zeros(max_batch, pages, dtype=torch.int32, device=device),
+        }
+
+    def _graph_wrapper(self, batch: int):
+        import flashinfer
+
+        if batch not in self.graph_wrappers:
+            rows, g = batch * self.num_kv_heads, self.graph
+            self.graph_wrappers[batch] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=g["indptr"][: rows + 1], paged_kv_indices_buffer=self.indices,
+                paged_kv_last_page_len_buffer=g["last_page_len"][:rows],
+            )  # fmt: skip
+        return self.graph_wrappers[batch]
+
+    def plan(self, req_slots: torch.Tensor, seq_lens_cpu: torch.Tensor, host_pages: torch.Tensor,
+             graph: bool = False) -> None:  # fmt: skip
         """Prepare one decode step.
 
         Parameters
@@ -116,6 +158,8 @@ class SparseDecoder:
             ``[B]`` tokens of each request, the one decoded now included (CPU).
         host_pages : torch.Tensor
             ``[B, N]`` host page id of each logical page (GPU), ``N >= max pages``.
+        graph : bool
+            A step of a CUDA graph (captured or replayed; see :meth:`init_cuda_graph`).
         """
         batch, heads, width, page = req_slots.shape[0], self.num_kv_heads, self.width, self.page_size
         device = req_slots.device
@@ -131,13 +175,25 @@ class SparseDecoder:
             j = torch.arange(width).view(1, 1, width)
             dest = torch.where(j < selected_cpu.view(-1, 1, 1), indptr[:-1].view(batch, heads, 1) + j, self.indices.numel() - 1)
             self.dest = dest.view(-1).to(device, non_blocking=True)
+        self.wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
         self.wrapper.plan(
             indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
             q_data_type=self.store.shape.dtype if self.store.shape.dtype.itemsize > 1 else torch.bfloat16,
             kv_data_type=self.store.shape.dtype,
         )  # fmt: skip
+        self.req_slots, self.batch = req_slots, batch
+        if graph:  # into the static buffers the captured kernels read
+            g = self.graph
+            self.indptr = g["indptr"][: batch * heads + 1]  # the graph wrapper's: plan() filled it
+            self.num_pages = g["num_pages"][:batch]
+            self.num_pages.copy_(num_pages_cpu.to(torch.int32))
+            self.host_pages = g["host_pages"][:batch]
+            self.host_pages[:, : host_pages.shape[1]].copy_(host_pages)
+            self.max_pages = self.host_pages.shape[1]
+            self.exact = False
+            return
         self.indptr = indptr.to(device, non_blocking=True)
-        self.req_slots, self.host_pages, self.batch = req_slots, host_pages, batch
+        self.host_pages = host_pages
         self.num_pages = num_pages_cpu.to(torch.int32).to(device, non_blocking=True)
         self.max_pages = int(num_pages_cpu.max())
         self.exact = self.config.exact_shortcut and self.max_pages <= width

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "sparse"
+PADDING_REQ_SLOT = 0  # SGLang's ReqToTokenPool row 0: the request slot of CUDA-graph padding
 
 
 @relies_on(
@@ -109,22 +110,44 @@ class SparseAttnBackend(FlashInferAttnBackend):
         self.prefix.plan(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu,
                          fb.extend_seq_lens_cpu)  # fmt: skip
 
-    def _begin_decode(self, fb: ForwardBatch) -> None:
+    def _begin_decode(self, fb: ForwardBatch, graph: bool = False) -> None:
         page = self.store.shape.page_size
         cache = self.store.cache
-        slots = fb.req_pool_indices.tolist()
-        seq_lens = fb.seq_lens_cpu.tolist()
-        self._open_rows(slots)  # normally open since their prefill; a no-op then
+        bs = fb.batch_size
+        req_slots, seq_lens_cpu = fb.req_pool_indices[:bs], fb.seq_lens_cpu[:bs]
+        seq_lens = seq_lens_cpu.tolist()
+        # Slot 0 pads CUDA-graph batches: it has no cache row, and the kernels skip it.
+        real = [(slot, n) for slot, n in zip(req_slots.tolist(), seq_lens) if slot != PADDING_REQ_SLOT]
+        self._open_rows([slot for slot, _ in real])  # normally open since their prefill; a no-op then
         cache.next_step()
-        for slot, length in zip(slots, seq_lens):
+        for slot, length in real:
             pages = math.ceil(length / page)
             cache.resize_request(slot, pages)
             if (length - 1) % page == 0:  # this token starts a page
                 cache.write_allocate(slot, pages - 1, 1)
-        host_pages = host_page_table(self.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                                     math.ceil(max(seq_lens) / page), page)  # fmt: skip
-        self.decoder.plan(fb.req_pool_indices, fb.seq_lens_cpu, host_pages)
-        self.store.bind_runs(SaveRuns.for_decode(fb.req_pool_indices, fb.seq_lens, page))
+        num_pages = self.store.shape.max_pages if graph else math.ceil(max(seq_lens) / page)
+        host_pages = host_page_table(self.req_to_token_pool.req_to_token, req_slots, num_pages, page)
+        self.decoder.plan(req_slots, seq_lens_cpu, host_pages, graph=graph)
+        if not graph:  # a captured step binds its runs inside the graph (init_forward_metadata_in_graph)
+            self.store.bind_runs(SaveRuns.for_decode(req_slots, fb.seq_lens[:bs], page))
+
+    # CUDA-graph decode (--sparse-decode-cuda-graph): SGLang's decode graph runner calls these.
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self.decoder.init_cuda_graph(max_bs)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
+        if not forward_batch.forward_mode.is_decode():
+            raise NotImplementedError(f"the sparse backend captures decode steps only, not {forward_batch.forward_mode}")
+        self.store.wait_saves()
+        self._begin_decode(forward_batch, graph=True)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
+        bs, page = forward_batch.batch_size, self.store.shape.page_size
+        self.store.bind_runs(SaveRuns.for_decode(forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs], page))
 
     # Per layer, on the device.
 

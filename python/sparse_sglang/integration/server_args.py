@@ -69,10 +69,10 @@ class SparseServerArgs(ServerArgs):
         # One batch at a time: the backend's host-side bookkeeping (cache rows, plans) and the
         # waits for saved prefill KV follow the forwards in order.
         self.disable_overlap_schedule = True
-        # Prefill saves KV through host threads (FlashD2H), which a CUDA graph cannot replay; decode
-        # runs eagerly for now (its per-layer step is graph-safe: no host syncs, fixed shapes).
+        # Prefill saves KV through host threads (FlashD2H), which a CUDA graph cannot replay. Decode
+        # steps are graph-safe (no host syncs, fixed shapes in graph mode); capturing them is a knob.
         self.disable_prefill_cuda_graph = True
-        self.disable_decode_cuda_graph = True
+        self.disable_decode_cuda_graph = not self.sparse.decode_cuda_graph
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

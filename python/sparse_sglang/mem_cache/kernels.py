@@ -171,7 +171,10 @@ if triton is not None:
         step = tl.load(step_ptr)
         j = tl.arange(0, KP)
         page = tl.load(pages_ptr + bh * K + j, mask=j < K, other=-1).to(tl.int64)
-        valid = (page >= 0) & (page < n)
+        row_base = ((req * num_layers + layer) * num_heads + h) * W
+        # A request without a cache row (slot 0: SGLang's CUDA-graph padding) selects nothing.
+        has_row = tl.load(rows_ptr + row_base) >= 0
+        valid = (page >= 0) & (page < n) & has_row
         page = tl.where(valid, page, 0)
         dir_base = ((req * num_layers + layer) * num_heads + h) * num_dir
         seg = tl.load(directory_ptr + dir_base + page // SEG, mask=valid, other=0).to(tl.int64)
@@ -183,7 +186,6 @@ if triton is not None:
         # Victims: the row's slots by last use (hits count as used now), oldest first; ties by position.
         w = tl.arange(0, WP)
         in_row = w < W
-        row_base = ((req * num_layers + layer) * num_heads + h) * W
         row = tl.load(rows_ptr + row_base + w, mask=in_row, other=-1)
         used = tl.load(last_used_ptr + row, mask=in_row, other=0)
         hit_now = tl.max(((row[:, None] == hit[None, :]) & is_hit[None, :]).to(tl.int32), axis=1) > 0
@@ -211,6 +213,9 @@ if triton is not None:
         pos = tl.where(newest, count - 1, tl.cumsum(other.to(tl.int32), axis=0) - 1)
         base = tl.load(indptr_ptr + bh)
         tl.store(indices_ptr + base + pos, slot.to(tl.int32), mask=valid)
+        if not has_row:  # a padding row still gets the entries its indptr counts: any valid slot
+            span = tl.load(indptr_ptr + bh + 1) - base
+            tl.store(indices_ptr + base + j, tl.zeros([KP], tl.int32), mask=j < span)
 
         # FlashH2D's copy list: flat host block (layer, head, host page) -> slot; -1 = nothing.
         host_page = tl.load(host_pages_ptr + b * host_pages_stride + page, mask=miss, other=0).to(tl.int64)
