@@ -32,12 +32,16 @@ import numpy as np
 import orjson
 import requests
 
-from sparse_sglang.testing.models import write_llama3_8b_dummy
+from sparse_sglang.config import GIB
+from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, write_llama3_8b_dummy
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
 from sparse_sglang.testing.provenance import git_commit, save_result
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {"vanilla": VANILLA_MODULE, "sparse": SPARSE_MODULE}
+c = LLAMA3_8B_CONFIG
+KV_BYTES_PER_TOKEN = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2  # K and V, bf16
+del c
 # The sparse launcher installs its own "sparse" attention backend and refuses --attention-backend.
 SYSTEM_SERVER_ARGS = {"vanilla": ["--attention-backend", "flashinfer"], "sparse": []}
 TOKEN_ID_RANGE = (1000, 100000)  # clear of the special tokens at both ends of Llama-3's 128256 ids
@@ -350,7 +354,7 @@ def merge_documents(old: dict, new: dict) -> dict:
         "traces": {**old["traces"], **new["traces"]},
         "invocations": old["invocations"] + new["invocations"],
         "results": results,
-        "summary": summarize(results),
+        "summary": {**summarize(results), "kv_hbm_budget_gb": new.get("kv_hbm_budget_gb", old.get("kv_hbm_budget_gb"))},
     }
 
 
@@ -447,11 +451,43 @@ def print_dry_run(plan: list[RatePlan], args: argparse.Namespace) -> None:
         print(f"{system}: {shlex.join(command)}")
 
 
+def kv_budget_args(system: str, args: argparse.Namespace) -> list[str]:
+    """The same GPU memory for KV (``--kv-hbm-gb``) in each system's terms: vanilla's token pool, or
+    the sparse page cache plus everything else sparse keeps on the GPU for KV (page summaries of
+    the whole host store, prefix staging, page table), with all KV in ``--sparse-host-cache-gb``
+    of host memory."""
+    if system == "vanilla":
+        return ["--max-total-tokens", str(int(args.kv_hbm_gb * GIB // KV_BYTES_PER_TOKEN))]
+    cache_gb = sparse_gpu_cache_gb(args.kv_hbm_gb, args.sparse_host_cache_gb)
+    return ["--sparse-gpu-cache-gb", f"{cache_gb:.3f}", "--sparse-host-cache-gb", f"{args.sparse_host_cache_gb:g}"]
+
+
+def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float) -> float:
+    """Page-cache GiB that, with the summaries, staging and table of ``host_cache_gb`` of host KV
+    (:func:`~sparse_sglang.mem_cache.plan.plan_memory`'s sizes), fills ``kv_hbm_gb``."""
+    import torch
+
+    from sparse_sglang.config import SparseConfig
+    from sparse_sglang.mem_cache.host_pool import pages_for_budget
+    from sparse_sglang.mem_cache.plan import fixed_gpu_bytes
+
+    c, bf16 = LLAMA3_8B_CONFIG, torch.bfloat16
+    shape = (c["num_hidden_layers"], c["num_key_value_heads"])
+    page = SparseConfig(host_cache_gb=1.0).page_size  # the default page
+    host_pages = pages_for_budget(host_cache_gb, *shape, page, c["head_dim"], bf16)
+    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], bf16, c["max_position_embeddings"]))
+    cache_gb = kv_hbm_gb - other / GIB
+    if cache_gb <= 0:
+        raise SystemExit(f"--kv-hbm-gb {kv_hbm_gb:g}: the summaries and staging of {host_cache_gb:g} GiB of host KV "
+                         f"take {other / GIB:.2f} GiB; lower --sparse-host-cache-gb")  # fmt: skip
+    return cache_gb
+
+
 def server_args(system: str, args: argparse.Namespace) -> list[str]:
     return [
         "--load-format", "dummy",
         "--skip-tokenizer-init",
-        "--max-total-tokens", str(args.max_total_tokens),
+        *kv_budget_args(system, args),
         "--chunked-prefill-size", "8192",
         *SYSTEM_SERVER_ARGS[system],
         *shlex.split(args.extra_server_args),
@@ -549,7 +585,8 @@ def run_benchmark(plan: list[RatePlan], args: argparse.Namespace) -> dict:
         "traces": traces,
         "invocations": [invocation],
         "results": results,
-        "summary": summarize(results),
+        "kv_hbm_budget_gb": args.kv_hbm_gb,
+        "summary": {**summarize(results), "kv_hbm_budget_gb": args.kv_hbm_gb},
     }
 
 
@@ -581,7 +618,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--num-requests-{spec.name}", type=int, metavar="N", help="overrides --num-requests")
     p.add_argument("--num-requests", type=int, default=12, help="per trace and rate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-total-tokens", type=int, default=163840, help="KV budget of both servers (tokens)")
+    p.add_argument("--kv-hbm-gb", type=float, default=20.0, help="GPU memory (GiB) for KV in both systems: "
+                   "vanilla's token pool; sparse's page cache, summaries and staging")
+    p.add_argument("--sparse-host-cache-gb", type=float, default=80.0, help="pinned host memory (GiB) holding "
+                   "the sparse system's KV")
     p.add_argument("--extra-server-args", default="", help="appended to both servers' command lines")
     p.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
     p.add_argument("--merge-into", metavar="JSON", help="add to (or start) this result file instead of a new one")

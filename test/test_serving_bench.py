@@ -80,8 +80,30 @@ def test_dry_run_prints_the_plan_and_both_server_command_lines(capsys):
     out = capsys.readouterr().out
     assert "long-prompt" in out and "long-generation" in out and "rough estimate" in out
     assert "sglang.launch_server" in out and "--attention-backend flashinfer" in out
+    vanilla_line = next(line for line in out.splitlines() if line.startswith("vanilla:"))
     sparse_line = next(line for line in out.splitlines() if line.startswith("sparse:"))
-    assert "--attention-backend" not in sparse_line and "--max-total-tokens 163840" in sparse_line
+    assert "--max-total-tokens 163840" in vanilla_line  # 20 GiB of 8B-shaped KV
+    assert "--attention-backend" not in sparse_line and "--max-total-tokens" not in sparse_line
+    assert "--sparse-host-cache-gb 80" in sparse_line
+
+
+def test_sparse_gets_the_same_hbm_for_kv_as_vanilla():
+    """The sparse page cache plus its summaries, staging and table add up to --kv-hbm-gb."""
+    import torch
+
+    from benchmark.serving import sparse_gpu_cache_gb
+    from sparse_sglang.config import GIB, SparseConfig
+    from sparse_sglang.mem_cache.plan import plan_memory
+
+    cache = sparse_gpu_cache_gb(20.0, 16.0)  # a host store this machine can size (the plan checks RAM)
+    plan = plan_memory(SparseConfig(host_cache_gb=16.0, gpu_cache_gb=cache), num_layers=32, num_kv_heads=8,
+                       head_dim=128, dtype=torch.bfloat16, context_len=131072, gpu_kv_bytes=0)  # fmt: skip
+    total = plan.cache_bytes + plan.summary_bytes + plan.staging_bytes + plan.table_bytes
+    assert 19.99 * GIB < total <= 20 * GIB
+    assert plan.max_running_requests >= 50  # rows of 80 pages x 32 layers x 8 heads: 335 MB each
+    assert sparse_gpu_cache_gb(20.0, 80.0) < cache  # more host KV, more summaries on the GPU
+    with pytest.raises(SystemExit, match="lower --sparse-host-cache-gb"):
+        sparse_gpu_cache_gb(1.0, 80.0)
 
 
 # ---------------------------------------------------------------- metrics

@@ -37,6 +37,7 @@ class MemoryPlan:
     summary_bytes: int
     cache_bytes: int
     staging_bytes: int  # one layer of prefix KV for chunked prefill / cached prefixes
+    table_bytes: int  # the page table's directory and segments (an upper estimate)
 
     @property
     def max_total_tokens(self) -> int:
@@ -51,6 +52,19 @@ class MemoryPlan:
             f"rows of {s.row_width} pages), prefix staging {self.staging_bytes / GIB:.2f} GiB; "
             f"{self.max_running_requests} requests at once, {self.selection_pages} pages per kv head per step"
         )
+
+
+def fixed_gpu_bytes(
+    host_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, context_len: int,
+    with_radius: bool = False,
+) -> tuple[int, int, int]:
+    """GPU bytes besides the page cache: ``(summaries, prefix staging, page table)`` for a host
+    store of ``host_pages`` pages (summaries of every host page stay resident)."""
+    per_channel = 2 * bound_dtype(dtype).itemsize + 4 + (4 if with_radius else 0)
+    summary = num_layers * num_kv_heads * (host_pages + 1) * head_dim * per_channel + num_layers * (host_pages + 1) * 4
+    staging = 2 * context_len * num_kv_heads * head_dim * dtype.itemsize
+    table = num_layers * num_kv_heads * (host_pages + 64) * 4 * 2  # segments + directory, roughly
+    return summary, staging, table
 
 
 def plan_memory(
@@ -87,10 +101,8 @@ def plan_memory(
     selection = min(config.budget_pages, max_pages)
     row_width = min(max(selection, math.ceil(selection * ROW_SLACK)), max_pages)
 
-    per_channel = 2 * bound_dtype(dtype).itemsize + 4 + (4 if with_radius else 0)
-    summary_bytes = num_layers * num_kv_heads * (host_pages + 1) * head_dim * per_channel + num_layers * (host_pages + 1) * 4
-    staging_bytes = 2 * context_len * num_kv_heads * head_dim * dtype.itemsize
-    table_bytes = num_layers * num_kv_heads * (host_pages + 64) * 4 * 2  # segments + directory, roughly
+    summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
+                                                                context_len, with_radius)  # fmt: skip
     if config.gpu_cache_gb is not None:
         cache_bytes = int(config.gpu_cache_gb * GIB)
     else:
@@ -118,4 +130,5 @@ def plan_memory(
         num_host_pages=host_pages, num_slots=num_slots, max_requests=running + 1, row_width=row_width,
         max_pages=max_pages, max_save_tokens=SAVE_CHUNK_TOKENS,
     )  # fmt: skip
-    return MemoryPlan(shape, running, selection, summary_bytes, num_slots * slot_bytes(page, head_dim, dtype), staging_bytes)
+    return MemoryPlan(shape, running, selection, summary_bytes, num_slots * slot_bytes(page, head_dim, dtype), staging_bytes,
+                      table_bytes)  # fmt: skip
