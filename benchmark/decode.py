@@ -21,13 +21,10 @@ random (the selected pages then look random, as misses would). Writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import json
 import re
-import shlex
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -35,7 +32,7 @@ import torch
 from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
-from sparse_sglang.testing.provenance import git_commit, save_result
+from sparse_sglang.testing.provenance import gpu_run_header, save_result
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=1)
@@ -165,17 +162,13 @@ def main(argv=None) -> dict:
     if args.q1 and args.q1.exists():
         summary.update(json.loads(args.q1.read_text()))
     summary.update(quality_summary())
-    date = datetime.date.today().isoformat()
     doc = {
-        "device": torch.cuda.get_device_name(),
-        "commit": git_commit(),
-        "date": date,
-        "command": "python benchmark/decode.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        **gpu_run_header("benchmark/decode.py", argv),
         "config": {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest"},
         **result,
         "summary": summary,
     }
-    save_result(doc, args.out_dir / f"decode-{date}.json")
+    save_result(doc, args.out_dir / f"decode-{doc['date']}.json")
     print(json.dumps(summary, indent=1))
     return doc
 

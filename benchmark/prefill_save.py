@@ -24,12 +24,9 @@ CUDA events in one process, median of ``--reps``:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import shlex
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -37,7 +34,7 @@ import torch
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.testing.decode_setup import Llama8BShape, make_store
-from sparse_sglang.testing.provenance import git_commit, save_result
+from sparse_sglang.testing.provenance import gpu_run_header, save_result
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=32)
@@ -167,17 +164,13 @@ def main(argv=None) -> dict:
         "target": TARGET,
     }
     summary["target_met"] = summary["summary_overhead_32k"] <= TARGET
-    date = datetime.date.today().isoformat()
     doc = {
-        "device": torch.cuda.get_device_name(),
-        "commit": git_commit(),
-        "date": date,
-        "command": "python benchmark/prefill_save.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        **gpu_run_header("benchmark/prefill_save.py", argv),
         "shape": {**SHAPE.__dict__, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": "bfloat16"},
         **result,
         "summary": summary,
     }
-    save_result(doc, args.out_dir / f"transfer-{date}-prefill-save.json")
+    save_result(doc, args.out_dir / f"transfer-{doc['date']}-prefill-save.json")
     print(json.dumps(summary, indent=1))
     return doc
 

@@ -51,6 +51,9 @@ def test_sparse_sets_the_sglang_modes_it_needs(model_dir):
     assert args.disable_prefill_cuda_graph and args.disable_decode_cuda_graph  # eager decode by default
     graphs = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-decode-cuda-graph", "true"])
     assert graphs.disable_prefill_cuda_graph and not graphs.disable_decode_cuda_graph
+    with pytest.raises(CLIError, match="--sparse-decode-cuda-graph: a budget of 32768 tokens is too wide"):
+        prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-decode-cuda-graph", "true",
+                             "--sparse-token-budget", "32768"])  # fmt: skip
 
 
 def test_sparse_off_leaves_attention_backend_to_sglang(model_dir):

@@ -26,11 +26,20 @@ import torch.nn.functional as F
 from sparse_sglang.attention.scoring import score_pages
 from sparse_sglang.attention.selection import select_pages
 from sparse_sglang.config import SparseConfig
-from sparse_sglang.mem_cache.kernels import retrieve_pages
+from sparse_sglang.mem_cache.kernels import next_pow2, retrieve_pages
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 
 
 TOPK_IMPLS = ("flashinfer", "torch")
+# retrieve_pages compares a row's slots with its selected pages in one program: (K x row) pairs,
+# rounded to powers of two. 256 x 256 ran on an H100 (budget 4096 covering a 4K context); wider
+# rows take the torch path.
+MAX_RETRIEVE_CELLS = 256 * 256
+
+
+def fits_fused_retrieve(selected_pages: int, row_width: int) -> bool:
+    """Whether :func:`retrieve_pages` takes rows of ``row_width`` slots with ``selected_pages`` selections."""
+    return next_pow2(selected_pages) * next_pow2(row_width) <= MAX_RETRIEVE_CELLS
 
 
 def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer") -> torch.Tensor:
@@ -88,7 +97,9 @@ class SparseDecoder:
         self.wrapper = self.eager_wrapper
         self.graph_wrappers: dict = {}  # batch size -> CUDA-graph wrapper (init_cuda_graph)
         device = store.device
-        self.fused = store.device.type == "cuda" if fused is None else fused
+        if fused is None:  # rows too wide for one retrieve program (a large budget) take the torch path
+            fused = store.device.type == "cuda" and fits_fused_retrieve(self.width, shape.row_width)
+        self.fused = fused
         if topk not in TOPK_IMPLS:
             raise ValueError(f"topk must be one of {TOPK_IMPLS}, got {topk!r}")
         self.topk = topk
@@ -119,7 +130,9 @@ class SparseDecoder:
         ``retrieve_pages`` skips it.
         """
         if not self.fused:
-            raise ValueError("CUDA-graph decode runs the fused path")
+            raise ValueError(f"--sparse-decode-cuda-graph: CUDA-graph decode runs the fused kernels, which take up to "
+                             f"{MAX_RETRIEVE_CELLS} (selected x row) page pairs; this budget's rows need "
+                             f"{next_pow2(self.width) * next_pow2(self.store.shape.row_width)}: lower --sparse-token-budget")  # fmt: skip
         heads, device = self.num_kv_heads, self.store.device
         rows = max_batch * heads
         if self.indices.numel() < rows * self.width + 1:  # before any capture: the buffers never move after

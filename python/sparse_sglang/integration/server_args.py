@@ -73,6 +73,14 @@ class SparseServerArgs(ServerArgs):
         # steps are graph-safe (no host syncs, fixed shapes in graph mode); capturing them is a knob.
         self.disable_prefill_cuda_graph = True
         self.disable_decode_cuda_graph = not self.sparse.decode_cuda_graph
+        if self.sparse.decode_cuda_graph:
+            from sparse_sglang.attention.sparse_decode import fits_fused_retrieve
+            from sparse_sglang.mem_cache.plan import row_width_for
+
+            if not fits_fused_retrieve(self.sparse.budget_pages, row_width_for(self.sparse.budget_pages)):
+                raise ValueError(f"--sparse-decode-cuda-graph: a budget of {self.sparse.token_budget} tokens is too "
+                                 "wide for the fused decode kernels that CUDA graphs capture; lower "
+                                 "--sparse-token-budget or leave decode eager")  # fmt: skip
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -223,7 +223,8 @@ if triton is not None:
         tl.store(miss_dst_ptr + bh * K + j, tl.where(miss, dst, -1), mask=j < K)
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (Triton block sizes)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -303,5 +304,5 @@ def retrieve_pages(
         page_ids, num_pages, req_slots, host_pages, pt.directory, pt.segments, cache.rows, cache.slot_page,
         cache.last_used, cache.step, indptr, indices, miss_src, miss_dst,
         layer, pt.num_layers, heads, pt.directory.shape[-1], host_pages.stride(0), num_host_pages,
-        K=width, KP=_pow2(width), W=cache.row_width, WP=_pow2(cache.row_width), SEG=pt.segment_pages,
+        K=width, KP=next_pow2(width), W=cache.row_width, WP=next_pow2(cache.row_width), SEG=pt.segment_pages,
     )  # fmt: skip

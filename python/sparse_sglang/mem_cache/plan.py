@@ -54,6 +54,12 @@ class MemoryPlan:
         )
 
 
+def row_width_for(selection_pages: int, max_pages: int | None = None) -> int:
+    """Cache slots per (request, layer, kv head) for a selection of ``selection_pages``."""
+    width = max(selection_pages, math.ceil(selection_pages * ROW_SLACK))
+    return width if max_pages is None else min(width, max_pages)
+
+
 def fixed_gpu_bytes(
     host_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, context_len: int,
     with_radius: bool = False,
@@ -99,7 +105,7 @@ def plan_memory(
         host_pages = min(host_pages, math.ceil(max_total_tokens / page) + 1)
     max_pages = math.ceil(context_len / page)
     selection = min(config.budget_pages, max_pages)
-    row_width = min(max(selection, math.ceil(selection * ROW_SLACK)), max_pages)
+    row_width = row_width_for(selection, max_pages)
 
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
                                                                 context_len, with_radius)  # fmt: skip

@@ -16,7 +16,7 @@ from sparse_sglang.attention.sparse_decode import SparseDecoder
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.mem_cache.kv_store import SparseKVStore, StoreShape
-from sparse_sglang.mem_cache.plan import ROW_SLACK
+from sparse_sglang.mem_cache.plan import row_width_for
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_co
                dtype=torch.bfloat16) -> SparseKVStore:  # fmt: skip
     page = config.page_size
     max_pages = math.ceil((max_context + 1) / page)
-    width = min(max_pages, max(config.budget_pages, math.ceil(config.budget_pages * ROW_SLACK)))
+    width = row_width_for(config.budget_pages, max_pages)
     s = StoreShape(
         num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, page_size=page,
         dtype=dtype, num_host_pages=max_batch * max_pages + 1, num_slots=max_batch * shape.num_layers * shape.num_kv_heads * width,

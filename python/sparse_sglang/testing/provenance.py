@@ -31,6 +31,20 @@ def git_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def gpu_run_header(script: str, argv: list[str] | None) -> dict:
+    """``device``, ``commit``, ``date`` and ``command`` of a GPU benchmark run of ``script``
+    (a path like ``benchmark/decode.py``) with ``argv`` (default: this process's arguments)."""
+    import datetime
+    import shlex
+    import sys
+
+    import torch
+
+    args = sys.argv[1:] if argv is None else argv
+    return {"device": torch.cuda.get_device_name(), "commit": git_commit(), "date": datetime.date.today().isoformat(),
+            "command": shlex.join(["python", script, *args])}  # fmt: skip
+
+
 def save_result(result: dict, path: str | Path) -> Path:
     """Write a result document as indented JSON (folders created); returns the path."""
     path = Path(path)
