@@ -467,6 +467,7 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float) -> float:
     (:func:`~sparse_sglang.mem_cache.plan.plan_memory`'s sizes), fills ``kv_hbm_gb``."""
     import torch
 
+    from sparse_sglang.attention.selectors import kept_summaries
     from sparse_sglang.config import SparseConfig
     from sparse_sglang.mem_cache.host_pool import pages_for_budget
     from sparse_sglang.mem_cache.plan import fixed_gpu_bytes
@@ -475,7 +476,8 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float) -> float:
     shape = (c["num_hidden_layers"], c["num_key_value_heads"])
     page = SparseConfig(host_cache_gb=1.0).page_size  # the default page
     host_pages = pages_for_budget(host_cache_gb, *shape, page, c["head_dim"], bf16)
-    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], bf16, c["max_position_embeddings"]))
+    kept = kept_summaries(SparseConfig(host_cache_gb=1.0).selector)  # the default selector's summaries
+    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], bf16, c["max_position_embeddings"], **kept))
     cache_gb = kv_hbm_gb - other / GIB
     if cache_gb <= 0:
         raise SystemExit(f"--kv-hbm-gb {kv_hbm_gb:g}: the summaries and staging of {host_cache_gb:g} GiB of host KV "

@@ -47,13 +47,13 @@ def test_save_runs_split_each_request_at_its_page_boundaries():
     assert decode.token_positions.tolist() == [8, 15] and decode.length.tolist() == [1, 1]
 
 
-@pytest.mark.parametrize("dtype,with_radius", [(torch.bfloat16, True), (torch.float16, False)])
-def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius):
+@pytest.mark.parametrize("dtype,with_radius,with_mean", [(torch.bfloat16, True, True), (torch.float16, False, False)])
+def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius, with_mean):
     """Prefill batches with prefixes, then decode steps: the fused kernel leaves the summaries and
     the cached blocks as the torch reference does."""
     gen = torch.Generator().manual_seed(3)
     layers, heads, page, dim, host_pages = 2, 2, 8, 16, 40
-    ref_summ = PageSummaries(layers, heads, host_pages, page, dim, dtype, DEVICE, with_radius=with_radius)
+    ref_summ = PageSummaries(layers, heads, host_pages, page, dim, dtype, DEVICE, with_radius=with_radius, with_mean=with_mean)
     ref_cache = make_cache(80, layers, heads, page, dim, dtype, width=4)
     summ, cache = copy.deepcopy(ref_summ), copy.deepcopy(ref_cache)
     reqs = {1: 0, 3: 0}  # request slot -> tokens saved so far
@@ -88,7 +88,10 @@ def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius)
     for name in ("kmin", "kmax", "count"):
         assert torch.equal(getattr(summ, name)[..., held, :] if name != "count" else summ.count[:, held],
                            getattr(ref_summ, name)[..., held, :] if name != "count" else ref_summ.count[:, held]), name
-    torch.testing.assert_close(summ.mean[:, :, held], ref_summ.mean[:, :, held], rtol=1e-5, atol=1e-5)
+    if with_mean:
+        torch.testing.assert_close(summ.mean[:, :, held], ref_summ.mean[:, :, held], rtol=1e-5, atol=1e-5)
+    else:
+        assert summ.mean is None and "mean" not in summ.layer(0)
     if with_radius:
         torch.testing.assert_close(summ.radius[:, :, held], ref_summ.radius[:, :, held], rtol=1e-4, atol=1e-4)
     assert torch.equal(cache.k.view(torch.uint8), ref_cache.k.view(torch.uint8))

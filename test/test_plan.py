@@ -62,3 +62,16 @@ def test_store_save_updates_host_summaries_and_cached_pages(fused):
     slot = cache.page_table.lookup(1, 1, torch.arange(2), 0).long()
     assert torch.equal(cache.k[slot, :2], k[:2].transpose(0, 1))
     assert (cache.page_table.lookup(1, 1, torch.arange(2), 1) == -1).all()
+
+
+def test_summaries_kept_are_the_selectors():
+    from sparse_sglang.attention import kept_summaries
+
+    assert kept_summaries("quest") == {"with_mean": False, "with_radius": False}
+    assert kept_summaries("arkvale") == {"with_mean": False, "with_radius": True}
+    assert kept_summaries("mean") == {"with_mean": True, "with_radius": False}
+    plans = {name: plan_memory(SparseConfig(host_cache_gb=16, selector=name), gpu_kv_bytes=40 * GIB, **LLAMA8B,
+                               **kept_summaries(name)) for name in ("quest", "mean")}  # fmt: skip
+    # bf16 min and max (4 bytes a channel) vs those plus the float32 mean (8): half the bytes
+    assert plans["quest"].summary_bytes * 2 < plans["mean"].summary_bytes * 1.01
+    assert plans["quest"].cache_bytes > plans["mean"].cache_bytes

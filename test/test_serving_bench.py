@@ -92,12 +92,14 @@ def test_sparse_gets_the_same_hbm_for_kv_as_vanilla():
     import torch
 
     from benchmark.serving import sparse_gpu_cache_gb
+    from sparse_sglang.attention import kept_summaries
     from sparse_sglang.config import GIB, SparseConfig
     from sparse_sglang.mem_cache.plan import plan_memory
 
     cache = sparse_gpu_cache_gb(20.0, 16.0)  # a host store this machine can size (the plan checks RAM)
     plan = plan_memory(SparseConfig(host_cache_gb=16.0, gpu_cache_gb=cache), num_layers=32, num_kv_heads=8,
-                       head_dim=128, dtype=torch.bfloat16, context_len=131072, gpu_kv_bytes=0)  # fmt: skip
+                       head_dim=128, dtype=torch.bfloat16, context_len=131072, gpu_kv_bytes=0,
+                       **kept_summaries("quest"))  # fmt: skip
     total = plan.cache_bytes + plan.summary_bytes + plan.staging_bytes + plan.table_bytes
     assert 19.99 * GIB < total <= 20 * GIB
     assert plan.max_running_requests >= 50  # rows of 80 pages x 32 layers x 8 heads: 335 MB each

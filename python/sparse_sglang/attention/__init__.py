@@ -26,6 +26,7 @@ from sparse_sglang.attention.selectors import (
     Selector,
     cuboid_score,
     get_selector,
+    kept_summaries,
     page_mean_abs_deviation,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "attention_mass_recall",
     "cuboid_score",
     "get_selector",
+    "kept_summaries",
     "max_reduce_logical",
     "page_mean_abs_deviation",
     "select_pages",

@@ -190,3 +190,10 @@ def get_selector(name: str) -> Selector:
         return SELECTORS[name]()
     except KeyError:
         raise ValueError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}") from None
+
+
+def kept_summaries(name: str) -> dict[str, bool]:
+    """The optional summaries selector ``name`` reads, as ``PageSummaries``/``SparseKVStore``/
+    ``plan_memory`` flags (``with_mean``, ``with_radius``); the key min/max are always kept."""
+    reads = SELECTORS[name].summaries
+    return {"with_mean": "mean" in reads, "with_radius": "radius" in reads}

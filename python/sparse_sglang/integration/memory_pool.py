@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
 
+from sparse_sglang.attention.selectors import kept_summaries
 from sparse_sglang.config import GIB
 from sparse_sglang.integration.registry import relies_on
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
@@ -132,10 +133,10 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
         gpu_kv_bytes=conf._profile_available_bytes(runner.pre_model_load_memory),
         max_running_requests=runner.server_args.max_running_requests,
         max_total_tokens=runner.server_args.max_total_tokens,
-        with_radius=sparse.selector == "arkvale",
+        **kept_summaries(sparse.selector),
     )
     logger.info("sparse memory plan: %s", plan.describe())
-    store = SparseKVStore(plan.shape, runner.device, with_radius=sparse.selector == "arkvale")
+    store = SparseKVStore(plan.shape, runner.device, **kept_summaries(sparse.selector))
     pool = SparseTokenToKVPool(store, plan.max_total_tokens, runner.device,
                                conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip
     runner.req_to_token_pool = conf._build_req_to_token_pool(max_num_reqs=plan.max_running_requests)

@@ -103,7 +103,8 @@ if triton is not None:
         kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, count_ptr,
         directory_ptr, segments_ptr, cache_k_ptr, cache_v_ptr,
         layer, num_layers, num_heads, num_dir, summary_head_stride,
-        P: tl.constexpr, D: tl.constexpr, SEG: tl.constexpr, WITH_RADIUS: tl.constexpr, STORE_CACHE: tl.constexpr,
+        P: tl.constexpr, D: tl.constexpr, SEG: tl.constexpr, WITH_MEAN: tl.constexpr, WITH_RADIUS: tl.constexpr,
+        STORE_CACHE: tl.constexpr,
     ):  # fmt: skip
         # One program: one run (<= P tokens of one page) of one kv head.
         r = tl.program_id(0)
@@ -125,7 +126,6 @@ if triton is not None:
         keep = ok & (offset > 0) & (d < D)  # merge with the old values; offset 0 starts the page
         old_min = tl.load(kmin_ptr + s, mask=keep, other=float("inf")).to(tl.float32)
         old_max = tl.load(kmax_ptr + s, mask=keep, other=float("-inf")).to(tl.float32)
-        old_mean = tl.load(mean_ptr + s, mask=keep, other=0.0)
         lo = tl.minimum(old_min, tl.min(tl.where(tok[:, None], x, float("inf")), axis=0))
         hi = tl.maximum(old_max, tl.max(tl.where(tok[:, None], x, float("-inf")), axis=0))
         c = offset.to(tl.float32)
@@ -133,7 +133,9 @@ if triton is not None:
         store = ok & (d < D)
         tl.store(kmin_ptr + s, lo.to(kmin_ptr.dtype.element_ty), mask=store)
         tl.store(kmax_ptr + s, hi.to(kmax_ptr.dtype.element_ty), mask=store)
-        tl.store(mean_ptr + s, (old_mean * c + tl.sum(x, axis=0)) / total, mask=store)
+        if WITH_MEAN:
+            old_mean = tl.load(mean_ptr + s, mask=keep, other=0.0)
+            tl.store(mean_ptr + s, (old_mean * c + tl.sum(x, axis=0)) / total, mask=store)
         if WITH_RADIUS:  # ArkVale: mean |k - centre| against the updated (stored) cuboid
             centre = (lo.to(kmin_ptr.dtype.element_ty).to(tl.float32) + hi.to(kmax_ptr.dtype.element_ty).to(tl.float32)) * 0.5
             old_radius = tl.load(radius_ptr + s, mask=keep, other=0.0)
@@ -255,10 +257,11 @@ def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, t
     kmin = lay["kmin"]
     _index_runs_kernel[(runs.num_runs, heads)](
         k, v, token_slots, runs.start, runs.length, runs.req_slot, runs.logical_page, runs.page_offset,
-        kmin, lay["kmax"], lay["mean"], lay.get("radius", kmin), summaries.layer_count(layer),
+        kmin, lay["kmax"], lay.get("mean", kmin), lay.get("radius", kmin), summaries.layer_count(layer),
         pt.directory, pt.segments, cache._k, cache._v,
         layer, pt.num_layers, heads, pt.directory.shape[-1], kmin.stride(0),
-        P=cache.page_size, D=dim, SEG=pt.segment_pages, WITH_RADIUS="radius" in lay, STORE_CACHE=store_cache,
+        P=cache.page_size, D=dim, SEG=pt.segment_pages, WITH_MEAN="mean" in lay, WITH_RADIUS="radius" in lay,
+        STORE_CACHE=store_cache,
     )  # fmt: skip
 
 

@@ -54,22 +54,23 @@ class SparseKVStore:
     shape : StoreShape
     device : torch.device or str
         The GPU (or ``"cpu"`` for tests: unpinned host store, reference transfers).
-    with_radius : bool
-        Keep ArkVale's radius summary (the ``arkvale`` selector).
+    with_radius, with_mean : bool
+        Keep ArkVale's radius summary (the ``arkvale`` selector) and the mean key (the ``mean``
+        selector); ``sparse_sglang.attention.kept_summaries(selector)`` gives both.
     fused : bool
         Index new tokens with the fused kernel (default: on CUDA; on CPU it runs in Triton's
         interpreter) instead of the torch reference.
     """
 
     def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False,
-                 fused: bool | None = None):  # fmt: skip
+                 with_mean: bool = True, fused: bool | None = None):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
         s = shape
         self.host = HostKVPool(s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype, pin=on_gpu)
         self.summaries = PageSummaries(s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype,
-                                       self.device, with_radius=with_radius)  # fmt: skip
+                                       self.device, with_radius=with_radius, with_mean=with_mean)  # fmt: skip
         self.cache = GPUPageCache(
             s.num_slots, s.num_layers, s.num_kv_heads, s.page_size, s.head_dim, s.dtype,
             max_requests=s.max_requests, row_width=s.row_width, max_pages=s.max_pages,

@@ -62,11 +62,11 @@ def row_width_for(selection_pages: int, max_pages: int | None = None) -> int:
 
 def fixed_gpu_bytes(
     host_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, context_len: int,
-    with_radius: bool = False,
+    with_radius: bool = False, with_mean: bool = True,
 ) -> tuple[int, int, int]:
     """GPU bytes besides the page cache: ``(summaries, prefix staging, page table)`` for a host
     store of ``host_pages`` pages (summaries of every host page stay resident)."""
-    per_channel = 2 * bound_dtype(dtype).itemsize + 4 + (4 if with_radius else 0)
+    per_channel = 2 * bound_dtype(dtype).itemsize + (4 if with_mean else 0) + (4 if with_radius else 0)
     summary = num_layers * num_kv_heads * (host_pages + 1) * head_dim * per_channel + num_layers * (host_pages + 1) * 4
     staging = 2 * context_len * num_kv_heads * head_dim * dtype.itemsize
     table = num_layers * num_kv_heads * (host_pages + 64) * 4 * 2  # segments + directory, roughly
@@ -76,7 +76,7 @@ def fixed_gpu_bytes(
 def plan_memory(
     config: SparseConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     context_len: int, gpu_kv_bytes: int, max_running_requests: int | None = None,
-    max_total_tokens: int | None = None, with_radius: bool = False,
+    max_total_tokens: int | None = None, with_radius: bool = False, with_mean: bool = True,
 ) -> MemoryPlan:
     """Split the budgets (see module doc).
 
@@ -93,8 +93,8 @@ def plan_memory(
         GPU bytes SGLang leaves for KV after weights and activations (``--mem-fraction-static``).
     max_running_requests, max_total_tokens : int, optional
         SGLang's caps, when the user set them.
-    with_radius : bool
-        Summaries include ArkVale's radius.
+    with_radius, with_mean : bool
+        Summaries include ArkVale's radius, the mean key (see ``kept_summaries``).
     """
     page = config.page_size
     try:
@@ -108,7 +108,7 @@ def plan_memory(
     row_width = row_width_for(selection, max_pages)
 
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
-                                                                context_len, with_radius)  # fmt: skip
+                                                                context_len, with_radius, with_mean)  # fmt: skip
     if config.gpu_cache_gb is not None:
         cache_bytes = int(config.gpu_cache_gb * GIB)
     else:

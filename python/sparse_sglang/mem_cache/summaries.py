@@ -10,7 +10,9 @@ Storage types
   steps), and bf16 would drift by a rounding error per update.
 
 Together that is ``(2 * 2 + 4) / (2 * page_size * itemsize)`` of the KV bytes: 6.25 % for bf16
-and 32-token pages. fp8 keys are summarized from their dequantized values (``k.to(bf16/float32)``);
+and 32-token pages, half of it the mean, which only the ``mean`` selector reads: the server keeps
+just the summaries its selector reads (``with_mean``, ``with_radius``; see
+``sparse_sglang.attention.kept_summaries``), 3.1 % for quest. fp8 keys are summarized from their dequantized values (``k.to(bf16/float32)``);
 a per-tensor fp8 scale would multiply all scores of a layer alike, so it does not change which
 pages rank highest and is not applied.
 
@@ -51,13 +53,16 @@ class PageSummaries:
         Where the summaries live (the GPU in the server).
     with_radius : bool
         Also keep ArkVale's per-page mean ``|k - centre|`` (the ``arkvale`` selector reads it).
+    with_mean : bool
+        Keep the mean key (the ``mean`` selector reads it; the server keeps only what its selector
+        reads: in float32 it is half the summaries' bytes).
 
     Attributes
     ----------
     kmin, kmax : torch.Tensor
         ``[num_layers, num_kv_heads, num_pages, head_dim]`` of :func:`bound_dtype`.
-    mean : torch.Tensor
-        ``[num_layers, num_kv_heads, num_pages, head_dim]`` float32.
+    mean : torch.Tensor or None
+        ``[num_layers, num_kv_heads, num_pages, head_dim]`` float32 when ``with_mean``.
     count : torch.Tensor
         ``[num_layers, num_pages]`` int32: tokens summarized per (layer, page).
     radius : torch.Tensor or None
@@ -67,23 +72,27 @@ class PageSummaries:
     def __init__(
         self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
         kv_dtype: torch.dtype, device: torch.device | str = "cpu", *, with_radius: bool = False,
+        with_mean: bool = True,
     ):
         # One extra page at index num_pages: padding tokens fold into it, so updates need no masks.
         shape = (num_layers, num_kv_heads, num_pages + 1, head_dim)
         self.page_size, self.num_pages = page_size, num_pages
         self._kmin = torch.full(shape, float("inf"), dtype=bound_dtype(kv_dtype), device=device)
         self._kmax = torch.full(shape, float("-inf"), dtype=bound_dtype(kv_dtype), device=device)
-        self._mean = torch.zeros(shape, dtype=torch.float32, device=device)
+        self._mean = torch.zeros(shape, dtype=torch.float32, device=device) if with_mean else None
         self._count = torch.zeros(num_layers, num_pages + 1, dtype=torch.int32, device=device)
         self._radius = torch.zeros(shape, dtype=torch.float32, device=device) if with_radius else None
-        self.kmin, self.kmax, self.mean = self._kmin[:, :, :num_pages], self._kmax[:, :, :num_pages], self._mean[:, :, :num_pages]
+        self.kmin, self.kmax = self._kmin[:, :, :num_pages], self._kmax[:, :, :num_pages]
+        self.mean = None if self._mean is None else self._mean[:, :, :num_pages]
         self.count = self._count[:, :num_pages]
         self.radius = None if self._radius is None else self._radius[:, :, :num_pages]
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         """The summaries of one layer, ``[num_kv_heads, num_pages + 1, head_dim]`` each (the
         row stride the scoring kernel reads; page ``num_pages`` is padding)."""
-        out = {"kmin": self._kmin[layer], "kmax": self._kmax[layer], "mean": self._mean[layer]}
+        out = {"kmin": self._kmin[layer], "kmax": self._kmax[layer]}
+        if self._mean is not None:
+            out["mean"] = self._mean[layer]
         if self._radius is not None:
             out["radius"] = self._radius[layer]
         return out
@@ -128,7 +137,8 @@ class PageSummaries:
         fresh = torch.where(valid & (slots % self.page_size == 0), page, self.num_pages)
         self._kmin[layer][:, fresh] = float("inf")
         self._kmax[layer][:, fresh] = float("-inf")
-        self._mean[layer][:, fresh] = 0.0
+        if self._mean is not None:
+            self._mean[layer][:, fresh] = 0.0
         self._count[layer][fresh] = 0
         if self._radius is not None:
             self._radius[layer][:, fresh] = 0.0
@@ -142,8 +152,9 @@ class PageSummaries:
         count.index_add_(0, page, torch.ones_like(page, dtype=count.dtype))
         scale = count[page].view(1, -1, 1).float()  # c + n
         kf = k.float().transpose(0, 1)
-        mean = self._mean[layer]  # [H, N + 1, D]
-        mean.index_add_(1, page, (kf - mean[:, page]) / scale)
+        if self._mean is not None:
+            mean = self._mean[layer]  # [H, N + 1, D]
+            mean.index_add_(1, page, (kf - mean[:, page]) / scale)
         if self._radius is not None:
             centre = (self._kmax[layer][:, page].float() + self._kmin[layer][:, page].float()) / 2
             radius = self._radius[layer]
@@ -155,7 +166,8 @@ class PageSummaries:
         pages = pages.to(self.count.device).long()
         self.kmin.index_fill_(2, pages, float("inf"))
         self.kmax.index_fill_(2, pages, float("-inf"))
-        self.mean.index_fill_(2, pages, 0.0)
+        if self.mean is not None:
+            self.mean.index_fill_(2, pages, 0.0)
         self.count.index_fill_(1, pages, 0)
         if self.radius is not None:
             self.radius.index_fill_(2, pages, 0.0)

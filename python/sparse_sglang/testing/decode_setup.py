@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_sglang.attention.selectors import kept_summaries
 from sparse_sglang.attention.sparse_decode import SparseDecoder
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import SaveRuns
@@ -37,7 +38,7 @@ def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_co
         dtype=dtype, num_host_pages=max_batch * max_pages + 1, num_slots=max_batch * shape.num_layers * shape.num_kv_heads * width,
         max_requests=max_batch + 1, row_width=width, max_pages=max_pages, max_save_tokens=8192,
     )  # fmt: skip
-    return SparseKVStore(s, "cuda", with_radius=config.selector == "arkvale")
+    return SparseKVStore(s, "cuda", **kept_summaries(config.selector))
 
 
 class DecodeBench:
@@ -88,7 +89,8 @@ class DecodeBench:
         lo = torch.randn(summ.kmin.shape, device="cuda", generator=generator).to(summ.kmin.dtype)
         summ.kmin.copy_(lo)
         summ.kmax.copy_(lo + torch.rand(summ.kmax.shape, device="cuda", generator=generator).to(summ.kmax.dtype))
-        summ.mean.copy_((summ.kmin.float() + summ.kmax.float()) / 2)
+        if summ.mean is not None:
+            summ.mean.copy_((summ.kmin.float() + summ.kmax.float()) / 2)
 
     def evict(self, layer: int, page_ids: torch.Tensor, fraction: float, generator: torch.Generator) -> int:
         """Unmap ``fraction`` of the selected pages ``[B, Hkv, K]`` of ``layer`` (the next step misses
