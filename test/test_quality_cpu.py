@@ -39,24 +39,6 @@ def test_captured_qkv_reproduce_the_models_attention(smollm):
         torch.testing.assert_close(out, cap.out[layer], rtol=1e-4, atol=1e-5)
 
 
-def test_sparse_decode_is_dense_when_the_budget_covers_the_context(smollm):
-    from transformers import DynamicCache
-
-    _, model, ids = smollm
-    prefix, suffix = ids[:-3], ids[-3:]
-    cache = DynamicCache(config=model.config)
-    prefill = quality.SparseDecoder(model, quality.Policy(selector=None), TOKENS + 4)
-    quality.run_with(prefill, model, input_ids=torch.tensor([prefix]), past_key_values=cache, logits_to_keep=1)
-    runs = {}
-    for budget in (None, 512, 128):
-        policy = quality.Policy(selector=None if budget is None else "quest", budget=budget or 512)
-        hook = prefill.fork(policy)
-        runs[budget] = (quality.decode(model, hook, copy.deepcopy(cache), suffix, 4), hook.recall)
-    assert runs[512][0] == runs[None][0]
-    assert all(r == pytest.approx(1.0) for r in runs[512][1])  # every page selected: exact path
-    assert 0 < min(runs[128][1]) < 1  # 4 of 8 pages: sparse, really
-
-
 @pytest.fixture(scope="module")
 def prefilled(smollm):
     """(model, dense prefill hook, cache) after all but the last 3 tokens, and those 3 tokens."""
@@ -68,6 +50,18 @@ def prefilled(smollm):
     prefill = quality.SparseDecoder(model, quality.Policy(selector=None), TOKENS + 4)
     quality.run_with(prefill, model, input_ids=torch.tensor([prefix]), past_key_values=cache, logits_to_keep=1)
     return model, prefill, cache, suffix
+
+
+def test_sparse_decode_is_dense_when_the_budget_covers_the_context(prefilled):
+    model, prefill, cache, suffix = prefilled
+    runs = {}
+    for budget in (None, 512, 128):
+        policy = quality.Policy(selector=None if budget is None else "quest", budget=budget or 512)
+        hook = prefill.fork(policy)
+        runs[budget] = (quality.decode(model, hook, copy.deepcopy(cache), suffix, 4), hook.recall)
+    assert runs[512][0] == runs[None][0]
+    assert all(r == pytest.approx(1.0) for r in runs[512][1])  # every page selected: exact path
+    assert 0 < min(runs[128][1]) < 1  # 4 of 8 pages: sparse, really
 
 
 def test_dense_layers_leave_those_layers_dense_in_decode(prefilled):

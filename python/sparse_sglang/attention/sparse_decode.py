@@ -72,7 +72,8 @@ class SparseDecoder:
     use_tensor_cores : bool
         FlashInfer's tensor-core decode (prefill kernels), better for ``G >= 4``.
     fused : bool
-        The per-layer path of fused kernels (default: on CUDA): the score kernel writes selection
+        The per-layer path of fused kernels (default: on CUDA, for rows :func:`fits_fused_retrieve`
+        takes; wider rows, from large budgets, take the torch path): the score kernel writes selection
         priorities, a top-k selects, :func:`~sparse_sglang.mem_cache.kernels.retrieve_pages` does
         the cache bookkeeping and writes FlashInfer's indices, FlashH2D loads the misses. ``False``
         runs the torch reference path (``select_pages`` + :meth:`GPUPageCache.retrieve`).

@@ -84,7 +84,7 @@ class SparseTokenToKVPool(KVCache):
         k, v = k.view(-1, s.num_kv_heads, s.head_dim), v.view(-1, s.num_kv_heads, s.head_dim)
         if k.dtype != s.dtype and k_scale is not None:  # fp8 KV with a calibrated scale, as SGLang stores it
             k, v = k / k_scale, v / v_scale
-        self.store.save(layer_id - self.start_layer, loc, k.contiguous(), v.contiguous(), staged=staged)
+        self.store.save(layer_id - self.start_layer, loc, k, v, staged=staged)
 
 
 @relies_on("sglang.srt.model_executor.model_runner:ModelRunner.alloc_memory_pool",
