@@ -10,8 +10,12 @@ For each context (8K/32K/128K) and batch (1/8/32), in the same process:
 - **select**: scoring + top-k alone (its share of the all-hit step).
 
 Every timed step is a CUDA graph replay (the sparse step is built to be captured: no host
-synchronization, fixed shapes), timed with CUDA events, median of ``--iters``. Summaries are
-random (the selected pages then look random, as misses would). Writes
+synchronization, fixed shapes), timed with CUDA events, median of ``--iters``, with L2 flushed
+before each replay (in a server the layer's weights pass through L2 between two attentions). As
+in a server, where one graph holds every layer of a decode step, a graph holds
+``--layers-per-graph`` layers (distinct KV and summaries, fewer where memory is short: the
+``layers`` field) and times are per layer, so the graph's launch is paid once per graph rather
+than once per layer. Summaries are random (the selected pages then look random, as misses would). Writes
 ``benchmark/results/decode-<date>.json``::
 
     python benchmark/decode.py                 # full grid, ~3 minutes on an H100
@@ -21,6 +25,7 @@ random (the selected pages then look random, as misses would). Writes
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import json
 import re
@@ -29,17 +34,27 @@ from pathlib import Path
 
 import torch
 
-from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
+from sparse_sglang.attention.topk import TOPK_IMPLS, topk_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import gpu_run_header, save_result
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=1)
+HOST_GIB_PER_STORE = 24  # pinned host KV of one (context, batch) store: bounds its layers
+_L2_FLUSH: list = []
 
 
-def time_graph(fn, iters: int, before=None) -> float:
-    """Median milliseconds of a CUDA-graph replay of ``fn`` (``before()`` runs untimed before each)."""
+def flush_l2() -> None:
+    """Evict the GPU's L2 (50 MiB on an H100) by reading a buffer four times its size."""
+    if not _L2_FLUSH:
+        _L2_FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    _L2_FLUSH[0].view(torch.int64).sum()
+
+
+def time_graph(fn, iters: int, before=None, per: int = 1) -> float:
+    """Median milliseconds of a CUDA-graph replay of ``fn``, divided by ``per`` (the layers ``fn``
+    runs); ``before()`` and an L2 flush run untimed before each replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -52,6 +67,7 @@ def time_graph(fn, iters: int, before=None) -> float:
     for _ in range(iters):
         if before is not None:
             before()
+        flush_l2()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -59,10 +75,11 @@ def time_graph(fn, iters: int, before=None) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(times) / per
 
 
-def dense_step(batch: int, context: int, workspace: torch.Tensor, kv: torch.Tensor, q: torch.Tensor):
+def dense_step(batch: int, context: int, workspace: torch.Tensor, kv: torch.Tensor, q: torch.Tensor, layers: int):
+    """``layers`` dense decode attentions, each over its own slice of ``kv`` (distinct layers)."""
     import flashinfer
 
     page = 32
@@ -73,14 +90,27 @@ def dense_step(batch: int, context: int, workspace: torch.Tensor, kv: torch.Tens
     last = torch.full((batch,), (context + 1) - (pages - 1) * page, dtype=torch.int32)
     wrapper.plan(indptr, indices, last, SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.head_dim, page,
                  q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
-    k, v = kv[0][: batch * pages], kv[1][: batch * pages]
-    return lambda: wrapper.run(q, (k, v))
+    n = batch * pages
+    slices = [(kv[0][i * n : (i + 1) * n], kv[1][i * n : (i + 1) * n]) for i in range(layers)]
+
+    def step():
+        for k, v in slices:
+            wrapper.run(q, (k, v))
+
+    return step
+
+
+def layers_for(batch: int, context: int, max_batch: int, wanted: int) -> int:
+    """Layers one timed graph holds: ``wanted``, fewer where the dense KV buffer (sized for
+    ``max_batch`` requests) or the pinned host store of the sparse one would not hold them."""
+    pages = -(-(context + 1) // 32)
+    host_layer_bytes = 2 * batch * pages * SHAPE.num_kv_heads * 32 * SHAPE.head_dim * 2
+    return max(1, min(wanted, max_batch // batch, int(HOST_GIB_PER_STORE * 2**30 // host_layer_bytes)))
 
 
 def run(args) -> dict:
     config = SparseConfig(token_budget=args.budget, host_cache_gb=1.0)
     max_batch, max_context = max(args.batches), max(args.contexts)
-    store = make_store(SHAPE, config, max_batch, max_context)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     max_pages = max_batch * -(-(max_context + 1) // 32)
     dense_kv = torch.randn(2, max_pages, SHAPE.num_kv_heads, 32, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
@@ -88,28 +118,48 @@ def run(args) -> dict:
     rows = []
     for context in args.contexts:
         for batch in args.batches:
+            layers = layers_for(batch, context, max_batch, args.layers_per_graph)
+            store = make_store(Llama8BShape(num_layers=layers), config, batch, context)
             b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
             b.fill_summaries_randomly(gen)
             b.plan()
             q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
-            row = {"context": context, "batch": batch, "budget": args.budget}
-            row["dense_ms"] = time_graph(dense_step(batch, context, workspace, dense_kv, q), args.iters)
-            step = lambda: b.decoder.run(0, q)  # noqa: E731
+            row = {"context": context, "batch": batch, "budget": args.budget, "layers": layers}
+            row["dense_ms"] = time_graph(dense_step(batch, context, workspace, dense_kv, q, layers), args.iters, per=layers)
+
+            def step():
+                for layer in range(layers):
+                    b.decoder.run(layer, q)
+
             step()  # loads every selected page: the cache is warm from here on
-            pages = b.decoder.select(0, q)
-            row["sparse_hit_ms"] = time_graph(step, args.iters)
-            row["select_ms"] = time_graph(lambda: b.decoder.select_raw(0, q), args.iters)
+            pages = [b.decoder.select(layer, q) for layer in range(layers)]
+            row["sparse_hit_ms"] = time_graph(step, args.iters, per=layers)
+
+            def select():
+                for layer in range(layers):
+                    b.decoder.select_raw(layer, q)
+
+            row["select_ms"] = time_graph(select, args.iters, per=layers)
             for impl in TOPK_IMPLS:  # the top-k alone, each implementation (the default by measurement)
-                prio = torch.randn(batch, SHAPE.num_kv_heads, b.num_pages, device="cuda")
-                row[f"topk_{impl}_ms"] = time_graph(lambda impl=impl, prio=prio: topk_pages(prio, b.decoder.width, impl), args.iters)
+                prios = [torch.randn(batch, SHAPE.num_kv_heads, b.num_pages, device="cuda") for _ in range(layers)]
+
+                def topk(impl=impl, prios=prios):
+                    for prio in prios:
+                        topk_pages(prio, b.decoder.width, impl)
+
+                row[f"topk_{impl}_ms"] = time_graph(topk, args.iters, per=layers)
             for frac in args.miss_fracs:
                 counts = []
 
                 def evict(frac=frac, counts=counts):
-                    counts.append(b.evict(0, pages, frac, gen))
+                    counts.append(sum(b.evict(layer, pages[layer], frac, gen) for layer in range(layers)) / layers)
 
-                row[f"sparse_miss{int(frac * 100)}_ms"] = time_graph(step, args.iters, before=evict)
+                row[f"sparse_miss{int(frac * 100)}_ms"] = time_graph(step, args.iters, before=evict, per=layers)
                 row[f"miss{int(frac * 100)}_pages"] = statistics.median(counts)
+            store.close()
+            b = store = None  # the next (context, batch) allocates its own: free this one first
+            gc.collect()
+            torch.cuda.empty_cache()
             row["speedup"] = row["dense_ms"] / row["sparse_hit_ms"]
             row["select_frac"] = row["select_ms"] / row["sparse_hit_ms"]
             print(json.dumps(row), flush=True)
@@ -151,6 +201,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--layers-per-graph", type=int, default=4,
+                        help="layers (distinct KV and summaries) in one timed graph; times are per layer")
     parser.add_argument("--q1", type=Path, help="q1.json written by test/test_sparse_decode_gpu.py")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
@@ -164,7 +216,8 @@ def main(argv=None) -> dict:
     summary.update(quality_summary())
     doc = {
         **gpu_run_header("benchmark/decode.py", argv),
-        "config": {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest"},
+        "config": {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest",
+                   "layers_per_graph": args.layers_per_graph, "l2_flushed": True},
         **result,
         "summary": summary,
     }

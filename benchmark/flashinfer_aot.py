@@ -6,6 +6,7 @@ when that file exists, without compiling; this script builds those files here (f
 H100/H200) so a device call only copies them in::
 
     python benchmark/flashinfer_aot.py .gpu-carry/aot           # here, about 15 minutes on 2 cores
+    python benchmark/flashinfer_aot.py .gpu-carry/aot64 --head-dim 64   # SmolLM2's modules
     # on the GPU host, after installing flashinfer into /tmp/site:
     for d in .gpu-carry/aot/*; do mkdir -p /tmp/site/flashinfer/data/aot/$(basename $d); cp $d/*.so $_; done
 
@@ -31,16 +32,26 @@ from pathlib import Path
 os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
 
 
-def specs():
+def specs(head_dim: int = 128):
     import torch
-    from flashinfer.jit.attention.modules import gen_batch_prefill_module, gen_single_decode_module
+    from flashinfer.jit.attention.modules import (
+        gen_batch_decode_module,
+        gen_batch_prefill_module,
+        gen_single_decode_module,
+    )
     from flashinfer.jit.topk import gen_topk_module
 
-    bf16 = torch.bfloat16
+    bf16, d = torch.bfloat16, head_dim
+    if d != 128:  # a small model (SmolLM2: head_dim 64, 3 query heads per kv head: CUDA-core decode)
+        return [
+            gen_batch_prefill_module("fa2", bf16, bf16, bf16, torch.int32, d, d, 0, False, False, False),
+            gen_batch_prefill_module("fa3", bf16, bf16, bf16, torch.int32, d, d, 0, False, False, False),
+            gen_batch_decode_module(bf16, bf16, bf16, torch.int32, d, d, 0, False, False),
+        ]
     return [
-        gen_batch_prefill_module("fa2", bf16, bf16, bf16, torch.int32, 128, 128, 0, False, False, False),
-        gen_batch_prefill_module("fa3", bf16, bf16, bf16, torch.int32, 128, 128, 0, False, False, False),
-        gen_single_decode_module(bf16, bf16, bf16, 128, 128, 0, False, False),
+        gen_batch_prefill_module("fa2", bf16, bf16, bf16, torch.int32, d, d, 0, False, False, False),
+        gen_batch_prefill_module("fa3", bf16, bf16, bf16, torch.int32, d, d, 0, False, False, False),
+        gen_single_decode_module(bf16, bf16, bf16, d, d, 0, False, False),
         gen_topk_module(),
     ]
 
@@ -102,11 +113,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="folder that receives <name>/<name>.so per module")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--head-dim", type=int, default=128,
+                        help="128: the 8B shape's modules (default); 64: SmolLM2's (prefill fa2/fa3, CUDA-core decode)")
     args = parser.parse_args(argv)
     include = curand_include()
     with tempfile.TemporaryDirectory() as tmp:
         stub = libcuda_stub(Path(tmp))
-        for spec in specs():
+        for spec in specs(args.head_dim):
             print(f"building {spec.name}", flush=True)
             target = build(spec, args.out, include, stub, args.jobs)
             print(f"  {target} ({target.stat().st_size / 2**20:.1f} MiB)", flush=True)

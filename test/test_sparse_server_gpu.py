@@ -7,6 +7,10 @@ radix hit (its prefix staged from the host too). Every request completes with it
 the server stays healthy and stops cleanly. Dummy weights make the tokens meaningless; the
 quality checks are ``test_sparse_quality_gpu.py`` (SmolLM2, real weights).
 
+It runs twice: decode eagerly and decode under SGLang's CUDA graphs (``--sparse-decode-cuda-graph``),
+each also timing a batch-1 decode step on an 8K prompt (the same prompt with 16 and 144 new
+tokens, the cache flushed before each: the difference is 128 decode steps).
+
 Run on the GPU host: ``pytest -m gpu test/test_sparse_server_gpu.py``; timings and outputs go to
 ``$SPARSE_SGLANG_RESULTS_DIR/gpu-sparse-server-8b.json`` when that is set.
 """
@@ -31,31 +35,45 @@ from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess
 pytestmark = pytest.mark.gpu
 
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.8",
-        "--chunked-prefill-size", "4096", "--sparse-host-cache-gb", "16", "--max-running-requests", "8"]  # fmt: skip
+        "--chunked-prefill-size", "4096", "--sparse-host-cache-gb", "16", "--max-running-requests", "8",
+        "--cuda-graph-max-bs", "8"]  # fmt: skip
 PROMPT_TOKENS = (1500, 3000, 6000, 9000)  # one under the 2048-token budget; the 9000 one in 3 chunks
 NEW_TOKENS = 48
 
 
-def generate(url: str, ids: list[int]) -> dict:
+def generate(url: str, ids: list[int], new_tokens: int = NEW_TOKENS) -> dict:
     started = time.monotonic()
-    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     response = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": params}, timeout=600)
     assert response.status_code == 200, response.text[:500]
     return {**response.json(), "latency_s": round(time.monotonic() - started, 3)}
 
 
-def test_long_prompts_decode_sparsely_with_chunked_prefill_and_a_radix_hit(tmp_path):
+def decode_step_ms(url: str, ids: list[int]) -> float:
+    """Milliseconds per batch-1 decode step: (144 new tokens - 16 new tokens) / 128, no cached prefix."""
+    latency = {}
+    for n in (16, 144):
+        assert requests.post(url + "/flush_cache", timeout=60).status_code == 200
+        latency[n] = generate(url, ids, n)["latency_s"]
+    return round((latency[144] - latency[16]) / 128 * 1000, 3)
+
+
+@pytest.mark.parametrize("decode_graph", [False, True], ids=["eager", "cuda-graph"])
+def test_long_prompts_decode_sparsely_with_chunked_prefill_and_a_radix_hit(tmp_path, decode_graph):
     model = write_llama3_8b_dummy(tmp_path / "llama3-8b-dummy")
     rng = random.Random(0)
     vocab = LLAMA3_8B_CONFIG["vocab_size"]
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_TOKENS]
     shared = prompts[2][:4096] + [rng.randrange(3, vocab) for _ in range(700)]  # a cached 4096-token prefix
     started = time.monotonic()
-    with ServerProcess(SPARSE_MODULE, model, ARGS, log_path=tmp_path / "sparse-8b.log") as server:
+    mode = "cuda-graph" if decode_graph else "eager"
+    args = [*ARGS, "--sparse-decode-cuda-graph", str(decode_graph).lower()]
+    with ServerProcess(SPARSE_MODULE, model, args, log_path=tmp_path / f"sparse-8b-{mode}.log") as server:
         ready_s = time.monotonic() - started
         with ThreadPoolExecutor(len(prompts)) as pool:
             outs = list(pool.map(lambda ids: generate(server.url, ids), prompts))
         hit = generate(server.url, shared)
+        step_ms = decode_step_ms(server.url, prompts[3][:8192])
         assert requests.get(server.url + "/health", timeout=30).status_code == 200
         log = server.log_path.read_text(errors="replace")
     assert server.stopped_cleanly, server.log_tail()
@@ -69,6 +87,7 @@ def test_long_prompts_decode_sparsely_with_chunked_prefill_and_a_radix_hit(tmp_p
 
         record = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
                   "commit": git_commit(), "command": server.command, "ready_s": round(ready_s, 1),
+                  "decode_mode": mode, "decode_step_ms_batch1_8k": step_ms,
                   "requests": [{"prompt_tokens": o["meta_info"]["prompt_tokens"], "cached_tokens": o["meta_info"].get("cached_tokens"),
                                 "latency_s": o["latency_s"], "output_ids": o["output_ids"]} for o in outs + [hit]]}  # fmt: skip
-        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], "gpu-sparse-server-8b.json").write_text(json.dumps(record, indent=1))
+        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], f"gpu-sparse-server-8b-{mode}.json").write_text(json.dumps(record, indent=1))
