@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_sglang.attention.topk import TOPK_IMPLS, topk_pages
+from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import gpu_run_header, save_result

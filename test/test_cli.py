@@ -48,12 +48,15 @@ def test_sparse_defaults_when_no_sparse_flag(model_dir):
 def test_sparse_sets_the_sglang_modes_it_needs(model_dir):
     args = prepare_server_args(["--model-path", model_dir, *CPU])
     assert args.page_size == args.sparse.page_size and args.disable_overlap_schedule
-    assert args.disable_prefill_cuda_graph and args.disable_decode_cuda_graph  # eager decode by default
-    graphs = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-decode-cuda-graph", "true"])
-    assert graphs.disable_prefill_cuda_graph and not graphs.disable_decode_cuda_graph
-    with pytest.raises(CLIError, match="--sparse-decode-cuda-graph: a budget of 32768 tokens is too wide"):
-        prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-decode-cuda-graph", "true",
-                             "--sparse-token-budget", "32768"])  # fmt: skip
+    assert args.disable_prefill_cuda_graph and not args.disable_decode_cuda_graph  # graph decode by default
+    eager = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-decode-cuda-graph", "false"])
+    assert eager.disable_prefill_cuda_graph and eager.disable_decode_cuda_graph
+
+
+def test_a_budget_too_wide_for_graph_decode_decodes_eagerly_and_says_so(model_dir, capfd):
+    args = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-token-budget", "32768"])
+    assert args.disable_decode_cuda_graph
+    assert "a budget of 32768 tokens is too wide for the fused decode kernels" in capfd.readouterr().err
 
 
 def test_sparse_off_leaves_attention_backend_to_sglang(model_dir):

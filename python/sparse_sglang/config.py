@@ -80,7 +80,7 @@ class SparseConfig:
     sink_pages: int = knob(1, help="Leading pages every decode step keeps (attention sinks).")
     recent_pages: int = knob(2, help="Newest pages every decode step keeps, the partial newest page included (>= 1).")
     exact_shortcut: bool = knob(True, help="Skip scoring when every request's context fits in the budget (all pages are attended anyway); false checks the selection machinery.")
-    decode_cuda_graph: bool = knob(False, help="Capture decode steps in SGLang's CUDA graphs (each step then scores every page a request may hold); false = eager decode.")
+    decode_cuda_graph: bool = knob(True, help="Capture decode steps in SGLang's CUDA graphs (each step then scores every page a request may hold; budgets too wide for the fused kernels, above ~4K tokens, decode eagerly); false = eager decode.")
     working_set_window: int = knob(12, help="Decode steps over which a request's selected pages form its working set (SparseServe's w).")
     gpu_cache_gb: float | None = knob(None, help="HBM (GiB) for cached KV pages; auto = what SGLang's --mem-fraction-static leaves for KV.")
     host_cache_gb: float = knob(default_factory=default_host_cache_gb, help=f"Pinned host RAM (GiB) holding all KV; defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.")

@@ -25,12 +25,12 @@ import torch.nn.functional as F
 
 from sparse_sglang.attention.scoring import score_pages
 from sparse_sglang.attention.selection import select_pages
-from sparse_sglang.attention.topk import TOPK_IMPLS, topk_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import next_pow2, retrieve_pages
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 
 
+TOPK_IMPLS = ("flashinfer", "torch")
 # retrieve_pages compares a row's slots with its selected pages in one program: (K x row) pairs,
 # rounded to powers of two. 256 x 256 ran on an H100 (budget 4096 covering a 4K context); wider
 # rows take the torch path.
@@ -40,6 +40,19 @@ MAX_RETRIEVE_CELLS = 256 * 256
 def fits_fused_retrieve(selected_pages: int, row_width: int) -> bool:
     """Whether :func:`retrieve_pages` takes rows of ``row_width`` slots with ``selected_pages`` selections."""
     return next_pow2(selected_pages) * next_pow2(row_width) <= MAX_RETRIEVE_CELLS
+
+
+def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer") -> torch.Tensor:
+    """Indices ``[..., k]`` (int64, any order) of the ``k`` largest entries of each row of
+    ``priority`` ``[..., N]``: FlashInfer's radix top-k, or ``torch.topk``."""
+    rows = priority.reshape(-1, priority.shape[-1])
+    if impl == "flashinfer":
+        import flashinfer
+
+        ids = flashinfer.top_k(rows, k)[1]
+    else:
+        ids = torch.topk(rows, k, dim=-1, sorted=False).indices
+    return ids.view(*priority.shape[:-1], k)
 
 
 class SparseDecoder:
@@ -65,13 +78,12 @@ class SparseDecoder:
         the cache bookkeeping and writes FlashInfer's indices, FlashH2D loads the misses. ``False``
         runs the torch reference path (``select_pages`` + :meth:`GPUPageCache.retrieve`).
     topk : str
-        The fused path's top-k: ``"radix"`` (one Triton program per row, the fastest at decode's
-        row sizes: ``benchmark/decode.py`` times all three), ``"flashinfer"`` or ``"torch"``.
+        ``"flashinfer"`` (radix top-k) or ``"torch"`` for the fused path's top-k.
     """
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
                  max_batch: int, use_tensor_cores: bool | None = None, fused: bool | None = None,
-                 topk: str = "radix"):  # fmt: skip
+                 topk: str = "flashinfer"):  # fmt: skip
         import flashinfer
 
         shape = store.shape

@@ -78,9 +78,12 @@ class SparseServerArgs(ServerArgs):
             from sparse_sglang.mem_cache.plan import row_width_for
 
             if not fits_fused_retrieve(self.sparse.budget_pages, row_width_for(self.sparse.budget_pages)):
-                raise ValueError(f"--sparse-decode-cuda-graph: a budget of {self.sparse.token_budget} tokens is too "
-                                 "wide for the fused decode kernels that CUDA graphs capture; lower "
-                                 "--sparse-token-budget or leave decode eager")  # fmt: skip
+                # As SGLang does for graph-incompatible settings: run, eagerly, and say why.
+                logging.getLogger(__name__).warning(
+                    "--sparse-decode-cuda-graph: a budget of %d tokens is too wide for the fused decode kernels "
+                    "that CUDA graphs capture; decode runs eagerly (lower --sparse-token-budget to keep graphs)",
+                    self.sparse.token_budget)  # fmt: skip
+                self.disable_decode_cuda_graph = True
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
