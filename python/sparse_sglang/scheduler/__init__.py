@@ -1,0 +1,27 @@
+"""Scheduling on top of SGLang's: working-set-aware admission (SparseServe Algorithm 1).
+
+- :class:`WorkingSetTracker`: running requests' working sets (pages selected over the last
+  ``window`` decode steps), measured on the device.
+- :class:`AdmissionPolicy`: keep / retract / admit / defer / refuse so the summed working sets fit
+  the GPU page cache, strict FCFS on the waiting queue.
+"""
+
+from sparse_sglang.scheduler.admission import (
+    AdmissionDecision,
+    AdmissionPolicy,
+    AdmissionStats,
+    Running,
+    Waiting,
+    WorkingSetTracker,
+    prefill_pages,
+)
+
+__all__ = [
+    "AdmissionDecision",
+    "AdmissionPolicy",
+    "AdmissionStats",
+    "Running",
+    "Waiting",
+    "WorkingSetTracker",
+    "prefill_pages",
+]

@@ -1,0 +1,234 @@
+"""Working-set-aware admission (SparseServe Algorithm 1).
+
+Sparse decode moves only the pages a step selects, so what must fit in the GPU page cache is not
+a request's whole KV but its *working set*: the pages it selected over the last ``window`` decode
+steps. Running more requests than the cache holds working sets for turns every step into misses
+(PCIe-bound thrashing); running fewer wastes the cache. So the scheduler keeps the summed working
+sets of the running batch within the cache, retracting the newest requests when it overflows and
+admitting waiting ones only while they fit.
+
+- :class:`WorkingSetTracker` measures running requests' working sets on the device (a ring of the
+  last ``window`` steps' selections per request, layer and kv head).
+- :func:`prefill_pages` is a prefill's working set, which is exact: every KV page it attends.
+- :class:`AdmissionPolicy` is the pure-Python decision: keep / retract / admit / defer / refuse.
+
+Fairness rule: strict FCFS on the waiting queue. Requests are considered in arrival order and the
+first one that does not fit (GPU working-set budget or free host pages) stops admission: every
+later arrival is deferred with it, however small. Why not let small requests pass a blocked head:
+any bypass lets a steady stream of short requests keep the cache full so the head never fits
+(starvation; ``test_admission`` shows it for a greedy policy). Strict FCFS needs no per-request
+state across scheduling rounds, and the head-of-line cost is bounded: a decode working set is at
+most ``window x budget pages`` per (layer, head) whatever the context length, and a prefill's is
+bounded by the layers it runs per iteration, so the head waits for at most about one working set
+to drain. Requests whose KV can never fit in the host store are refused, so they block nobody.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+def prefill_pages(num_tokens: int, layers_now: int, num_kv_heads: int, page_size: int) -> int:
+    """GPU cache pages a prefill needs this iteration: every KV page of its ``num_tokens`` tokens
+    (cached prefix + new, all of which it attends) in each kv head of the ``layers_now`` layers it
+    runs now (all layers, or one segment of a layer-segmented prefill)."""
+    return -(-num_tokens // page_size) * layers_now * num_kv_heads
+
+
+class WorkingSetTracker:
+    """Per running request, the distinct pages selected over the last ``window`` decode steps.
+
+    A ring ``[max_requests + 1, window, num_layers, num_kv_heads, max_selected]`` keeps each step's
+    selection; :meth:`next_step` clears the column it reuses, so a request that skipped a step has
+    nothing there. The ring's size depends on the token budget, not on context length (a
+    per-page "last used" stamp would take ``max_pages`` entries per request, layer and head).
+    Row ``max_requests`` is scratch: padded batch rows (request slot ``-1``) write there.
+
+    Parameters
+    ----------
+    max_requests, num_layers, num_kv_heads : int
+    max_selected : int
+        Most pages one step selects per (request, layer, head) (the budget in pages).
+    window : int
+        Steps forming the working set (``--sparse-working-set-window``).
+    device : torch.device or str
+    """
+
+    def __init__(self, max_requests: int, num_layers: int, num_kv_heads: int, max_selected: int,
+                 window: int = 12, device: torch.device | str = "cpu"):
+        for name, value in {"max_requests": max_requests, "num_layers": num_layers, "num_kv_heads": num_kv_heads,
+                            "max_selected": max_selected, "window": window}.items():  # fmt: skip
+            if value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.max_requests, self.window, self.max_selected = max_requests, window, max_selected
+        shape = (max_requests + 1, window, num_layers, num_kv_heads, max_selected)
+        self.ring = torch.full(shape, -1, dtype=torch.int32, device=device)
+        self.column = 0  # ring column of the current step (host-known: no sync to advance)
+
+    def next_step(self) -> None:
+        """Start a decode step: its column forgets the step ``window`` steps ago."""
+        self.column = (self.column + 1) % self.window
+        self.ring[:, self.column] = -1
+
+    def record(self, req_slots: torch.Tensor, layer: int, page_ids: torch.Tensor) -> None:
+        """Note this step's selection of one layer.
+
+        req_slots : ``[B]`` request slots, ``-1`` = padding row.
+        page_ids : ``[B, Hkv, K]`` selected logical pages, ``-1`` = none; ``K <= max_selected``.
+        """
+        k = page_ids.shape[-1]
+        assert k <= self.max_selected, f"{k} selected pages exceed max_selected ({self.max_selected})"
+        rows = torch.where(req_slots < 0, self.max_requests, req_slots).long()
+        self.ring[rows, self.column, layer, :, :k] = page_ids.to(torch.int32)
+        self.ring[rows, self.column, layer, :, k:] = -1
+
+    def sizes(self, req_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Working-set pages (distinct pages, summed over layers and heads): ``[max_requests]``
+        int64, or ``[len(req_slots)]`` for those slots only (cheaper: one sort per row)."""
+        ring = self.ring[: self.max_requests] if req_slots is None else self.ring[req_slots.long()]
+        pages = ring.permute(0, 2, 3, 1, 4).flatten(3).sort(-1).values  # [R, L, H, window * K]
+        first = torch.ones_like(pages[..., :1], dtype=torch.bool)
+        distinct = (pages >= 0) & torch.cat([first, pages[..., 1:] != pages[..., :-1]], -1)
+        return distinct.sum((1, 2, 3))
+
+    def forget(self, req_slot: int | torch.Tensor) -> None:
+        """Drop a finished, aborted or retracted request's history (its slot may be reused)."""
+        self.ring[req_slot] = -1
+
+
+# Admission.
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A request in the running batch. ``arrival`` orders requests (smaller = older)."""
+
+    rid: Hashable
+    arrival: float
+    working_set_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """A request that could start (or resume) now.
+
+    ``working_set_pages``: its estimated GPU working set (a prefill: :func:`prefill_pages`).
+    ``host_pages``: host KV pages it still has to allocate (all its KV for a new request; 0 for a
+    retracted one, which kept its host KV).
+    """
+
+    rid: Hashable
+    arrival: float
+    working_set_pages: int
+    host_pages: int
+
+
+@dataclass(slots=True)
+class AdmissionDecision:
+    """One scheduling round's outcome; every input request is in exactly one list.
+
+    ``retract`` is newest first (the requests keep their host KV; the decision only names them);
+    ``admit`` and ``defer`` are in arrival order; ``refuse`` maps a request to the reason.
+    ``working_set_pages`` sums the kept and admitted working sets; ``forced`` says the progress
+    rule let one request run alone over ``budget_pages``.
+    """
+
+    keep: list[Hashable] = field(default_factory=list)
+    retract: list[Hashable] = field(default_factory=list)
+    admit: list[Hashable] = field(default_factory=list)
+    defer: list[Hashable] = field(default_factory=list)
+    refuse: dict[Hashable, str] = field(default_factory=dict)
+    working_set_pages: int = 0
+    budget_pages: int = 0
+    forced: bool = False
+
+
+@dataclass(slots=True)
+class AdmissionStats:
+    """Running totals over all rounds, for metrics (Prometheus counters)."""
+
+    rounds: int = 0
+    admitted: int = 0
+    deferred: int = 0  # request-rounds spent waiting (a request deferred 3 rounds counts 3)
+    retracted: int = 0
+    refused: int = 0
+    forced: int = 0  # rounds where one request ran alone over the budget
+
+    def add(self, d: AdmissionDecision) -> None:
+        self.rounds += 1
+        self.admitted += len(d.admit)
+        self.deferred += len(d.defer)
+        self.retracted += len(d.retract)
+        self.refused += len(d.refuse)
+        self.forced += d.forced
+
+
+class AdmissionPolicy:
+    """Keep, retract, admit, defer and refuse so the summed working sets fit the GPU cache.
+
+    Parameters
+    ----------
+    gpu_budget_pages : int
+        GPU page-cache slots (one slot = one (layer, kv head, page)) the working sets may use.
+    host_total_pages : int
+        Pages in the host KV store: a request needing more can never run.
+
+    Rules of :meth:`decide`, in order:
+
+    1. Running requests, oldest first, are kept while their working sets fit; the rest are
+       retracted (so retraction takes the newest first). The oldest is always kept, even alone
+       over the budget (retracting everything would stall).
+    2. If anything was retracted, nothing is admitted (the cache is already over-full, and the
+       retracted requests, being older, come first in the waiting queue anyway).
+    3. Waiting requests, in arrival order: refused if ``host_pages > host_total_pages``; admitted
+       while each fits both the remaining budget and the free host pages; the first that does not
+       fit and everything after it are deferred (strict FCFS, see the module docstring).
+    4. Progress: if nothing is running, the head request is admitted even when its working set
+       alone exceeds the budget (it runs with its working set capped at the cache). Free host
+       pages stay a hard limit: its KV has to be stored somewhere.
+    """
+
+    def __init__(self, gpu_budget_pages: int, host_total_pages: int):
+        if gpu_budget_pages < 1 or host_total_pages < 1:
+            raise ValueError(f"budgets must be positive, got gpu {gpu_budget_pages}, host {host_total_pages} pages")
+        self.gpu_budget_pages, self.host_total_pages = gpu_budget_pages, host_total_pages
+        self.stats = AdmissionStats()
+
+    def decide(self, running: Sequence[Running], waiting: Sequence[Waiting], host_free_pages: int) -> AdmissionDecision:
+        budget = self.gpu_budget_pages
+        d = AdmissionDecision(budget_pages=budget)
+        used = 0
+        for i, r in enumerate(sorted(running, key=lambda r: r.arrival)):
+            if not d.retract and (used + r.working_set_pages <= budget or i == 0):
+                d.keep.append(r.rid)
+                used += r.working_set_pages
+            else:
+                d.retract.append(r.rid)
+        d.retract.reverse()  # newest first
+        d.forced = used > budget
+
+        blocked = bool(d.retract)
+        host_free = host_free_pages
+        for w in sorted(waiting, key=lambda w: w.arrival):
+            if w.host_pages > self.host_total_pages:
+                d.refuse[w.rid] = (
+                    f"request {w.rid!r} needs {w.host_pages} host KV pages but the host cache holds "
+                    f"{self.host_total_pages}; raise --sparse-host-cache-gb or shorten the prompt / max_new_tokens"
+                )
+                continue
+            alone = not d.keep and not d.admit  # rule 4: nothing would run otherwise
+            fits = used + w.working_set_pages <= budget or alone
+            if blocked or not fits or w.host_pages > host_free:
+                blocked = True
+                d.defer.append(w.rid)
+                continue
+            d.admit.append(w.rid)
+            used += w.working_set_pages
+            host_free -= w.host_pages
+            d.forced |= used > budget
+        d.working_set_pages = used
+        self.stats.add(d)
+        return d

@@ -1,0 +1,148 @@
+"""CPU tests of the bucketed LRU (SPIN §5.3) against exact LRU, and of the proportional
+buffer-page reclaim split."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from sparse_sglang.mem_cache.bucketed_lru import BucketedLRU, exact_lru_evict_reference, split_by_length
+
+
+def random_state(seed: int, num_slots: int, steps: int, num_buckets: int, steps_per_bucket: int):
+    """A bucketed LRU and the exact last-use steps (-1 = empty) after a random touch/clear history."""
+    g = torch.Generator().manual_seed(seed)
+    lru = BucketedLRU(num_slots, num_buckets, steps_per_bucket)
+    last = torch.full((num_slots,), -1, dtype=torch.int64)
+    for _ in range(steps):
+        lru.next_step()
+        slots = torch.randint(-1, num_slots, (int(torch.randint(0, num_slots // 4 + 1, (), generator=g)),), generator=g)
+        lru.touch(slots)
+        last[slots[slots >= 0]] = lru.step
+        if torch.rand((), generator=g) < 0.2:
+            dropped = torch.randint(0, num_slots, (2,), generator=g)
+            lru.clear(dropped)
+            last[dropped] = -1
+    return lru, last
+
+
+def test_evict_takes_exactly_n_and_never_mandatory_or_padding():
+    g = torch.Generator().manual_seed(0)
+    for seed in range(20):
+        lru, _ = random_state(seed, 64, 100, 16, 2)
+        cand = torch.randint(-1, 64, (5, 24), generator=g)  # 5 rows, padded
+        mandatory = torch.rand(5, 24, generator=g) < 0.3
+        n = torch.randint(0, 24, (5,), generator=g)
+        victims = lru.evict(cand, n, mandatory)
+        eligible = ((cand >= 0) & ~mandatory).sum(-1)
+        assert torch.equal(victims.sum(-1), torch.minimum(n, eligible))
+        assert not (victims & (mandatory | (cand < 0))).any()
+
+
+def test_evict_is_exact_lru_before_any_rebase():
+    # One step per bucket and fewer steps than buckets: buckets are exact stamps.
+    g = torch.Generator().manual_seed(1)
+    for seed in range(20):
+        lru, last = random_state(seed, 48, 60, 64, 1)
+        assert lru.origin == 0
+        cand = torch.randperm(48, generator=g)[:32]
+        mandatory = torch.rand(32, generator=g) < 0.25
+        n = int(torch.randint(0, 32, (), generator=g))
+        assert torch.equal(lru.evict(cand, n, mandatory), exact_lru_evict_reference(last, cand, n, mandatory))
+
+
+def test_evict_agrees_with_exact_lru_up_to_one_bucket():
+    g = torch.Generator().manual_seed(2)
+    checked = 0
+    for seed in range(30):
+        lru, last = random_state(seed, 64, 150, 16, 3)  # 150 steps over a 48-step range: rebased
+        assert lru.origin > 0 and -1 <= int(lru.bucket.min()) and int(lru.bucket.max()) < lru.num_buckets
+        cand = torch.randperm(64, generator=g)[:40]
+        mandatory = torch.rand(40, generator=g) < 0.2
+        n = int(torch.randint(1, 33, (), generator=g))
+        victims = lru.evict(cand, n, mandatory)
+        exact = exact_lru_evict_reference(last, cand, n, mandatory)
+        assert int(victims.sum()) == int(exact.sum())
+        kept = (~victims & ~mandatory).nonzero().flatten()
+        for v in victims.nonzero().flatten().tolist():
+            for k in kept.tolist():
+                lv, lk = int(last[cand[v]]), int(last[cand[k]])
+                # Within one bucket width, unless both are older than the range (bucket 0 merged).
+                assert lv <= lk + lru.steps_per_bucket or max(lv, lk) < lru.merged_before, (lv, lk)
+                checked += 1
+    assert checked > 1000
+
+
+def simulate(trace: list[list[int]], num_slots: int, bucketed: bool) -> float:
+    """Hit ratio of a page cache of ``num_slots`` slots over ``trace`` (pages per step)."""
+    lru = BucketedLRU(num_slots, num_buckets=16, steps_per_bucket=4)
+    last = torch.full((num_slots,), -1, dtype=torch.int64)
+    slot_page = [-1] * num_slots
+    page_slot: dict[int, int] = {}
+    everything = torch.arange(num_slots)
+    hits = accesses = 0
+    for step, pages in enumerate(trace, 1):
+        lru.next_step()
+        hit_slots = [page_slot[p] for p in pages if p in page_slot]
+        misses = [p for p in pages if p not in page_slot]
+        hits, accesses = hits + len(hit_slots), accesses + len(pages)
+        mandatory = torch.zeros(num_slots, dtype=torch.bool)
+        mandatory[hit_slots] = True  # this step's selection stays
+        if bucketed:
+            victims = lru.evict(everything, len(misses), mandatory)
+        else:
+            victims = exact_lru_evict_reference(last, everything, len(misses), mandatory)
+        for page, slot in zip(misses, victims.nonzero().flatten().tolist()):
+            page_slot.pop(slot_page[slot], None)
+            slot_page[slot], page_slot[page] = page, slot
+        used = torch.tensor(hit_slots + [page_slot[p] for p in misses], dtype=torch.int64)
+        lru.touch(used)
+        last[used] = step
+    return hits / accesses
+
+
+def test_hit_ratio_close_to_exact_lru_on_a_local_trace():
+    # Each step selects 8 of 1000 pages: most near a slowly drifting hot spot, some anywhere.
+    rng = random.Random(3)
+    trace, centre = [], 100.0
+    for _ in range(1500):
+        centre = (centre + rng.gauss(0.2, 1.0)) % 1000
+        pages: set[int] = set()
+        while len(pages) < 8:
+            near = rng.random() < 0.85
+            pages.add(int(rng.gauss(centre, 20)) % 1000 if near else rng.randrange(1000))
+        trace.append(sorted(pages))
+    exact = simulate(trace, 96, bucketed=False)
+    bucketed = simulate(trace, 96, bucketed=True)
+    assert 0.3 < exact < 0.95  # the trace is neither trivial nor hopeless for a 96-slot cache
+    assert abs(bucketed - exact) < 0.03, (bucketed, exact)
+
+
+def test_split_by_length_is_proportional_and_exact():
+    g = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        lengths = torch.randint(0, 5000, (int(torch.randint(1, 12, (), generator=g)),), generator=g)
+        total = int(torch.randint(0, 3000, (), generator=g))
+        share = split_by_length(total, lengths)
+        assert int(share.sum()) == total and (share >= 0).all()
+        if int(lengths.sum()):
+            ideal = total * lengths.double() / lengths.sum()
+            assert ((share - ideal).abs() < 1).all()
+        else:
+            assert int(share.max() - share.min()) <= 1
+
+
+def test_split_by_length_respects_caps():
+    g = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        r = int(torch.randint(1, 10, (), generator=g))
+        lengths = torch.randint(0, 100, (r,), generator=g)
+        caps = torch.randint(0, 40, (r,), generator=g)
+        total = int(torch.randint(0, 300, (), generator=g))
+        share = split_by_length(total, lengths, caps)
+        assert int(share.sum()) == min(total, int(caps.sum()))
+        assert (share >= 0).all() and (share <= caps).all()
+    # A capped request's excess goes to the others by length.
+    assert split_by_length(10, torch.tensor([100, 100, 200]), torch.tensor([1, 10, 10])).tolist() == [1, 3, 6]
+    assert split_by_length(5, torch.tensor([], dtype=torch.int64)).tolist() == []
