@@ -85,3 +85,32 @@ def test_scheduler_entry_wraps_sglangs_signature():
     # Our wrapper forwards *args/**kwargs; SGLang's engine passes these positionally.
     params = list(inspect.signature(run_scheduler_process).parameters)
     assert params[:4] == ["server_args", "port_args", "gpu_id", "tp_rank"]
+
+
+def test_freeing_a_request_slot_returns_its_page_cache_row():
+    """SGLang's own ReqToTokenPool and Req (on CPU): finishing, aborting or retracting a request
+    frees its slot, and with it the request's GPU page-cache row, so an idle server holds none."""
+    import torch
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sparse_sglang.integration.memory_pool import release_rows_on_free
+    from sparse_sglang.mem_cache import GPUPageCache
+
+    pool = ReqToTokenPool(3, 64, "cpu", False)
+    cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)
+    release_rows_on_free(pool, cache)
+    reqs = [Req(f"r{i}", "", [1, 2, 3], SamplingParams()) for i in range(3)]
+    for slot in pool.alloc(reqs):
+        cache.open_request(slot, 1)  # what the attention backend does at the first forward
+    assert cache.num_open == 3 and cache.num_free == 0
+    pool.free(reqs[1])
+    assert cache.num_open == 2 and cache.num_free == 16 and pool.available_size() == 1
+    for req in (reqs[0], reqs[2]):
+        pool.free(req)
+    assert cache.num_open == 0 and cache.num_free == cache.num_slots and pool.available_size() == 3
+    late = Req("late", "", [1], SamplingParams())
+    pool.alloc([late])
+    pool.free(late)  # a request freed before its first forward had no row: nothing to return
+    assert pool.available_size() == 3

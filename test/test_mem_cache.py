@@ -377,6 +377,7 @@ def test_gpu_cache_retrieve_loads_misses_into_lru_victims_like_a_per_row_lru(dty
         gather_blocks_reference(host.k, host.v, cache.k, cache.v, src, dst)
 
     model = {(b, l, h): [] for b in range(2) for l in range(layers) for h in range(heads)}  # LRU lists
+    selected = loaded = 0
     for _ in range(40):
         cache.next_step()
         for layer in range(layers):
@@ -395,6 +396,10 @@ def test_gpu_cache_retrieve_loads_misses_into_lru_victims_like_a_per_row_lru(dty
                     model[b, layer, h] = kept + hits + missing
             slots = cache.retrieve(layer, req_slots, page_ids, host_pages, load, host.num_pages)
             assert loads.pop() == expected_misses
+            selected, loaded = selected + int((page_ids >= 0).sum()), loaded + expected_misses
+            stats = cache.stats()  # the metrics' counters
+            assert (stats["pages_selected"], stats["pages_loaded"]) == (selected, loaded)
+            assert stats["hit_ratio"] == pytest.approx(1 - loaded / selected)
             assert torch.equal(slots < 0, page_ids < 0)
             for b, h, j in (page_ids >= 0).nonzero().tolist():
                 page = host_pages[b, page_ids[b, h, j]]

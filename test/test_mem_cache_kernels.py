@@ -141,6 +141,7 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
             for name in ("slot_page", "last_used"):  # the reference's scratch entry (last) aside
                 assert torch.equal(getattr(cache, name)[:-1], getattr(ref, name)[:-1]), name
             assert torch.equal(cache.page_table.segments, ref.page_table.segments)
+            assert torch.equal(cache.counters, ref.counters)  # pages selected and loaded, for metrics
             for b in range(2):
                 n = int(num_pages[b])
                 for h in range(heads):

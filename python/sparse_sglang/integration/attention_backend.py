@@ -120,6 +120,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         real = [(slot, n) for slot, n in zip(req_slots.tolist(), seq_lens) if slot != PADDING_REQ_SLOT]
         self._open_rows([slot for slot, _ in real])  # normally open since their prefill; a no-op then
         cache.next_step()
+        self.store.saved_tokens += len(real)  # each real request saves its new token (metrics)
         for slot, length in real:
             pages = math.ceil(length / page)
             cache.resize_request(slot, pages)

@@ -87,6 +87,21 @@ class SparseTokenToKVPool(KVCache):
         self.store.save(layer_id - self.start_layer, loc, k, v, staged=staged)
 
 
+@relies_on("sglang.srt.mem_cache.memory_pool:ReqToTokenPool.free", at="sglang/srt/mem_cache/memory_pool.py:319")
+def release_rows_on_free(req_to_token_pool, cache) -> None:
+    """Return a request's GPU page-cache row when SGLang frees its request slot (it finished, was
+    aborted or retracted), so an idle server holds no rows (its host pages SGLang frees itself)."""
+    original = req_to_token_pool.free
+
+    def free(req):
+        slot = req.req_pool_idx
+        if slot is not None and cache.is_open(slot):
+            cache.close_request(slot)
+        original(req)
+
+    req_to_token_pool.free = free
+
+
 @relies_on("sglang.srt.model_executor.model_runner:ModelRunner.alloc_memory_pool",
            at="sglang/srt/model_executor/model_runner.py:769")  # fmt: skip
 def patch_alloc_memory_pool() -> None:
@@ -140,6 +155,7 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     pool = SparseTokenToKVPool(store, plan.max_total_tokens, runner.device,
                                conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip
     runner.req_to_token_pool = conf._build_req_to_token_pool(max_num_reqs=plan.max_running_requests)
+    release_rows_on_free(runner.req_to_token_pool, store.cache)
     runner.token_to_kv_pool = pool
     runner.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
         plan.max_total_tokens, page_size=plan.shape.page_size, dtype=dtype, device=runner.device, kvcache=pool,

@@ -105,6 +105,9 @@ class GPUPageCache:
         self.slot_page = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
         self.last_used = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
         self.step = torch.zeros((), dtype=torch.int64, device=device)
+        # Since start, on the device (no sync on the hot path; read by stats()): selected pages
+        # looked up, and those missed (loaded from the host).
+        self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         self._heads = torch.arange(num_kv_heads, device=device)
         self._layers = torch.arange(num_layers, device=device)
         # Host side: free slots, and per open request its row (CPU copy) and write-allocated count.
@@ -127,6 +130,19 @@ class GPUPageCache:
 
     def is_open(self, req_slot: int) -> bool:
         return req_slot in self._row_slots
+
+    @property
+    def num_open(self) -> int:
+        return len(self._row_slots)
+
+    def stats(self) -> dict:
+        """Counters for metrics (reads the device counters: a sync, not for the hot path)."""
+        selected, loaded = self.counters.tolist()
+        return {
+            "gpu_cache_slots": self.num_slots, "gpu_cache_slots_free": self.num_free, "gpu_cache_rows_open": self.num_open,
+            "pages_selected": selected, "pages_loaded": loaded,
+            "hit_ratio": None if selected == 0 else 1 - loaded / selected,
+        }  # fmt: skip
 
     def next_step(self) -> None:
         """Advance the step counter (once per decode step, on the device)."""
@@ -257,6 +273,7 @@ class GPUPageCache:
         hit = self.page_table.lookup(req, layer, head, page).long()  # [B, H, K]
         self.last_used[self._scratch(hit)] = self.step
         miss = (page >= 0) & (hit < 0)
+        self.counters += torch.stack([(page >= 0).sum(), miss.sum()])
 
         row = self.rows[req_slots.long(), layer]  # [B, H, W]
         victims = row.gather(-1, self.last_used[row].argsort(dim=-1, stable=True))

@@ -160,7 +160,7 @@ if triton is not None:
     def _retrieve_kernel(
         pages_ptr, num_pages_ptr, req_slots_ptr, host_pages_ptr,
         directory_ptr, segments_ptr, rows_ptr, slot_page_ptr, last_used_ptr, step_ptr,
-        indptr_ptr, indices_ptr, miss_src_ptr, miss_dst_ptr,
+        indptr_ptr, indices_ptr, miss_src_ptr, miss_dst_ptr, counters_ptr,
         layer, num_layers, num_heads, num_dir, host_pages_stride, num_host_pages,
         K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SEG: tl.constexpr,
     ):  # fmt: skip
@@ -210,6 +210,8 @@ if triton is not None:
 
         # FlashInfer's page indices for this row: the newest page last (last_page_len covers it).
         count = tl.sum(valid.to(tl.int32), axis=0)
+        tl.atomic_add(counters_ptr, count.to(tl.int64))  # metrics: pages selected, pages missed
+        tl.atomic_add(counters_ptr + 1, tl.sum(miss.to(tl.int64), axis=0))
         newest = valid & (page == n - 1)
         other = valid & (page != n - 1)
         pos = tl.where(newest, count - 1, tl.cumsum(other.to(tl.int32), axis=0) - 1)
@@ -305,7 +307,7 @@ def retrieve_pages(
     pt = cache.page_table
     _retrieve_kernel[(batch * heads,)](
         page_ids, num_pages, req_slots, host_pages, pt.directory, pt.segments, cache.rows, cache.slot_page,
-        cache.last_used, cache.step, indptr, indices, miss_src, miss_dst,
+        cache.last_used, cache.step, indptr, indices, miss_src, miss_dst, cache.counters,
         layer, pt.num_layers, heads, pt.directory.shape[-1], host_pages.stride(0), num_host_pages,
         K=width, KP=next_pow2(width), W=cache.row_width, WP=next_pow2(cache.row_width), SEG=pt.segment_pages,
     )  # fmt: skip

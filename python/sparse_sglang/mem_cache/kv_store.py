@@ -87,6 +87,9 @@ class SparseKVStore:
             self.flash_d2h = self.direct_d2h = None
         self.fused = on_gpu if fused is None else fused
         self.runs: SaveRuns | None = None  # the current forward's tokens (bind_runs)
+        # Tokens whose KV went to the host (every layer): prefill saves count here, decode steps are
+        # counted by the attention backend (a CUDA-graph replay runs no Python).
+        self.saved_tokens = 0
 
     @property
     def gpu_bytes(self) -> int:
@@ -116,6 +119,8 @@ class SparseKVStore:
         kernel otherwise (decode: a few rows, stream-ordered, capturable in a CUDA graph).
         """
         k, v = k.to(self.shape.dtype).contiguous(), v.to(self.shape.dtype).contiguous()
+        if staged and layer == 0:
+            self.saved_tokens += k.shape[0]
         self.index(layer, loc, k, v)
         if self.flash_d2h is None:
             scatter_tokens_reference(self.host.k, self.host.v, layer, k.cpu(), v.cpu(), loc.cpu())
@@ -125,6 +130,18 @@ class SparseKVStore:
                 self.flash_d2h.submit(layer, k[start : start + step], v[start : start + step], loc[start : start + step])
         else:
             self.direct_d2h(layer, k, v, loc)
+
+    def stats(self) -> dict:
+        """Counters for metrics: the GPU page cache's (slots, rows, pages selected and loaded, hit
+        ratio), bytes loaded from the host (H2D) and saved to it (D2H) since start."""
+        s = self.shape
+        block = s.page_size * s.head_dim * s.dtype.itemsize * 2  # one (layer, head, page) of K and V
+        out = self.cache.stats()
+        out["h2d_bytes"] = out["pages_loaded"] * block
+        out["d2h_tokens"] = self.saved_tokens
+        out["d2h_bytes"] = self.saved_tokens * s.num_layers * s.num_kv_heads * s.head_dim * s.dtype.itemsize * 2
+        out["gpu_bytes"] = self.gpu_bytes
+        return out
 
     def wait_saves(self) -> None:
         """Block until every staged save is in the host store."""

@@ -1,0 +1,243 @@
+"""Soak: aborts, overload and bad input against the real sparse server; afterwards nothing leaked.
+
+One server (Llama-3-8B shape, dummy weights, ``input_ids`` in, a small host cache), five phases:
+
+1. **probe**: one greedy request on the fresh server; its tokens are the reference.
+2. **mixed**: ``--requests`` requests, prompts log-uniform in 1K-32K tokens, 16-128 new tokens,
+   Poisson arrivals at ``--rate``; ``--abort-frac`` of them are aborted (``POST /abort_request``)
+   at a random moment: while queued, during prefill or during decode.
+3. **bad input**: each malformed request must get an HTTP 4xx with a reason while the server keeps
+   serving (a prompt longer than the context, one whose KV exceeds the host cache, negative
+   ``max_new_tokens``, malformed JSON, wrong types, an empty prompt).
+4. **host pressure**: a burst of ``--burst`` long requests whose KV together far exceeds the host
+   cache: they queue and drain, none fails.
+5. **idle**: the radix cache flushed, every pool is back at the value it had on the fresh server
+   (GPU page-cache slots and rows, host KV tokens, request slots: ``GET /get_server_info``,
+   ``internal_states[0]["sparse"]``), and the probe gives the same tokens again.
+
+Writes ``benchmark/results/soak-<date>.json`` whose summary holds ``requests``, ``aborted``,
+``errors_5xx`` (must be 0), ``leaked_host_pages``, ``leaked_gpu_slots`` (must be 0) and
+``output_matches_fresh``::
+
+    python benchmark/soak.py --requests 1000            # GPU host, about 8 minutes on an H100
+    python benchmark/soak.py --requests 40 --burst 8    # a quick pass
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+import requests
+
+from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, write_llama3_8b_dummy
+from sparse_sglang.testing.provenance import gpu_run_header, save_result
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN_IDS = (1000, 100000)  # clear of Llama-3's special tokens at both ends
+KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # the 8B shape's K and V, bf16: 128 KiB
+PAGE_SIZE = 32
+
+
+@dataclass(frozen=True)
+class SoakRequest:
+    rid: str
+    send_at: float  # seconds after the phase starts
+    prompt_tokens: int
+    new_tokens: int
+    abort_after: float | None  # seconds after sending; None = runs to the end
+
+
+def mixed_plan(n: int, rate: float, abort_frac: float, seed: int, prompt_range=(1024, 32768),
+               new_range=(16, 128), prefill_tokens_per_s: float = 15000.0) -> list[SoakRequest]:  # fmt: skip
+    """The mixed phase: Poisson arrivals, log-uniform prompts; an aborted request's moment is drawn
+    from zero (likely still queued) to past its expected prefill (likely decoding)."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    lo, hi = math.log(prompt_range[0]), math.log(prompt_range[1])
+    for i in range(n):
+        t += rng.expovariate(rate)
+        prompt = int(math.exp(rng.uniform(lo, hi)))
+        abort = None
+        if rng.random() < abort_frac:
+            abort = rng.uniform(0.0, 1.5 * prompt / prefill_tokens_per_s + 1.0)
+        out.append(SoakRequest(f"soak-{seed}-{i}", t, prompt, rng.randint(*new_range), abort))
+    return out
+
+
+def bad_requests(context_len: int, host_tokens: int) -> dict[str, bytes]:
+    """Request bodies the server must refuse with a 4xx (name -> raw JSON body)."""
+    ids = list(range(TOKEN_IDS[0], TOKEN_IDS[0] + 8))
+    greedy = {"max_new_tokens": 8, "temperature": 0}
+
+    def body(**fields) -> bytes:
+        return json.dumps(fields).encode()
+
+    def prompt(n: int) -> list[int]:
+        return [TOKEN_IDS[0] + i % (TOKEN_IDS[1] - TOKEN_IDS[0]) for i in range(n)]
+
+    cases = {
+        "longer_than_context": body(input_ids=prompt(context_len + 16), sampling_params=greedy),
+        "negative_max_new_tokens": body(input_ids=ids, sampling_params={"max_new_tokens": -1}),
+        "malformed_json": b'{"input_ids": [1000, 1001',
+        "wrong_types": body(input_ids="not a list of ids", sampling_params={"temperature": "hot"}),
+        "empty_prompt": body(input_ids=[], sampling_params=greedy),
+    }
+    if host_tokens + PAGE_SIZE < context_len:  # a prompt the model takes but the host store cannot hold
+        cases["kv_exceeds_host_cache"] = body(input_ids=prompt(host_tokens + PAGE_SIZE), sampling_params=greedy)
+    return cases
+
+
+def leaks(idle: dict, now: dict) -> dict:
+    """What an idle server holds beyond what the fresh one did (all zero when nothing leaked)."""
+    return {
+        "leaked_gpu_slots": idle["gpu_cache_slots_free"] - now["gpu_cache_slots_free"],
+        "leaked_gpu_rows": now["gpu_cache_rows_open"] - idle["gpu_cache_rows_open"],
+        "leaked_host_pages": (idle["host_tokens_free"] - now["host_tokens_free"]) // PAGE_SIZE,
+        "leaked_request_slots": idle["request_slots_free"] - now["request_slots_free"],
+    }
+
+
+def prompt_ids(rid: str, n: int) -> list[int]:
+    rng = random.Random(rid)
+    return [rng.randrange(*TOKEN_IDS) for _ in range(n)]
+
+
+async def send(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float) -> tuple[int, str]:
+    try:
+        async with session.post(url + "/generate", data=body, headers={"Content-Type": "application/json"},
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as response:  # fmt: skip
+            return response.status, await response.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        return 599, f"client: {err!r}"  # counted as a server failure: it never answered
+
+
+async def run_mixed(url: str, plan: list[SoakRequest], timeout: float) -> list[dict]:
+    async with aiohttp.ClientSession() as session:
+        start = time.monotonic()
+
+        async def one(r: SoakRequest) -> dict:
+            await asyncio.sleep(max(0.0, start + r.send_at - time.monotonic()))
+            params = {"max_new_tokens": r.new_tokens, "temperature": 0, "ignore_eos": True}
+            body = json.dumps({"rid": r.rid, "input_ids": prompt_ids(r.rid, r.prompt_tokens), "sampling_params": params})
+            task = asyncio.create_task(send(session, url, body.encode(), timeout))
+            aborted = False
+            if r.abort_after is not None:
+                done, _ = await asyncio.wait({task}, timeout=r.abort_after)
+                if not done:
+                    async with session.post(url + "/abort_request", json={"rid": r.rid}) as resp:
+                        aborted = resp.status == 200
+            status, text = await task
+            finish = None
+            if status == 200:
+                finish = (json.loads(text).get("meta_info") or {}).get("finish_reason") or {}
+            return {**asdict(r), "status": status, "abort_sent": aborted, "finish": finish,
+                    "error": None if status == 200 else text[:300]}  # fmt: skip
+
+        return await asyncio.gather(*(one(r) for r in plan))
+
+
+async def run_burst(url: str, n: int, prompt_tokens: int, timeout: float) -> list[dict]:
+    async with aiohttp.ClientSession() as session:
+        params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+
+        async def one(i: int) -> dict:
+            rid = f"burst-{i}"
+            body = json.dumps({"rid": rid, "input_ids": prompt_ids(rid, prompt_tokens), "sampling_params": params})
+            started = time.monotonic()
+            status, text = await send(session, url, body.encode(), timeout)
+            return {"rid": rid, "status": status, "latency_s": round(time.monotonic() - started, 2),
+                    "error": None if status == 200 else text[:300]}  # fmt: skip
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def sparse_state(url: str) -> dict:
+    info = requests.get(url + "/get_server_info", timeout=60).json()
+    return info["internal_states"][0]["sparse"]
+
+
+def probe(url: str) -> list[int]:
+    body = {"input_ids": prompt_ids("probe", 3000), "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
+    response = requests.post(url + "/generate", json=body, timeout=300)
+    response.raise_for_status()
+    return response.json()["output_ids"]
+
+
+def flush(url: str) -> bool:
+    return requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=120).status_code == 200
+
+
+def run(args) -> dict:
+    model = write_llama3_8b_dummy(Path(args.log_dir) / "llama3-8b-dummy")
+    flags = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.8",
+             "--sparse-host-cache-gb", str(args.host_cache_gb), *args.extra_server_args.split()]  # fmt: skip
+    result: dict = {"flags": flags}
+    with ServerProcess(SPARSE_MODULE, model, flags, log_path=Path(args.log_dir) / "soak-server.log") as server:
+        url = server.url
+        fresh = probe(url)
+        flush(url)
+        idle = sparse_state(url)
+        plan = mixed_plan(args.requests, args.rate, args.abort_frac, args.seed)
+        started = time.monotonic()
+        mixed = asyncio.run(run_mixed(url, plan, args.request_timeout))
+        result["mixed_s"] = round(time.monotonic() - started, 1)
+        bad = {}
+        for name, body in bad_requests(LLAMA3_8B_CONFIG["max_position_embeddings"], idle["host_tokens"]).items():
+            response = requests.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=300)
+            healthy = requests.get(url + "/health", timeout=60).status_code == 200
+            bad[name] = {"status": response.status_code, "reason": response.text[:300], "healthy_after": healthy}
+        burst_tokens = int(args.host_cache_gb * 2**30 // KV_BYTES_PER_TOKEN * 0.4)  # two or so fit at once
+        burst = asyncio.run(run_burst(url, args.burst, burst_tokens, args.request_timeout))
+        flushed = flush(url)
+        now = sparse_state(url)
+        again = probe(url)
+        log = server.log_path.read_text(errors="replace")
+    result.update(mixed=mixed, bad=bad, burst=burst, idle_before=idle, idle_after=now, flushed=flushed,
+                  probe_fresh=fresh, probe_after=again, burst_prompt_tokens=burst_tokens,
+                  server_tracebacks=log.count("Traceback"), stopped_cleanly=server.stopped_cleanly)  # fmt: skip
+    statuses = [r["status"] for r in mixed] + [b["status"] for b in bad.values()] + [r["status"] for r in burst]
+    result["summary"] = {
+        "requests": len(mixed),
+        "aborted": sum(1 for r in mixed if r["abort_sent"] or (r["finish"] or {}).get("type") == "abort"),
+        "completed": sum(1 for r in mixed if r["status"] == 200 and (r["finish"] or {}).get("type") == "length"),
+        "errors_5xx": sum(1 for s in statuses if s >= 500),
+        "bad_requests_4xx": f"{sum(400 <= b['status'] < 500 for b in bad.values())}/{len(bad)}",
+        "healthy_after_bad": all(b["healthy_after"] for b in bad.values()),
+        "burst_completed": f"{sum(r['status'] == 200 for r in burst)}/{len(burst)}",
+        **leaks(idle, now),
+        "output_matches_fresh": again == fresh,
+    }
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--rate", type=float, default=4.0, help="mixed-phase arrivals per second")
+    parser.add_argument("--abort-frac", type=float, default=0.3)
+    parser.add_argument("--burst", type=int, default=50)
+    parser.add_argument("--host-cache-gb", type=float, default=8.0, help="small: the burst must queue")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout", type=float, default=1800.0)
+    parser.add_argument("--extra-server-args", default="")
+    parser.add_argument("--log-dir", default="/tmp/sparse-sglang-soak")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
+    args = parser.parse_args(argv)
+    result = run(args)
+    doc = {**gpu_run_header("benchmark/soak.py", argv), **result}
+    save_result(doc, args.out_dir / f"soak-{doc['date']}.json")
+    print(json.dumps(doc["summary"], indent=1))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The sparse pools' counters in SGLang's server info (``GET /get_server_info``).
+
+SGLang answers ``/get_server_info`` with each scheduler's ``get_internal_state``; the hook adds a
+``"sparse"`` entry: the GPU page cache (slots, open rows, pages selected and loaded since start, hit
+ratio), bytes moved each way, host KV tokens used and free, request slots free, and the radix
+tree's share of the host store. An idle server shows every pool back at its idle value, which is
+what the soak benchmark checks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from sparse_sglang.integration.registry import relies_on
+
+
+def sparse_state(scheduler) -> dict | None:
+    """The ``"sparse"`` entry for one scheduler (``None`` when it serves without sparse decode)."""
+    pool = scheduler.tp_worker.model_runner.token_to_kv_pool
+    store = getattr(pool, "store", None)
+    if store is None:
+        return None
+    allocator, tree = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
+    return {
+        **store.stats(),
+        "host_tokens": scheduler.max_total_num_tokens,
+        "host_tokens_free": allocator.available_size(),
+        "host_tokens_in_radix_cache": tree.evictable_size() + tree.protected_size(),
+        "request_slots": scheduler.req_to_token_pool.size,
+        "request_slots_free": scheduler.req_to_token_pool.available_size(),
+    }
+
+
+@relies_on("sglang.srt.managers.scheduler:Scheduler.get_internal_state", at="sglang/srt/managers/scheduler.py:4165")
+def patch_get_internal_state() -> None:
+    """Make ``Scheduler.get_internal_state`` report :func:`sparse_state` under ``"sparse"``."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    original = Scheduler.get_internal_state
+    if getattr(original, "sparse_sglang", False):
+        return
+
+    @functools.wraps(original)
+    def get_internal_state(self, recv_req):
+        out = original(self, recv_req)
+        state = sparse_state(self)
+        if state is not None:
+            out.internal_state["sparse"] = state
+        return out
+
+    get_internal_state.sparse_sglang = True
+    Scheduler.get_internal_state = get_internal_state

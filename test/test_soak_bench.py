@@ -1,0 +1,47 @@
+"""The soak benchmark's pure parts: its request plan, its bad-request bodies, its leak accounting."""
+
+import json
+
+import pytest
+
+from benchmark.soak import PAGE_SIZE, bad_requests, leaks, mixed_plan
+
+
+def test_mixed_plan_is_seeded_poisson_with_log_uniform_prompts_and_a_share_aborted():
+    plan = mixed_plan(2000, rate=4.0, abort_frac=0.3, seed=1)
+    assert plan == mixed_plan(2000, rate=4.0, abort_frac=0.3, seed=1) != mixed_plan(2000, 4.0, 0.3, seed=2)
+    assert len({r.rid for r in plan}) == 2000
+    times = [r.send_at for r in plan]
+    assert times == sorted(times) and times[-1] / 2000 == pytest.approx(1 / 4.0, rel=0.1)
+    prompts = [r.prompt_tokens for r in plan]
+    assert 1024 <= min(prompts) and max(prompts) <= 32768
+    assert sum(p < 4096 for p in prompts) / 2000 == pytest.approx(0.4, abs=0.05)  # log-uniform: 2 of 5 doublings
+    aborted = [r for r in plan if r.abort_after is not None]
+    assert len(aborted) / 2000 == pytest.approx(0.3, abs=0.04)
+    assert all(0 <= r.abort_after <= 1.5 * r.prompt_tokens / 15000 + 1 for r in aborted)
+    assert all(16 <= r.new_tokens <= 128 for r in plan)
+
+
+def test_bad_requests_cover_each_kind_of_bad_input():
+    cases = bad_requests(context_len=131072, host_tokens=65536)
+    assert set(cases) == {"longer_than_context", "negative_max_new_tokens", "malformed_json", "wrong_types",
+                          "empty_prompt", "kv_exceeds_host_cache"}  # fmt: skip
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cases["malformed_json"])
+    body = {name: json.loads(raw) for name, raw in cases.items() if name != "malformed_json"}
+    assert len(body["longer_than_context"]["input_ids"]) > 131072
+    assert 65536 < len(body["kv_exceeds_host_cache"]["input_ids"]) < 131072
+    assert body["negative_max_new_tokens"]["sampling_params"]["max_new_tokens"] < 0
+    assert not isinstance(body["wrong_types"]["input_ids"], list) and body["empty_prompt"]["input_ids"] == []
+    # A host store larger than the context: no prompt the model takes can overflow it.
+    assert "kv_exceeds_host_cache" not in bad_requests(context_len=8192, host_tokens=65536)
+
+
+def test_leaks_compare_an_idle_server_with_the_fresh_one():
+    fresh = {"gpu_cache_slots_free": 1000, "gpu_cache_rows_open": 0, "host_tokens_free": 65536, "request_slots_free": 8}
+    assert leaks(fresh, dict(fresh)) == {"leaked_gpu_slots": 0, "leaked_gpu_rows": 0, "leaked_host_pages": 0,
+                                         "leaked_request_slots": 0}  # fmt: skip
+    held = {"gpu_cache_slots_free": 960, "gpu_cache_rows_open": 2, "host_tokens_free": 65536 - 3 * PAGE_SIZE,
+            "request_slots_free": 6}  # fmt: skip
+    assert leaks(fresh, held) == {"leaked_gpu_slots": 40, "leaked_gpu_rows": 2, "leaked_host_pages": 3,
+                                  "leaked_request_slots": 2}  # fmt: skip
