@@ -31,12 +31,14 @@ def install() -> None:
     )
 
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
+    from sparse_sglang.integration.metrics import patch_report_decode_stats
     from sparse_sglang.integration.scheduler_state import patch_get_internal_state
 
     add_sparse_backend_choice()
     register_sparse_attention_backend()
     patch_alloc_memory_pool()
     patch_get_internal_state()
+    patch_report_decode_stats()
     _installed = True
     logger.info("sparse-sglang installed into SGLang (%d hooks)", len(HOOKS))
 
