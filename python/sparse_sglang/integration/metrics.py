@@ -111,12 +111,15 @@ def patch_report_decode_stats() -> None:
         out = original(self, *args, **kwargs)
         enable = self.current_scheduler_metrics_enabled
         if self.forward_ct_decode % self.decode_log_interval == 0 and (self.is_stats_logging_rank or enable):
-            now = sparse_state(self.scheduler)
-            if now is not None:
-                if not hasattr(self, "sparse_metrics"):
-                    labels = getattr(getattr(self, "metrics_collector", None), "labels", None) or {}
-                    self.sparse_metrics = SparseMetrics(labels)
-                self.sparse_metrics.report(now, self.forward_ct_decode, enable, self.is_stats_logging_rank)
+            try:  # metrics never take the server down
+                now = sparse_state(self.scheduler)
+                if now is not None:
+                    if not hasattr(self, "sparse_metrics"):
+                        labels = getattr(getattr(self, "metrics_collector", None), "labels", None) or {}
+                        self.sparse_metrics = SparseMetrics(labels)
+                    self.sparse_metrics.report(now, self.forward_ct_decode, enable, self.is_stats_logging_rank)
+            except Exception:
+                logger.exception("sparse KV metrics failed; the decode log goes on without them")
         return out
 
     report_decode_stats.sparse_sglang = True

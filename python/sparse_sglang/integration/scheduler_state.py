@@ -43,7 +43,10 @@ def patch_get_internal_state() -> None:
     @functools.wraps(original)
     def get_internal_state(self, recv_req):
         out = original(self, recv_req)
-        state = sparse_state(self)
+        try:  # a failing report must not take the scheduler down
+            state = sparse_state(self)
+        except Exception as err:
+            state = {"error": repr(err)}
         if state is not None:
             out.internal_state["sparse"] = state
         return out
