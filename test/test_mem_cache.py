@@ -378,7 +378,8 @@ def test_gpu_cache_retrieve_loads_misses_into_lru_victims_like_a_per_row_lru(dty
 
     model = {(b, l, h): [] for b in range(2) for l in range(layers) for h in range(heads)}  # LRU lists
     selected = loaded = 0
-    for _ in range(40):
+    last_use = {}  # (request, layer, head, page) -> step
+    for step in range(1, 41):  # the cache's step counter after next_step()
         cache.next_step()
         for layer in range(layers):
             page_ids = torch.full((2, heads, k_sel), -1)
@@ -395,10 +396,14 @@ def test_gpu_cache_retrieve_loads_misses_into_lru_victims_like_a_per_row_lru(dty
                     kept = [p for p in lru if p not in chosen][len(missing) - (width - len(lru)) if len(lru) + len(missing) > width else 0:]
                     model[b, layer, h] = kept + hits + missing
             slots = cache.retrieve(layer, req_slots, page_ids, host_pages, load, host.num_pages)
+            for b, h, j in (page_ids >= 0).nonzero().tolist():
+                last_use[b, layer, h, int(page_ids[b, h, j])] = step
             assert loads.pop() == expected_misses
             selected, loaded = selected + int((page_ids >= 0).sum()), loaded + expected_misses
-            stats = cache.stats()  # the metrics' counters
+            stats = cache.stats(window=3)  # the metrics' counters
             assert (stats["pages_selected"], stats["pages_loaded"]) == (selected, loaded)
+            # The last 3 steps' pages (at most 3 per row of 5) are all still cached, one slot each.
+            assert stats["working_set_pages"] == sum(1 for used in last_use.values() if used > step - 3)
             assert stats["hit_ratio"] == pytest.approx(1 - loaded / selected)
             assert torch.equal(slots < 0, page_ids < 0)
             for b, h, j in (page_ids >= 0).nonzero().tolist():

@@ -8,7 +8,8 @@ from sparse_sglang.integration.metrics import GAUGES, SparseMetrics, interval_st
 
 def snapshot(selected, loaded, h2d, d2h, host_free=60000):
     return {"pages_selected": selected, "pages_loaded": loaded, "h2d_bytes": h2d, "d2h_bytes": d2h,
-            "gpu_cache_rows_open": 3, "gpu_cache_slots_free": 100, "request_slots": 8,
+            "gpu_cache_rows_open": 3, "gpu_cache_slots_free": 100, "gpu_cache_slots": 400, "request_slots": 8,
+            "working_set_pages": 250,
             "host_tokens": 65536, "host_tokens_free": host_free}  # fmt: skip
 
 
@@ -21,7 +22,7 @@ def test_interval_stats_are_differences_over_the_interval():
     idle = interval_stats(snapshot(5000, 500, 0, 0), snapshot(5000, 500, 0, 0), steps=40, seconds=2.0)
     assert idle["gpu_cache_hit_ratio"] is None and idle["h2d_pages_per_step"] == 0  # nothing selected: no ratio
     line = log_line(stats, snapshot(5000, 500, 0, 0))
-    assert line.startswith("Sparse KV, cache hit: 0.900, H2D pages/step: 10.0, H2D GB/s: 1.00") and "cache rows: 3/8" in line
+    assert line.startswith("Sparse KV, cache hit: 0.900, H2D pages/step: 10.0, H2D GB/s: 1.00") and "cache rows: 3/8, working set: 250/400 slots" in line
     assert "cache hit: -," in log_line(idle, snapshot(5000, 500, 0, 0))
 
 

@@ -3,7 +3,8 @@
 Every ``--decode-log-interval`` decode steps SGLang logs a "Decode batch" line (and, with
 ``--enable-metrics``, updates its gauges); right after it the hook logs one "Sparse KV" line for
 the same interval (GPU page-cache hit ratio, pages and bytes loaded per step host-to-GPU, tokens
-saved GPU-to-host, page-cache rows in use, host KV in use) and sets ``sglang:sparse_*`` gauges.
+saved GPU-to-host, page-cache rows in use, the running requests' working sets against the cache,
+host KV in use) and sets ``sglang:sparse_*`` gauges.
 Reading the GPU counters is a sync, once per interval, never per step.
 """
 
@@ -26,6 +27,7 @@ GAUGES = {  # name suffix -> documentation; values from interval_stats()
     "d2h_bytes_per_s": "Bytes saved GPU-to-host per second (last log interval).",
     "gpu_cache_rows_open": "Requests holding a GPU page-cache row.",
     "gpu_cache_slots_free": "Free GPU page-cache slots.",
+    "working_set_pages": "GPU page-cache slots the running requests used in the last --sparse-working-set-window steps.",
     "host_tokens_used": "Host KV tokens in use (running requests and the radix cache).",
 }
 
@@ -43,6 +45,7 @@ def interval_stats(before: dict, now: dict, steps: int, seconds: float) -> dict:
         "d2h_bytes_per_s": (now["d2h_bytes"] - before["d2h_bytes"]) / seconds,
         "gpu_cache_rows_open": now["gpu_cache_rows_open"],
         "gpu_cache_slots_free": now["gpu_cache_slots_free"],
+        "working_set_pages": now["working_set_pages"],
         "host_tokens_used": now["host_tokens"] - now["host_tokens_free"],
     }
 
@@ -54,6 +57,7 @@ def log_line(stats: dict, now: dict) -> str:
         f"H2D pages/step: {stats['h2d_pages_per_step']:.1f}, H2D GB/s: {stats['h2d_bytes_per_s'] / 1e9:.2f}, "
         f"D2H GB/s: {stats['d2h_bytes_per_s'] / 1e9:.2f}, "
         f"cache rows: {now['gpu_cache_rows_open']}/{now['request_slots']}, "
+        f"working set: {now['working_set_pages']}/{now['gpu_cache_slots']} slots, "
         f"host KV tokens: {stats['host_tokens_used']}/{now['host_tokens']}"
     )
 

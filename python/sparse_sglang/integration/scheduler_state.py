@@ -2,7 +2,8 @@
 
 SGLang answers ``/get_server_info`` with each scheduler's ``get_internal_state``; the hook adds a
 ``"sparse"`` entry: the GPU page cache (slots, open rows, pages selected and loaded since start, hit
-ratio), bytes moved each way, host KV tokens used and free, request slots free, and the radix
+ratio, the slots the running requests used in the last ``--sparse-working-set-window`` steps),
+bytes moved each way, host KV tokens used and free, request slots free, and the radix
 tree's share of the host store. An idle server shows every pool back at its idle value, which is
 what the soak benchmark checks.
 """
@@ -22,7 +23,7 @@ def sparse_state(scheduler) -> dict | None:
         return None
     allocator, tree = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
     return {
-        **store.stats(),
+        **store.stats(scheduler.server_args.sparse.working_set_window),
         "host_tokens": scheduler.max_total_num_tokens,
         "host_tokens_free": allocator.available_size(),
         "host_tokens_in_radix_cache": tree.evictable_size() + tree.protected_size(),

@@ -135,13 +135,21 @@ class GPUPageCache:
     def num_open(self) -> int:
         return len(self._row_slots)
 
-    def stats(self) -> dict:
+    def working_set_pages(self, window: int) -> int:
+        """Slots of the open rows used (hit, loaded or written) in the last ``window`` steps: the
+        running requests' working sets as far as their rows hold them (SparseServe's w-step union,
+        read from the LRU stamps the steps leave anyway)."""
+        used = self.last_used[self.rows[self.rows >= 0]]  # -1: an empty slot
+        return int(((used >= 0) & (used > self.step - window)).sum())
+
+    def stats(self, window: int = 12) -> dict:
         """Counters for metrics (reads the device counters: a sync, not for the hot path)."""
         selected, loaded = self.counters.tolist()
         return {
             "gpu_cache_slots": self.num_slots, "gpu_cache_slots_free": self.num_free, "gpu_cache_rows_open": self.num_open,
             "pages_selected": selected, "pages_loaded": loaded,
             "hit_ratio": None if selected == 0 else 1 - loaded / selected,
+            "working_set_window": window, "working_set_pages": self.working_set_pages(window),
         }  # fmt: skip
 
     def next_step(self) -> None:

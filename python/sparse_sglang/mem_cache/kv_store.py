@@ -131,12 +131,13 @@ class SparseKVStore:
         else:
             self.direct_d2h(layer, k, v, loc)
 
-    def stats(self) -> dict:
+    def stats(self, window: int = 12) -> dict:
         """Counters for metrics: the GPU page cache's (slots, rows, pages selected and loaded, hit
-        ratio), bytes loaded from the host (H2D) and saved to it (D2H) since start."""
+        ratio, the running requests' ``window``-step working sets), bytes loaded from the host (H2D)
+        and saved to it (D2H) since start."""
         s = self.shape
         block = s.page_size * s.head_dim * s.dtype.itemsize * 2  # one (layer, head, page) of K and V
-        out = self.cache.stats()
+        out = self.cache.stats(window)
         out["h2d_bytes"] = out["pages_loaded"] * block
         out["d2h_tokens"] = self.saved_tokens
         out["d2h_bytes"] = self.saved_tokens * s.num_layers * s.num_kv_heads * s.head_dim * s.dtype.itemsize * 2
