@@ -12,7 +12,7 @@ each also timing a batch-1 decode step on an 8K prompt (the same prompt with 16 
 tokens, the cache flushed before each: the difference is 128 decode steps).
 
 Run on the GPU host: ``pytest -m gpu test/test_sparse_server_gpu.py``; timings and outputs go to
-``$SPARSE_SGLANG_RESULTS_DIR/gpu-sparse-server-8b.json`` when that is set.
+``$SPARSE_SGLANG_RESULTS_DIR/gpu-sparse-server-8b-<eager, cuda-graph>.json`` when that is set.
 """
 
 from __future__ import annotations
