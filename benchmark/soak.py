@@ -120,8 +120,14 @@ async def send(session: aiohttp.ClientSession, url: str, body: bytes, timeout: f
         return 599, f"client: {err!r}"  # counted as a server failure: it never answered
 
 
+def client() -> aiohttp.ClientSession:
+    # No connection cap (aiohttp's default is 100): a request must reach the server when planned,
+    # or its abort would fire before the server knows its rid.
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+
 async def run_mixed(url: str, plan: list[SoakRequest], timeout: float) -> list[dict]:
-    async with aiohttp.ClientSession() as session:
+    async with client() as session:
         start = time.monotonic()
 
         async def one(r: SoakRequest) -> dict:
@@ -146,7 +152,7 @@ async def run_mixed(url: str, plan: list[SoakRequest], timeout: float) -> list[d
 
 
 async def run_burst(url: str, n: int, prompt_tokens: int, timeout: float) -> list[dict]:
-    async with aiohttp.ClientSession() as session:
+    async with client() as session:
         params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
 
         async def one(i: int) -> dict:

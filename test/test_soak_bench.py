@@ -45,3 +45,50 @@ def test_leaks_compare_an_idle_server_with_the_fresh_one():
             "request_slots_free": 6}  # fmt: skip
     assert leaks(fresh, held) == {"leaked_gpu_slots": 40, "leaked_gpu_rows": 2, "leaked_host_pages": 3,
                                   "leaked_request_slots": 2}  # fmt: skip
+
+
+def test_the_client_sends_aborts_while_requests_run():
+    """The soak client against a stand-in of SGLang's two routes it uses (the real server needs a
+    GPU): a request aborted mid-flight ends as SGLang ends it (finish type "abort"), the rest run
+    to their length, and the abort reaches the server while the request is still in flight."""
+    import asyncio
+
+    from aiohttp import web
+
+    from benchmark.soak import SoakRequest, run_mixed
+
+    aborted: dict[str, asyncio.Event] = {}
+
+    async def generate(request):
+        body = await request.json()
+        event = aborted.setdefault(body["rid"], asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout=len(body["input_ids"]) / 20000)
+            finish = {"type": "abort", "message": "Abort in waiting queue"}
+        except asyncio.TimeoutError:
+            finish = {"type": "length", "length": body["sampling_params"]["max_new_tokens"]}
+        return web.json_response({"output_ids": [1], "meta_info": {"finish_reason": finish}})
+
+    async def abort(request):
+        aborted.setdefault((await request.json())["rid"], asyncio.Event()).set()
+        return web.json_response({})
+
+    async def main():
+        app = web.Application(client_max_size=1 << 24)
+        app.add_routes([web.post("/generate", generate), web.post("/abort_request", abort)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        plan = [SoakRequest(f"r{i}", 0.01 * i, 4000, 16, 0.05 if i % 2 else None) for i in range(150)]
+        try:
+            return await run_mixed(f"http://127.0.0.1:{port}", plan, timeout=30)
+        finally:
+            await runner.cleanup()
+
+    results = asyncio.run(main())  # the stand-in and the client share one event loop
+    assert len(results) == 150 and all(r["status"] == 200 for r in results)
+    for r in results:
+        assert r["abort_sent"] == (r["abort_after"] is not None)
+        assert r["finish"]["type"] == ("abort" if r["abort_after"] is not None else "length"), r["rid"]
