@@ -33,18 +33,21 @@ import orjson
 import requests
 
 from sparse_sglang.config import GIB
-from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, write_llama3_8b_dummy
-from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
+from sparse_sglang.testing.models import (
+    LLAMA3_8B_CONFIG,
+    LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    LLAMA3_8B_TOKEN_IDS,
+    write_llama3_8b_dummy,
+)
+from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache
 from sparse_sglang.testing.provenance import git_commit, save_result
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {"vanilla": VANILLA_MODULE, "sparse": SPARSE_MODULE}
-c = LLAMA3_8B_CONFIG
-KV_BYTES_PER_TOKEN = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2  # K and V, bf16
-del c
+KV_BYTES_PER_TOKEN = LLAMA3_8B_KV_BYTES_PER_TOKEN
 # The sparse launcher installs its own "sparse" attention backend and refuses --attention-backend.
 SYSTEM_SERVER_ARGS = {"vanilla": ["--attention-backend", "flashinfer"], "sparse": []}
-TOKEN_ID_RANGE = (1000, 100000)  # clear of the special tokens at both ends of Llama-3's 128256 ids
+TOKEN_ID_RANGE = LLAMA3_8B_TOKEN_IDS
 
 # Rough H100 figures, used only by --dry-run's time estimate.
 PREFILL_TOKENS_PER_S = 20_000
@@ -501,14 +504,6 @@ def warm_up(url: str) -> None:
     sampling = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     body = {"input_ids": list(range(TOKEN_ID_RANGE[0], TOKEN_ID_RANGE[0] + 4096)), "sampling_params": sampling}
     requests.post(url + "/generate", json=body, timeout=600).raise_for_status()
-
-
-def flush_cache(url: str) -> bool:
-    # Waits (server-side) for the aborts of cancelled requests to drain; otherwise the flush is refused.
-    try:
-        return requests.post(url + "/flush_cache", params={"timeout": 30}, timeout=60).status_code == 200
-    except requests.RequestException:
-        return False  # a dead server: the rate's failed requests still get recorded
 
 
 def run_system(system: str, plan: list[RatePlan], args, model: str, deadline: float | None) -> tuple[dict, dict]:

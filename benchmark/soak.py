@@ -37,13 +37,18 @@ from pathlib import Path
 import aiohttp
 import requests
 
-from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, write_llama3_8b_dummy
+from sparse_sglang.config import GIB
+from sparse_sglang.testing.models import (
+    LLAMA3_8B_CONFIG,
+    LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    LLAMA3_8B_TOKEN_IDS,
+    write_llama3_8b_dummy,
+)
 from sparse_sglang.testing.provenance import gpu_run_header, save_result
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
 
 REPO = Path(__file__).resolve().parents[1]
-TOKEN_IDS = (1000, 100000)  # clear of Llama-3's special tokens at both ends
-KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # the 8B shape's K and V, bf16: 128 KiB
+TOKEN_IDS = LLAMA3_8B_TOKEN_IDS
 PAGE_SIZE = 32
 
 
@@ -178,10 +183,6 @@ def probe(url: str) -> list[int]:
     return response.json()["output_ids"]
 
 
-def flush(url: str) -> bool:
-    return requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=120).status_code == 200
-
-
 def run(args) -> dict:
     model = write_llama3_8b_dummy(Path(args.log_dir) / "llama3-8b-dummy")
     flags = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.8",
@@ -190,7 +191,7 @@ def run(args) -> dict:
     with ServerProcess(SPARSE_MODULE, model, flags, log_path=Path(args.log_dir) / "soak-server.log") as server:
         url = server.url
         fresh = probe(url)
-        flush(url)
+        flush_cache(url, 60)
         idle = sparse_state(url)
         plan = mixed_plan(args.requests, args.rate, args.abort_frac, args.seed)
         started = time.monotonic()
@@ -201,9 +202,9 @@ def run(args) -> dict:
             response = requests.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=300)
             healthy = requests.get(url + "/health", timeout=60).status_code == 200
             bad[name] = {"status": response.status_code, "reason": response.text[:300], "healthy_after": healthy}
-        burst_tokens = int(args.host_cache_gb * 2**30 // KV_BYTES_PER_TOKEN * 0.4)  # two or so fit at once
+        burst_tokens = int(args.host_cache_gb * GIB // LLAMA3_8B_KV_BYTES_PER_TOKEN * 0.4)  # two or so fit at once
         burst = asyncio.run(run_burst(url, args.burst, burst_tokens, args.request_timeout))
-        flushed = flush(url)
+        flushed = flush_cache(url, 60)
         now = sparse_state(url)
         again = probe(url)
         log = server.log_path.read_text(errors="replace")

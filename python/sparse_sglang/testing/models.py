@@ -28,6 +28,13 @@ LLAMA3_8B_CONFIG = {
     "torch_dtype": "bfloat16",
 }
 
+# K and V of one token in every layer, bf16 (128 KiB): the 8B shape's KV footprint per token.
+LLAMA3_8B_KV_BYTES_PER_TOKEN = (
+    2 * LLAMA3_8B_CONFIG["num_hidden_layers"] * LLAMA3_8B_CONFIG["num_key_value_heads"] * LLAMA3_8B_CONFIG["head_dim"] * 2
+)
+# Token ids for synthetic prompts: clear of the special tokens at both ends of Llama-3's 128256 ids.
+LLAMA3_8B_TOKEN_IDS = (1000, 100000)
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 

@@ -22,6 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def flush_cache(url: str, timeout: float = 30.0) -> bool:
+    """Empty a server's radix cache; SGLang waits up to ``timeout`` s for in-flight aborts to
+    drain and refuses otherwise. ``False`` also when the server does not answer."""
+    try:
+        return requests.post(url + "/flush_cache", params={"timeout": timeout}, timeout=timeout + 30).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 class ServerProcess:
     """``python -m <module> --model-path ... --port ...`` in its own process group.
 
