@@ -37,7 +37,7 @@ import torch
 from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
-from sparse_sglang.testing.provenance import gpu_run_header, save_result
+from sparse_sglang.testing.provenance import finish_gpu_run
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=1)
@@ -214,16 +214,10 @@ def main(argv=None) -> dict:
     if args.q1 and args.q1.exists():
         summary.update(json.loads(args.q1.read_text()))
     summary.update(quality_summary())
-    doc = {
-        **gpu_run_header("benchmark/decode.py", argv),
-        "config": {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest",
-                   "layers_per_graph": args.layers_per_graph, "l2_flushed": True},
-        **result,
-        "summary": summary,
-    }
-    save_result(doc, args.out_dir / f"decode-{doc['date']}.json")
-    print(json.dumps(summary, indent=1))
-    return doc
+    config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest",
+              "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
+    return finish_gpu_run("benchmark/decode.py", argv, {"config": config, **result, "summary": summary},
+                          args.out_dir, "decode-{date}.json")  # fmt: skip
 
 
 if __name__ == "__main__":

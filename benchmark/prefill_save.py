@@ -24,7 +24,6 @@ CUDA events in one process, median of ``--reps``:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.testing.decode_setup import Llama8BShape, make_store
-from sparse_sglang.testing.provenance import gpu_run_header, save_result
+from sparse_sglang.testing.provenance import finish_gpu_run
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=32)
@@ -164,15 +163,9 @@ def main(argv=None) -> dict:
         "target": TARGET,
     }
     summary["target_met"] = summary["summary_overhead_32k"] <= TARGET
-    doc = {
-        **gpu_run_header("benchmark/prefill_save.py", argv),
-        "shape": {**SHAPE.__dict__, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": "bfloat16"},
-        **result,
-        "summary": summary,
-    }
-    save_result(doc, args.out_dir / f"transfer-{doc['date']}-prefill-save.json")
-    print(json.dumps(summary, indent=1))
-    return doc
+    shape = {**SHAPE.__dict__, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": "bfloat16"}
+    return finish_gpu_run("benchmark/prefill_save.py", argv, {"shape": shape, **result, "summary": summary},
+                          args.out_dir, "transfer-{date}-prefill-save.json")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -51,3 +51,12 @@ def save_result(result: dict, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
+
+
+def finish_gpu_run(script: str, argv: list[str] | None, body: dict, out_dir: str | Path, name: str) -> dict:
+    """The end of a GPU benchmark's ``main``: its document (:func:`gpu_run_header` + ``body``, which
+    holds the ``summary``) saved as ``out_dir/name`` (``{date}`` filled in), the summary printed."""
+    doc = {**gpu_run_header(script, argv), **body}
+    save_result(doc, Path(out_dir) / name.format(date=doc["date"]))
+    print(json.dumps(doc["summary"], indent=1))
+    return doc
