@@ -16,8 +16,9 @@ chunk attending to the earlier chunks of the same layer (the hybrid).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from sparse_sglang.scheduler.admission import prefill_pages
 
 CHUNK_TOKENS = 2048  # the chunked-prefill chunk whose per-iteration work the default matches
 
@@ -59,4 +60,4 @@ def segment_hbm_pages(segment: Segment, page_size: int, num_kv_heads: int) -> in
     """KV pages (per kv head counted separately) the GPU holds while ``segment`` runs: its layers'
     KV of every token up to the segment's end (earlier chunks of the layer included). The working-
     set admission counts a layer-segmented prefill as this, not as the whole prompt's KV."""
-    return math.ceil(segment.tokens.stop / page_size) * len(segment.layers) * num_kv_heads
+    return prefill_pages(segment.tokens.stop, len(segment.layers), num_kv_heads, page_size)
