@@ -25,6 +25,7 @@ than once per layer. Summaries are random (the selected pages then look random, 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import glob
 import json
@@ -42,14 +43,16 @@ from sparse_sglang.testing.provenance import finish_gpu_run
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=1)
 HOST_GIB_PER_STORE = 24  # pinned host KV of one (context, batch) store: bounds its layers
-_L2_FLUSH: list = []
+
+
+@functools.cache
+def l2_sized_buffer() -> torch.Tensor:
+    return torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
 
 def flush_l2() -> None:
-    """Evict the GPU's L2 (50 MiB on an H100) by reading a buffer four times its size."""
-    if not _L2_FLUSH:
-        _L2_FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-    _L2_FLUSH[0].view(torch.int64).sum()
+    """Evict the GPU's L2 (50 MiB on an H100) by reading a buffer five times its size."""
+    l2_sized_buffer().view(torch.int64).sum()
 
 
 def time_graph(fn, iters: int, before=None, per: int = 1) -> float:

@@ -25,7 +25,7 @@ import requests
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.testing.models import write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import git_commit
-from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
+from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +43,7 @@ COMMON_ARGS = ["--cuda-graph-max-bs", "16", "--mem-fraction-static", "0.8"]
 def _post(url: str, path: str, payload: dict) -> dict:
     # Each request starts from an empty radix cache: a cached prefix changes the
     # prefill kernels, and with them bf16 rounding and greedy choices.
-    assert requests.post(url + "/flush_cache", timeout=60).status_code == 200
+    assert flush_cache(url)
     response = requests.post(url + path, json=payload, timeout=120)
     assert response.status_code == 200, f"{path}: {response.status_code} {response.text[:500]}"
     return response.json()

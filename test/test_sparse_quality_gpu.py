@@ -24,7 +24,7 @@ import requests
 
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.testing.provenance import git_commit
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def q1_prompts() -> list[str]:
 
 
 def generate(url: str, payload: dict) -> dict:
-    assert requests.post(url + "/flush_cache", timeout=60).status_code == 200  # no cached prefixes
+    assert flush_cache(url)  # no cached prefixes
     response = requests.post(url + "/generate", json=payload, timeout=300)
     assert response.status_code == 200, response.text[:500]
     return response.json()

@@ -30,7 +30,7 @@ import requests
 
 from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import git_commit
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -55,7 +55,7 @@ def decode_step_ms(url: str, ids: list[int]) -> float:
     generate(url, ids, 16)
     latency = {}
     for n in (16, 144):
-        assert requests.post(url + "/flush_cache", timeout=60).status_code == 200
+        assert flush_cache(url)
         latency[n] = generate(url, ids, n)["latency_s"]
     return round((latency[144] - latency[16]) / 128 * 1000, 3)
 
