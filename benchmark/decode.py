@@ -18,7 +18,7 @@ in a server, where one graph holds every layer of a decode step, a graph holds
 than once per layer. Summaries are random (the selected pages then look random, as misses would). Writes
 ``benchmark/results/decode-<date>.json``::
 
-    python benchmark/decode.py                 # full grid, ~3 minutes on an H100
+    python benchmark/decode.py                 # full grid, about a minute on an H100 (2026-11-23)
     python benchmark/decode.py --quick         # 8K and 32K, batch 1 and 8
 """
 

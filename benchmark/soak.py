@@ -19,7 +19,7 @@ Writes ``benchmark/results/soak-<date>.json`` whose summary holds ``requests``, 
 ``errors_5xx`` (must be 0), ``leaked_host_pages``, ``leaked_gpu_slots`` (must be 0) and
 ``output_matches_fresh``::
 
-    python benchmark/soak.py --requests 1000            # GPU host, about 8 minutes on an H100
+    python benchmark/soak.py --requests 1000            # GPU host (not yet run: its time is unmeasured)
     python benchmark/soak.py --requests 40 --burst 8    # a quick pass
 """
 
