@@ -118,6 +118,8 @@ class RequestRecord:
     ttft: float | None = None
     e2e: float | None = None
     error: str = ""
+    streamed_tokens: int = 0  # tokens received, also by a request cancelled at the cutoff
+    late_tokens: int = 0  # of those, received in the second half of the run (the steady state)
 
 
 @dataclass
@@ -144,9 +146,10 @@ async def sse_events(stream: aiohttp.StreamReader):
                 yield event[len(b"data: ") :]
 
 
-async def stream_generate(session: aiohttp.ClientSession, url: str, payload: bytes) -> list[tuple[float, int]]:
-    """POST /generate (stream); per chunk, its arrival time and the request's tokens so far."""
-    chunks = []
+async def stream_generate(session: aiohttp.ClientSession, url: str, payload: bytes,
+                          chunks: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """POST /generate (stream); appends to ``chunks`` (kept if the request is cancelled) per chunk
+    its arrival time and the request's tokens so far, and returns it."""
     async with session.post(url + "/generate", data=payload, headers={"Content-Type": "application/json"}) as resp:
         if resp.status != 200:
             raise ServerError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -183,17 +186,27 @@ def token_timing(sent: float, chunks: list[tuple[float, int]]) -> tuple[float | 
     return ttft, tbt
 
 
+def late_tokens(chunks: list[tuple[float, int]], since: float) -> int:
+    """Tokens of a request's stream that arrived at or after ``since`` (perf_counter seconds)."""
+    before = max((count for t, count in chunks if t < since), default=0)
+    return (chunks[-1][1] if chunks else 0) - before
+
+
 async def drive(url: str, trace: list[Request], cutoff: float | None, request_timeout: float) -> RateRun:
-    """Send `trace` on its schedule; at `cutoff` seconds stop sending and cancel what is in flight."""
+    """Send `trace` on its schedule; at `cutoff` seconds stop sending and cancel what is in flight.
+
+    Requests cut off keep what they streamed (``streamed_tokens``, TTFT and TBT samples): under
+    overload the run's output throughput is every token delivered within the window."""
     records = [RequestRecord(r.arrival, len(r.input_ids), r.max_new_tokens) for r in trace]
     payloads = [generate_payload(r) for r in trace]  # serialized before the clock starts
+    streams: list[list[tuple[float, int]]] = [[] for _ in trace]
     tbt: list[float] = []
     in_flight = max_in_flight = 0
     timeout = aiohttp.ClientTimeout(total=request_timeout)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.perf_counter()
 
-        async def one(record: RequestRecord, payload: bytes) -> None:
+        async def one(record: RequestRecord, payload: bytes, chunks: list) -> None:
             nonlocal in_flight, max_in_flight
             await asyncio.sleep(record.arrival - (time.perf_counter() - start))
             sent = time.perf_counter()
@@ -201,27 +214,29 @@ async def drive(url: str, trace: list[Request], cutoff: float | None, request_ti
             in_flight += 1
             max_in_flight = max(max_in_flight, in_flight)
             try:
-                chunks = await stream_generate(session, url, payload)
+                await stream_generate(session, url, payload, chunks)
+                record.e2e = time.perf_counter() - sent
+                record.output_len = chunks[-1][1] if chunks else 0
+                record.status = "ok"
             except asyncio.CancelledError:
                 record.status = "cancelled"
                 raise
             except Exception as err:  # one broken request is a failed record, not a failed benchmark
                 record.status, record.error = "failed", f"{type(err).__name__}: {err}"[:300]
-                return
             finally:
                 in_flight -= 1
-            record.e2e = time.perf_counter() - sent
-            record.ttft, samples = token_timing(sent, chunks)
-            record.output_len = chunks[-1][1] if chunks else 0
-            record.status = "ok"
-            tbt.extend(samples)
+                record.ttft, samples = token_timing(sent, chunks)
+                record.streamed_tokens = chunks[-1][1] if chunks else 0
+                tbt.extend(samples)
 
-        tasks = [asyncio.create_task(one(r, p)) for r, p in zip(records, payloads)]
+        tasks = [asyncio.create_task(one(r, p, c)) for r, p, c in zip(records, payloads, streams)]
         _, pending = await asyncio.wait(tasks, timeout=cutoff)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
+    for record, chunks in zip(records, streams):
+        record.late_tokens = late_tokens(chunks, start + duration / 2)
     return RateRun(records, tbt, duration, max_in_flight)
 
 
@@ -236,7 +251,9 @@ class RateResult:
     completed: int
     failed: int
     duration_s: float
-    output_throughput: float  # output tokens / s
+    output_throughput: float  # output tokens of completed requests / s
+    window_output_throughput: float  # every output token streamed within the run / s (cut-off requests too)
+    late_output_throughput: float  # tokens streamed in the run's second half / its length (steady state)
     request_throughput: float
     total_input_tokens: int
     total_output_tokens: int
@@ -248,6 +265,7 @@ class RateResult:
     p99_tbt_ms: float | None
     p999_tbt_ms: float | None
     mean_e2e_s: float | None
+    without_first_token: int  # sent or waiting to be sent, no token yet when the run ended (TTFT censored)
     max_in_flight: int
     max_running_req: int | None  # from the server's log
     cache_flushed: bool
@@ -265,7 +283,7 @@ def summarize_rate(
     rate: float, seed: list[int], run: RateRun, max_running_req: int | None, cache_flushed: bool
 ) -> RateResult:
     ok = [r for r in run.records if r.status == "ok"]
-    ttft = [r.ttft for r in ok if r.ttft is not None]
+    ttft = [r.ttft for r in run.records if r.ttft is not None]  # cut-off requests that got a token too
     output_tokens = sum(r.output_len for r in ok)
     return RateResult(
         rate=rate,
@@ -275,6 +293,8 @@ def summarize_rate(
         failed=sum(r.status == "failed" for r in run.records),
         duration_s=run.duration,
         output_throughput=output_tokens / run.duration,
+        window_output_throughput=sum(r.streamed_tokens for r in run.records) / run.duration,
+        late_output_throughput=sum(r.late_tokens for r in run.records) / (run.duration / 2),
         request_throughput=len(ok) / run.duration,
         total_input_tokens=sum(r.prompt_len for r in ok),
         total_output_tokens=output_tokens,
@@ -286,6 +306,7 @@ def summarize_rate(
         p99_tbt_ms=_ms(run.tbt, 99),
         p999_tbt_ms=_ms(run.tbt, 99.9),
         mean_e2e_s=float(np.mean([r.e2e for r in ok])) if ok else None,
+        without_first_token=sum(r.ttft is None and r.status in ("not_sent", "running", "cancelled") for r in run.records),
         max_in_flight=run.max_in_flight,
         max_running_req=max_running_req,
         cache_flushed=cache_flushed,
@@ -331,7 +352,26 @@ def summarize(results: dict) -> dict:
         "passthrough_throughput_ratio": min(by_trace.values(), default=None),
         "passthrough_throughput_ratio_by_trace": by_trace,
         "at_highest_common_complete_rate": at_rate,
+        "at_highest_common_rate": overload_ratios(results),
     }
+
+
+def overload_ratios(results: dict) -> dict:
+    """sparse / vanilla at each trace's highest rate both systems ran, complete or cut off: under
+    overload a run ends at the cutoff, and what counts is what each system delivered in it."""
+    out = {}
+    for trace, systems in results.items():
+        vanilla = {r["rate"]: r for r in systems.get("vanilla", [])}
+        sparse = {r["rate"]: r for r in systems.get("sparse", [])}
+        common = vanilla.keys() & sparse.keys()
+        if not common:
+            continue
+        rate = max(common)
+        v, s = vanilla[rate], sparse[rate]
+        keys = ("window_output_throughput", "late_output_throughput", "max_running_req", "mean_ttft_ms",
+                "mean_tbt_ms", "p99_tbt_ms", "p999_tbt_ms")  # fmt: skip
+        out[trace] = {"rate": rate, **{f"{k}_ratio": _ratio(s, v, k) for k in keys if k in s and k in v}}
+    return out
 
 
 # ---------------------------------------------------------------- result files
@@ -393,14 +433,15 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def print_table(results: dict) -> None:
-    print(f"\n{'trace':<16}{'rate':>6} {'system':<8}{'done':>7}{'tok/s':>9}{'TTFT s':>8}"
+    print(f"\n{'trace':<16}{'rate':>6} {'system':<8}{'done':>7}{'tok/s':>9}{'window':>8}{'TTFT s':>8}"
           f"{'TBT mean/p99/p99.9 ms':>24}{'max run':>8}")
     for trace, systems in results.items():
         rows = [(r["rate"], list(SYSTEMS).index(system), system, r) for system, runs in systems.items() for r in runs]
         for rate, _, system, r in sorted(rows, key=lambda row: row[:2]):
             tbt = "/".join(_fmt(r[k]) for k in ("mean_tbt_ms", "p99_tbt_ms", "p999_tbt_ms"))
             print(f"{trace:<16}{rate:>6g} {system:<8}{r['completed']:>3}/{r['num_requests']:<3}"
-                  f"{r['output_throughput']:>9.0f}{_fmt(r['mean_ttft_ms'], 1e-3, 2):>8}{tbt:>24}"
+                  f"{r['output_throughput']:>9.0f}{_fmt(r.get('window_output_throughput'), digits=0):>8}"
+                  f"{_fmt(r['mean_ttft_ms'], 1e-3, 2):>8}{tbt:>24}"
                   f"{_fmt(r['max_running_req'], digits=0):>8}")
 
 

@@ -184,10 +184,11 @@ def probe(url: str) -> list[int]:
 
 
 def run(args) -> dict:
-    model = write_llama3_8b_dummy(Path(args.log_dir) / "llama3-8b-dummy")
+    model = write_llama3_8b_dummy(Path(args.log_dir) / f"llama3-8b-dummy-{args.layers}l", num_layers=args.layers)
+    kv_bytes_per_token = LLAMA3_8B_KV_BYTES_PER_TOKEN * args.layers // LLAMA3_8B_CONFIG["num_hidden_layers"]
     flags = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.8",
              "--sparse-host-cache-gb", str(args.host_cache_gb), *args.extra_server_args.split()]  # fmt: skip
-    result: dict = {"flags": flags}
+    result: dict = {"flags": flags, "model": {"shape": "Llama-3-8B", "num_layers": args.layers, "weights": "dummy"}}
     with ServerProcess(SPARSE_MODULE, model, flags, log_path=Path(args.log_dir) / "soak-server.log") as server:
         url = server.url
         fresh = probe(url)
@@ -202,7 +203,7 @@ def run(args) -> dict:
             response = requests.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=300)
             healthy = requests.get(url + "/health", timeout=60).status_code == 200
             bad[name] = {"status": response.status_code, "reason": response.text[:300], "healthy_after": healthy}
-        burst_tokens = int(args.host_cache_gb * GIB // LLAMA3_8B_KV_BYTES_PER_TOKEN * 0.4)  # two or so fit at once
+        burst_tokens = int(args.host_cache_gb * GIB // kv_bytes_per_token * 0.4)  # two or so fit at once
         burst = asyncio.run(run_burst(url, args.burst, burst_tokens, args.request_timeout))
         flushed = flush_cache(url, 60)
         now = sparse_state(url)
@@ -233,6 +234,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--abort-frac", type=float, default=0.3)
     parser.add_argument("--burst", type=int, default=50)
     parser.add_argument("--host-cache-gb", type=float, default=8.0, help="small: the burst must queue")
+    parser.add_argument("--layers", type=int, default=LLAMA3_8B_CONFIG["num_hidden_layers"],
+                        help="layers of the 8B shape to keep: fewer make prefill faster, the machinery is the same")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=1800.0)
     parser.add_argument("--extra-server-args", default="")

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import asdict
 
 import numpy as np
+import orjson
 import pytest
 
 from benchmark.serving import (
@@ -13,7 +14,9 @@ from benchmark.serving import (
     TRACES,
     RateRun,
     RequestRecord,
+    Request,
     TraceSpec,
+    drive,
     generate_payload,
     is_complete,
     main,
@@ -153,13 +156,60 @@ def test_sse_events_reassembles_events_split_across_reads():
     assert len(events) == 3 and events[1].count(b"7") == 50001
 
 
+def test_a_run_cut_off_counts_what_every_request_streamed():
+    """The client against a stand-in of SGLang's streaming /generate (one token per 10 ms): the
+    request that finishes is complete; the one still streaming at the cutoff is cancelled but keeps
+    its tokens, TTFT and TBT samples; the one never sent has none. Window throughput counts all
+    streamed tokens, the late one only those of the second half."""
+    from aiohttp import web
+
+    async def generate(request):
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for n in range(1, body["sampling_params"]["max_new_tokens"] + 1):
+            await asyncio.sleep(0.01)
+            meta = {"completion_tokens": n, "finish_reason": None}
+            await response.write(b"data: " + orjson.dumps({"meta_info": meta}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def main():
+        app = web.Application(client_max_size=1 << 24)
+        app.add_routes([web.post("/generate", generate)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        trace = [Request(0.0, [1000] * 8, 10), Request(0.0, [1001] * 8, 1000), Request(5.0, [1002] * 8, 10)]
+        try:
+            return await drive(f"http://127.0.0.1:{port}", trace, cutoff=1.0, request_timeout=30)
+        finally:
+            await runner.cleanup()
+
+    run = asyncio.run(main())
+    done, cut, unsent = run.records
+    assert (done.status, cut.status, unsent.status) == ("ok", "cancelled", "not_sent")
+    assert done.output_len == done.streamed_tokens == 10 and done.late_tokens == 0
+    assert 30 < cut.streamed_tokens < 100 and cut.output_len == 0 and cut.ttft is not None
+    assert 0 < cut.late_tokens < cut.streamed_tokens
+    assert unsent.streamed_tokens == 0 and unsent.ttft is None
+    result = summarize_rate(1.0, [0], run, None, False)
+    assert result.completed == 1 and result.output_throughput == pytest.approx(10 / run.duration)
+    assert result.window_output_throughput == pytest.approx((10 + cut.streamed_tokens) / run.duration)
+    assert result.late_output_throughput == pytest.approx(cut.late_tokens / (run.duration / 2))
+    assert result.without_first_token == 1 and len(run.tbt) == 9 + cut.streamed_tokens - 1
+
+
 def _run(statuses, output_len=100, duration=10.0):
     records = []
     for i, status in enumerate(statuses):
         ok = status == "ok"
         records.append(RequestRecord(arrival=float(i), prompt_len=1000, max_new_tokens=output_len, status=status,
                                      sent=float(i) if status != "not_sent" else None,
-                                     output_len=output_len if ok else 0, ttft=0.5 if ok else None,
+                                     output_len=output_len if ok else 0, streamed_tokens=output_len if ok else 0,
+                                     ttft=0.5 if ok else None,
                                      e2e=2.0 if ok else None))  # fmt: skip
     return RateRun(records, tbt=[0.01] * 99 + [0.1], duration=duration, max_in_flight=len(statuses))
 
@@ -231,6 +281,10 @@ def test_summary_uses_highest_rate_both_completed():
     )
     assert summary["passthrough_throughput_ratio"] == pytest.approx(0.95)
     assert summary["at_highest_common_complete_rate"]["long-generation"]["mean_ttft_ratio"] == pytest.approx(1.0)
+    # Under overload (cut-off runs count too): the highest rate both ran, on what each streamed.
+    overload = summary["at_highest_common_rate"]
+    assert overload["long-prompt"]["rate"] == 0.8 and overload["long-generation"]["rate"] == 0.2
+    assert overload["long-generation"]["window_output_throughput_ratio"] == pytest.approx(300 / 500)
 
 
 def test_summary_without_a_common_complete_rate():
