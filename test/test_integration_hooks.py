@@ -114,3 +114,40 @@ def test_freeing_a_request_slot_returns_its_page_cache_row():
     pool.alloc([late])
     pool.free(late)  # a request freed before its first forward had no row: nothing to return
     assert pool.available_size() == 3
+
+
+def test_a_slot_reused_after_a_cache_flush_gets_a_new_row():
+    """SGLang's ReqToTokenPool on CPU: a request finishes (its slot freed, its row returned),
+    ``/flush_cache`` clears the pool (zeroing the generations), and the next request gets the same
+    slot at the same generation: the backend still opens it a row (on the GPU host this sequence
+    crashed the server's first request after the benchmark's warm-up and flush)."""
+    import types
+
+    import torch
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sparse_sglang.integration.attention_backend import SparseAttnBackend
+    from sparse_sglang.integration.memory_pool import release_rows_on_free
+    from sparse_sglang.mem_cache import GPUPageCache
+
+    pool = ReqToTokenPool(3, 64, "cpu", False)
+    cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)
+    release_rows_on_free(pool, cache)
+    backend = types.SimpleNamespace(store=types.SimpleNamespace(cache=cache), req_generation=pool.req_generation,
+                                    row_generation={})  # fmt: skip
+    first = Req("first", "", [1, 2, 3], SamplingParams())
+    (slot,) = pool.alloc([first])
+    SparseAttnBackend._open_rows(backend, [slot])
+    assert cache.is_open(slot)
+    pool.free(first)
+    assert not cache.is_open(slot)
+    pool.clear()  # what /flush_cache does
+    second = Req("second", "", [4, 5], SamplingParams())
+    assert pool.alloc([second]) == [slot] and int(pool.req_generation[slot]) == backend.row_generation[slot]
+    SparseAttnBackend._open_rows(backend, [slot])
+    assert cache.is_open(slot) and cache.num_open == 1
+    cache.write_allocate(slot, 0, 1)  # what failed with KeyError on the server
+    SparseAttnBackend._open_rows(backend, [slot])  # its own row: kept
+    assert cache.num_open == 1

@@ -86,15 +86,21 @@ class SparseAttnBackend(FlashInferAttnBackend):
                                       "mixed chunks); turn those options off")  # fmt: skip
 
     def _open_rows(self, req_slots: list[int]) -> None:
-        """Give each request its page-cache row; a slot holding a new request drops the old row."""
+        """Give each request its page-cache row; a slot holding a new request drops the old row.
+
+        A row is the request's own only if it is open *and* was opened at the slot's current
+        generation: SGLang frees a slot (which returns its row, ``release_rows_on_free``) and
+        ``/flush_cache`` zeroes every generation, so a later request can get the slot back at a
+        generation an earlier one had."""
         cache = self.store.cache
         for slot in req_slots:
             generation = int(self.req_generation[slot])
-            if self.row_generation.get(slot) != generation:
-                if cache.is_open(slot):
-                    cache.close_request(slot)
-                cache.open_request(slot)
-                self.row_generation[slot] = generation
+            if cache.is_open(slot) and self.row_generation.get(slot) == generation:
+                continue
+            if cache.is_open(slot):  # left by an earlier request of this slot
+                cache.close_request(slot)
+            cache.open_request(slot)
+            self.row_generation[slot] = generation
 
     def _begin_extend(self, fb: ForwardBatch) -> None:
         page = self.store.shape.page_size
