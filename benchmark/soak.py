@@ -19,8 +19,9 @@ Writes ``benchmark/results/soak-<date>.json`` whose summary holds ``requests``, 
 ``errors_5xx`` (must be 0), ``leaked_host_pages``, ``leaked_gpu_slots`` (must be 0) and
 ``output_matches_fresh``::
 
-    python benchmark/soak.py --requests 1000            # GPU host (not yet run: its time is unmeasured)
-    python benchmark/soak.py --requests 40 --burst 8    # a quick pass
+    python benchmark/soak.py --requests 1000            # the issue's size (not yet run: over one 10-minute call)
+    python benchmark/soak.py --requests 400 --rate 8 --layers 4 --host-cache-gb 1.5 \
+        --extra-server-args "--cuda-graph-max-bs 64"      # ran on an H100 in about 5 minutes
 """
 
 from __future__ import annotations
