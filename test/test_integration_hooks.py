@@ -151,3 +151,26 @@ def test_a_slot_reused_after_a_cache_flush_gets_a_new_row():
     cache.write_allocate(slot, 0, 1)  # what failed with KeyError on the server
     SparseAttnBackend._open_rows(backend, [slot])  # its own row: kept
     assert cache.num_open == 1
+
+
+def test_a_prompt_over_the_host_store_is_refused_naming_the_flag():
+    """The scheduler's own ``validate_input_length`` (SGLang's symbol, patched): a prompt at the
+    limit the host store sets gets SGLang's refusal plus the host store's size and flag; when the
+    model's context is the limit (a host store larger than it) the message is SGLang's alone."""
+    from array import array
+
+    import sglang.srt.managers.scheduler as scheduler
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sparse_sglang.integration import input_length
+
+    input_length.patch_validate_input_length()
+    req = Req("long", "", array("q", [7] * 98300), SamplingParams())
+    input_length.note_host_store(98272, 1.5, 131072)
+    message = scheduler.validate_input_length(req, 98266, False)
+    assert message.startswith("Input length (98300 tokens) exceeds the maximum allowed length (98266 tokens).")
+    assert "host KV store holds 98272 tokens (--sparse-host-cache-gb 1.5)" in message
+    assert scheduler.validate_input_length(Req("short", "", array("q", [7] * 100), SamplingParams()), 98266, False) is None
+    input_length.note_host_store(1_000_000, 80.0, 131072)  # the context is the limit
+    assert "sparse" not in scheduler.validate_input_length(Req("ctx", "", array("q", [7] * 131100), SamplingParams()), 131066, False)

@@ -30,6 +30,7 @@ def install() -> None:
         register_sparse_attention_backend,
     )
 
+    from sparse_sglang.integration.input_length import patch_validate_input_length
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
     from sparse_sglang.integration.metrics import patch_report_decode_stats
     from sparse_sglang.integration.scheduler_state import patch_get_internal_state
@@ -39,6 +40,7 @@ def install() -> None:
     patch_alloc_memory_pool()
     patch_get_internal_state()
     patch_report_decode_stats()
+    patch_validate_input_length()
     _installed = True
     logger.info("sparse-sglang installed into SGLang (%d hooks)", len(HOOKS))
 

@@ -24,6 +24,7 @@ from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
 
 from sparse_sglang.attention.selectors import kept_summaries
 from sparse_sglang.config import GIB
+from sparse_sglang.integration.input_length import note_host_store
 from sparse_sglang.integration.registry import relies_on
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.plan import plan_memory
@@ -151,6 +152,7 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
         **kept_summaries(sparse.selector),
     )
     logger.info("sparse memory plan: %s", plan.describe())
+    note_host_store(plan.max_total_tokens, sparse.host_cache_gb, model.context_len)
     store = SparseKVStore(plan.shape, runner.device, **kept_summaries(sparse.selector))
     pool = SparseTokenToKVPool(store, plan.max_total_tokens, runner.device,
                                conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip

@@ -1,0 +1,55 @@
+"""A prompt the host KV store cannot hold: SGLang's refusal, naming the sparse flag to change.
+
+SGLang's scheduler refuses a prompt of ``max_req_input_len`` tokens or more with HTTP 400
+(``validate_input_length``); the limit is the smaller of the model's context and the KV pool. With
+sparse decode the KV pool is the host store, so when the host store is the smaller one the refusal
+says so and names ``--sparse-host-cache-gb`` (SGLang's own message only suggests truncation).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from sparse_sglang.integration.registry import relies_on
+
+
+@dataclass(frozen=True, slots=True)
+class HostStoreLimit:
+    tokens: int  # token locations of the host store (SGLang's max_total_num_tokens)
+    host_cache_gb: float
+    context_len: int
+
+
+_limit: HostStoreLimit | None = None  # set in the scheduler process when the sparse pools are built
+
+
+def note_host_store(tokens: int, host_cache_gb: float, context_len: int) -> None:
+    global _limit
+    _limit = HostStoreLimit(tokens, host_cache_gb, context_len)
+
+
+def explain(message: str) -> str:
+    """SGLang's refusal, plus the host store's size and flag when that is what limits prompts."""
+    if _limit is None or _limit.tokens >= _limit.context_len:
+        return message
+    return (f"{message} The sparse host KV store holds {_limit.tokens} tokens (--sparse-host-cache-gb "
+            f"{_limit.host_cache_gb:g}); a server with a larger one takes longer prompts.")  # fmt: skip
+
+
+@relies_on("sglang.srt.managers.scheduler:validate_input_length", at="sglang/srt/managers/utils.py:193")
+def patch_validate_input_length() -> None:
+    """Make the scheduler's ``validate_input_length`` refusals go through :func:`explain`."""
+    import sglang.srt.managers.scheduler as scheduler
+
+    original = scheduler.validate_input_length
+    if getattr(original, "sparse_sglang", False):
+        return
+
+    @functools.wraps(original)
+    def validate_input_length(req, max_req_input_len, allow_auto_truncate):
+        message = original(req, max_req_input_len, allow_auto_truncate)
+        return explain(message) if message else message
+
+    validate_input_length.sparse_sglang = True
+    scheduler.validate_input_length = validate_input_length
