@@ -8,10 +8,9 @@ says so and names ``--sparse-host-cache-gb`` (SGLang's own message only suggests
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-from sparse_sglang.integration.registry import relies_on
+from sparse_sglang.integration.registry import relies_on, wrap_once
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,14 +41,11 @@ def patch_validate_input_length() -> None:
     """Make the scheduler's ``validate_input_length`` refusals go through :func:`explain`."""
     import sglang.srt.managers.scheduler as scheduler
 
-    original = scheduler.validate_input_length
-    if getattr(original, "sparse_sglang", False):
-        return
+    def wrap(original):
+        def validate_input_length(req, max_req_input_len, allow_auto_truncate):
+            message = original(req, max_req_input_len, allow_auto_truncate)
+            return explain(message) if message else message
 
-    @functools.wraps(original)
-    def validate_input_length(req, max_req_input_len, allow_auto_truncate):
-        message = original(req, max_req_input_len, allow_auto_truncate)
-        return explain(message) if message else message
+        return validate_input_length
 
-    validate_input_length.sparse_sglang = True
-    scheduler.validate_input_length = validate_input_length
+    wrap_once(scheduler, "validate_input_length", wrap)

@@ -15,7 +15,6 @@ builds the :class:`~sparse_sglang.mem_cache.kv_store.SparseKVStore`, and hands S
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -25,7 +24,7 @@ from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
 from sparse_sglang.attention.selectors import kept_summaries
 from sparse_sglang.config import GIB
 from sparse_sglang.integration.input_length import note_host_store
-from sparse_sglang.integration.registry import relies_on
+from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.plan import plan_memory
 
@@ -109,19 +108,16 @@ def patch_alloc_memory_pool() -> None:
     """Make ``ModelRunner.alloc_memory_pool`` build the sparse pools when sparse is enabled."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    original = ModelRunner.alloc_memory_pool
-    if getattr(original, "sparse_sglang", False):
-        return
+    def wrap(original):
+        def alloc_memory_pool(self: ModelRunner, memory_pool_config=None):
+            sparse = getattr(self.server_args, "sparse", None)
+            if sparse is None or not sparse.enabled or self.is_draft_worker:
+                return original(self, memory_pool_config)
+            return alloc_sparse_memory_pool(self)
 
-    @functools.wraps(original)
-    def alloc_memory_pool(self: ModelRunner, memory_pool_config=None):
-        sparse = getattr(self.server_args, "sparse", None)
-        if sparse is None or not sparse.enabled or self.is_draft_worker:
-            return original(self, memory_pool_config)
-        return alloc_sparse_memory_pool(self)
+        return alloc_memory_pool
 
-    alloc_memory_pool.sparse_sglang = True
-    ModelRunner.alloc_memory_pool = alloc_memory_pool
+    wrap_once(ModelRunner, "alloc_memory_pool", wrap)
 
 
 @relies_on("sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator._profile_available_bytes",

@@ -10,12 +10,11 @@ Reading the GPU counters is a sync, once per interval, never per step.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass
 
-from sparse_sglang.integration.registry import relies_on
+from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.integration.scheduler_state import sparse_state
 
 logger = logging.getLogger(__name__)
@@ -106,25 +105,22 @@ def patch_report_decode_stats() -> None:
     """After SGLang's periodic decode stats, report the sparse pools' interval (see module doc)."""
     from sglang.srt.managers.scheduler_components.metrics_reporter import SchedulerMetricsReporter
 
-    original = SchedulerMetricsReporter.report_decode_stats
-    if getattr(original, "sparse_sglang", False):
-        return
+    def wrap(original):
+        def report_decode_stats(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            enable = self.current_scheduler_metrics_enabled
+            if self.forward_ct_decode % self.decode_log_interval == 0 and (self.is_stats_logging_rank or enable):
+                try:  # metrics never take the server down
+                    now = sparse_state(self.scheduler)
+                    if now is not None:
+                        if not hasattr(self, "sparse_metrics"):
+                            labels = getattr(getattr(self, "metrics_collector", None), "labels", None) or {}
+                            self.sparse_metrics = SparseMetrics(labels)
+                        self.sparse_metrics.report(now, self.forward_ct_decode, enable, self.is_stats_logging_rank)
+                except Exception:
+                    logger.exception("sparse KV metrics failed; the decode log goes on without them")
+            return out
 
-    @functools.wraps(original)
-    def report_decode_stats(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        enable = self.current_scheduler_metrics_enabled
-        if self.forward_ct_decode % self.decode_log_interval == 0 and (self.is_stats_logging_rank or enable):
-            try:  # metrics never take the server down
-                now = sparse_state(self.scheduler)
-                if now is not None:
-                    if not hasattr(self, "sparse_metrics"):
-                        labels = getattr(getattr(self, "metrics_collector", None), "labels", None) or {}
-                        self.sparse_metrics = SparseMetrics(labels)
-                    self.sparse_metrics.report(now, self.forward_ct_decode, enable, self.is_stats_logging_rank)
-            except Exception:
-                logger.exception("sparse KV metrics failed; the decode log goes on without them")
-        return out
+        return report_decode_stats
 
-    report_decode_stats.sparse_sglang = True
-    SchedulerMetricsReporter.report_decode_stats = report_decode_stats
+    wrap_once(SchedulerMetricsReporter, "report_decode_stats", wrap)

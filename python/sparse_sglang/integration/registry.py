@@ -9,6 +9,7 @@ hook to re-read.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -53,6 +54,18 @@ def relies_on(target: str, at: str) -> Callable:
         return fn
 
     return mark
+
+
+def wrap_once(owner: object, name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.name`` with ``wrap(original)``, keeping the original's name and docs
+    (``__wrapped__`` leads back to it). A second call is a no-op: ``install()`` runs in the main
+    and the scheduler process, and may run twice in one."""
+    original = getattr(owner, name)
+    if getattr(original, "sparse_sglang", False):
+        return
+    patched = functools.wraps(original)(wrap(original))
+    patched.sparse_sglang = True
+    setattr(owner, name, patched)
 
 
 def check_sglang_version() -> None:

@@ -10,9 +10,8 @@ what the soak benchmark checks.
 
 from __future__ import annotations
 
-import functools
 
-from sparse_sglang.integration.registry import relies_on
+from sparse_sglang.integration.registry import relies_on, wrap_once
 
 
 def sparse_state(scheduler) -> dict | None:
@@ -37,20 +36,17 @@ def patch_get_internal_state() -> None:
     """Make ``Scheduler.get_internal_state`` report :func:`sparse_state` under ``"sparse"``."""
     from sglang.srt.managers.scheduler import Scheduler
 
-    original = Scheduler.get_internal_state
-    if getattr(original, "sparse_sglang", False):
-        return
+    def wrap(original):
+        def get_internal_state(self, recv_req):
+            out = original(self, recv_req)
+            try:  # a failing report must not take the scheduler down
+                state = sparse_state(self)
+            except Exception as err:
+                state = {"error": repr(err)}
+            if state is not None:
+                out.internal_state["sparse"] = state
+            return out
 
-    @functools.wraps(original)
-    def get_internal_state(self, recv_req):
-        out = original(self, recv_req)
-        try:  # a failing report must not take the scheduler down
-            state = sparse_state(self)
-        except Exception as err:
-            state = {"error": repr(err)}
-        if state is not None:
-            out.internal_state["sparse"] = state
-        return out
+        return get_internal_state
 
-    get_internal_state.sparse_sglang = True
-    Scheduler.get_internal_state = get_internal_state
+    wrap_once(Scheduler, "get_internal_state", wrap)
