@@ -163,6 +163,8 @@ def test_a_run_cut_off_counts_what_every_request_streamed():
     streamed tokens, the late one only those of the second half."""
     from aiohttp import web
 
+    from sparse_sglang.testing.server import standin_server
+
     async def generate(request):
         body = await request.json()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -175,18 +177,9 @@ def test_a_run_cut_off_counts_what_every_request_streamed():
         return response
 
     async def main():
-        app = web.Application(client_max_size=1 << 24)
-        app.add_routes([web.post("/generate", generate)])
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
         trace = [Request(0.0, [1000] * 8, 10), Request(0.0, [1001] * 8, 1000), Request(5.0, [1002] * 8, 10)]
-        try:
-            return await drive(f"http://127.0.0.1:{port}", trace, cutoff=1.0, request_timeout=30)
-        finally:
-            await runner.cleanup()
+        async with standin_server([web.post("/generate", generate)]) as url:
+            return await drive(url, trace, cutoff=1.0, request_timeout=30)
 
     run = asyncio.run(main())
     done, cut, unsent = run.records

@@ -56,6 +56,7 @@ def test_the_client_sends_aborts_while_requests_run():
     from aiohttp import web
 
     from benchmark.soak import SoakRequest, run_mixed
+    from sparse_sglang.testing.server import standin_server
 
     aborted: dict[str, asyncio.Event] = {}
 
@@ -74,18 +75,9 @@ def test_the_client_sends_aborts_while_requests_run():
         return web.json_response({})
 
     async def main():
-        app = web.Application(client_max_size=1 << 24)
-        app.add_routes([web.post("/generate", generate), web.post("/abort_request", abort)])
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
         plan = [SoakRequest(f"r{i}", 0.01 * i, 4000, 16, 0.05 if i % 2 else None) for i in range(150)]
-        try:
-            return await run_mixed(f"http://127.0.0.1:{port}", plan, timeout=30)
-        finally:
-            await runner.cleanup()
+        async with standin_server([web.post("/generate", generate), web.post("/abort_request", abort)]) as url:
+            return await run_mixed(url, plan, timeout=30)
 
     results = asyncio.run(main())  # the stand-in and the client share one event loop
     assert len(results) == 150 and all(r["status"] == 200 for r in results)

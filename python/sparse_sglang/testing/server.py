@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import requests
@@ -129,3 +131,21 @@ def _group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
             return True
     return False
+
+
+@contextlib.asynccontextmanager
+async def standin_server(routes: list) -> AsyncIterator[str]:
+    """An aiohttp server on a free local port answering ``routes`` (``aiohttp.web`` route defs)
+    in place of SGLang's, for testing benchmark clients without a GPU; yields its base URL."""
+    from aiohttp import web
+
+    app = web.Application(client_max_size=1 << 24)
+    app.add_routes(routes)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
