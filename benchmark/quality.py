@@ -46,6 +46,7 @@ from sparse_sglang.attention import (
     SELECTORS,
     attention_mass_recall,
     get_selector,
+    keep_cached,
     max_reduce_logical,
     page_mean_abs_deviation,
     select_pages,
@@ -179,10 +180,13 @@ def summarize(keys: dict[int, torch.Tensor], page_size: int) -> PageSummaries:
 
 def choose_pages(
     policy: Policy, q: torch.Tensor, summaries: PageSummaries, layer: int, keys: torch.Tensor, seq_len: torch.Tensor,
+    cached: torch.Tensor | None = None, reselect: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, Hkv, K]`` pages of ``PAGE_SIZE`` tokens that ``policy`` attends for decode queries
     ``q`` ``[B, Hq, D]`` over ``keys`` ``[1, Hkv, T, D]`` (summarized by ``summaries`` at the
-    policy's logical page size); ``seq_len`` ``[B]`` tokens per query."""
+    policy's logical page size); ``seq_len`` ``[B]`` tokens per query. With ``cached``
+    ``[B, Hkv, N]`` and ``reselect`` ``[B]``, rows not reselecting choose among cached pages
+    (:func:`keep_cached`, as the server does with ``--sparse-reselect-interval``)."""
     selector, lps = get_selector(policy.selector), policy.logical_page_size
     n = -(-keys.shape[2] // lps)
     kmin, kmax, kmean = (getattr(summaries, name)[layer, :, :n].unsqueeze(0) for name in ("kmin", "kmax", "mean"))
@@ -192,6 +196,8 @@ def choose_pages(
     scores = selector.score(qg, kmin, kmax, kmean, policy.group_reduce, radius=radius)
     if lps != PAGE_SIZE:
         scores = max_reduce_logical(scores, PAGE_SIZE // lps, -(-seq_len // lps))
+    if cached is not None:
+        scores = keep_cached(scores, cached[..., : scores.shape[-1]], reselect)
     return select_pages(scores, -(-seq_len // PAGE_SIZE), policy.budget // PAGE_SIZE,
                         policy.sink_pages, policy.recent_pages).page_ids  # fmt: skip
 

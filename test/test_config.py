@@ -13,7 +13,7 @@ def test_defaults_are_the_documented_ones():
     cfg = SparseConfig()
     assert cfg.enabled is True
     assert (cfg.page_size, cfg.token_budget, cfg.selector) == (32, 2048, "quest")
-    assert cfg.working_set_window == 12
+    assert cfg.working_set_window == 12 and cfg.reselect_interval == 1
     assert cfg.budget_pages == 64
     total, available = machine_ram_bytes()
     assert 0 < cfg.host_cache_gb * (1 << 30) <= available * 0.5 + (1 << 30) / 16
@@ -47,6 +47,7 @@ BAD_VALUES = [
     ({"recent_pages": 0}, "--sparse-recent-pages", ">= 1"),
     ({"token_budget": 64, "sink_pages": 1, "recent_pages": 2}, "--sparse-recent-pages", "exceed"),
     ({"working_set_window": 0}, "--sparse-working-set-window", ">= 1"),
+    ({"reselect_interval": 0}, "--sparse-reselect-interval", ">= 1"),
     ({"gpu_cache_gb": 0.0}, "--sparse-gpu-cache-gb", "positive"),
     ({"gpu_cache_gb": -1.0}, "--sparse-gpu-cache-gb", "positive"),
     ({"host_cache_gb": 0.0}, "--sparse-host-cache-gb", "positive"),

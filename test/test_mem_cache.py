@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from sparse_sglang.attention import page_mean_abs_deviation
+from sparse_sglang.attention import keep_cached, page_mean_abs_deviation, select_pages
 from sparse_sglang.mem_cache import (
     GPUCacheFull,
     GPUPageCache,
@@ -411,6 +411,47 @@ def test_gpu_cache_retrieve_loads_misses_into_lru_victims_like_a_per_row_lru(dty
                 assert torch.equal(cache.k[slots[b, h, j]].view(torch.uint8), host.k[layer, h, page].view(torch.uint8))
                 assert torch.equal(cache.v[slots[b, h, j]].view(torch.uint8), host.v[layer, h, page].view(torch.uint8))
                 assert slots[b, h, j] in cache.rows[req_slots[b], layer, h]
+
+
+def test_reselect_interval_reuses_cached_pages_between_full_selections():
+    """--sparse-reselect-interval 3 over a growing context (the decoder's reference path, on the
+    real cache): a request selects from all its pages on its first step and every third token
+    after; in between it selects among the pages its row holds, so the only loads are forced pages
+    the row lacks. ``cached_pages`` agrees with the page table throughout; reopening a row starts
+    with a full selection."""
+    gen = torch.Generator().manual_seed(11)
+    layers, heads, page_size, width, budget, sink, recent, interval = 1, 2, 4, 7, 5, 1, 1, 3
+    cache = make_cache(64, layers=layers, heads=heads, max_pages=32, width=width)
+    host = host_with_pages(layers, heads, 40, page_size, 16, torch.bfloat16, gen)
+    req, host_pages = torch.tensor([1]), torch.arange(1, 33).view(1, -1)
+    cache.open_request(1, 32)
+    cache.write_allocate(1, 0, 10)  # prefill: the row holds the first pages, as in the server
+    loads = []
+    for step in range(24):
+        seq_len = 40 + step
+        num_pages = torch.tensor([-(-seq_len // page_size)])
+        cache.next_step()
+        due = cache.due_for_selection(req, torch.tensor([seq_len]), interval)
+        assert due.tolist() == [step % interval == 0]
+        held = cache.cached_pages(0, req, 32)
+        want_held = cache.page_table.lookup(1, 0, torch.arange(heads).view(-1, 1), torch.arange(32).view(1, -1)) >= 0
+        assert torch.equal(held[0], want_held)
+        scores = torch.randn(1, heads, 32, generator=gen)
+        sel = select_pages(keep_cached(scores, held, due), num_pages, budget, sink, recent).page_ids
+        cache.retrieve(0, req, sel, host_pages, lambda src, dst: loads.append(int((dst >= 0).sum())), host.num_pages)
+        if due.item():
+            assert torch.equal(sel, select_pages(scores, num_pages, budget, sink, recent).page_ids)
+            continue
+        n = int(num_pages)
+        forced = {*range(sink), *range(n - recent, n)}
+        for h in range(heads):
+            picked = {int(p) for p in sel[0, h]}
+            assert picked <= {int(p) for p in held[0, h].nonzero()} | forced
+        assert loads[-1] == sum(int(not held[0, h, p]) for h in range(heads) for p in forced)
+    assert sum(loads[1::interval]) + sum(loads[2::interval]) < sum(loads[::interval])  # reuse steps load less
+    cache.close_request(1)
+    cache.open_request(1, 32)
+    assert cache.due_for_selection(req, torch.tensor([41]), interval).tolist() == [True]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])

@@ -8,9 +8,11 @@ import pytest
 import torch
 from sparse_sglang import config
 from sparse_sglang.attention import (
+    NOT_CACHED,
     SELECTORS,
     attention_mass_recall,
     get_selector,
+    keep_cached,
     max_reduce_logical,
     page_mean_abs_deviation,
     select_pages,
@@ -240,3 +242,17 @@ def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, g
     top = torch.where(top < num_pages.view(-1, 1, 1).long(), top, -1).sort(-1).values.cpu()
     ref = select_pages(want, num_pages, 8, 1, 2).page_ids.long().cpu()
     assert torch.equal(top.sort(-1).values.clamp_min(-1), torch.where(ref < 0, -1, ref).sort(-1).values)
+
+
+def test_keep_cached_restricts_only_the_rows_that_reuse_their_selection():
+    scores = torch.tensor([[[5.0, 4.0, 3.0, math.inf, -math.inf]], [[5.0, 4.0, 3.0, math.inf, -math.inf]]])
+    cached = torch.tensor([[[False, False, True, False, False]]] * 2)
+    out = keep_cached(scores, cached, torch.tensor([True, False]))
+    assert torch.equal(out[0], scores[0])  # selecting from all its pages: unchanged
+    # Reusing: the uncached pages drop below every score, forced (+inf) and past-end (-inf) stay.
+    assert torch.equal(out[1, 0], torch.tensor([NOT_CACHED, NOT_CACHED, 3.0, math.inf, -math.inf]))
+    sel = select_pages(out, torch.tensor([4, 4]), budget_pages=2, sink_pages=0, recent_pages=1)
+    assert sel.page_ids[0, 0].tolist() == [0, 3] and sel.page_ids[1, 0].tolist() == [2, 3]
+    # A row holding too few pages fills up with uncached ones rather than padding.
+    sel = select_pages(out, torch.tensor([4, 4]), budget_pages=3, sink_pages=0, recent_pages=1)
+    assert (sel.page_ids[1, 0] >= 0).all() and {2, 3} <= set(sel.page_ids[1, 0].tolist())

@@ -95,16 +95,19 @@ def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector
             torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_fused_and_reference_paths_give_the_same_steps():
-    """Mixed lengths (one request holds fewer pages than the budget), misses every step."""
+@pytest.mark.parametrize("interval", [1, 3])
+def test_fused_and_reference_paths_give_the_same_steps(interval):
+    """Mixed lengths (one request holds fewer pages than the budget), misses every step; with
+    ``reselect_interval`` 3 the steps between full selections choose among cached pages."""
     gen = torch.Generator(device="cuda").manual_seed(4)
-    config = SparseConfig(token_budget=256, host_cache_gb=1.0)
+    config = SparseConfig(token_budget=256, host_cache_gb=1.0, reselect_interval=interval)
     runs = {path: bench(config, batch=2, context=1500, fused=path == "fused") for path in ("fused", "reference")}
     kv = [random_kv(2, 1501, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():
         for layer, (k, v) in enumerate(kv):
             b.write_kv(layer, k, v)
     host_pages = runs["fused"].host_pages
+    loaded = []
     for step in range(5):
         seq_lens = torch.tensor([1501, 200 + step])  # request 1: 7 pages, under the 8-page budget
         outs = {}
@@ -117,6 +120,10 @@ def test_fused_and_reference_paths_give_the_same_steps():
                           for layer in range(SHAPE.num_layers)]  # fmt: skip
         for a, r in zip(outs["fused"], outs["reference"]):
             torch.testing.assert_close(a, r, atol=1e-2, rtol=1e-2)
+        loaded.append(runs["fused"].store.cache.stats()["pages_loaded"])
+    # New queries pick new pages each step; reusing the rows (request 0 never reaches its next
+    # full selection here, its length is fixed) loads nothing after the first step.
+    assert (loaded[-1] > loaded[0]) if interval == 1 else (loaded[-1] == loaded[0] > 0)
 
 
 def test_flashinfer_topk_selects_what_torch_topk_does():
@@ -148,11 +155,13 @@ def test_score_kernel_equals_the_torch_selectors(selector, group_reduce):
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
-def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row():
+@pytest.mark.parametrize("interval", [1, 3])
+def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval):
     """Graph mode (static buffers, every page scored, slot-0 padding row): a captured step replayed
-    over several steps gives the eager fused path's outputs for the real requests."""
+    over several steps gives the eager fused path's outputs for the real requests, also when the
+    steps between full selections reuse the cache rows (``reselect_interval`` 3)."""
     gen = torch.Generator(device="cuda").manual_seed(6)
-    config = SparseConfig(token_budget=512, host_cache_gb=1.0)
+    config = SparseConfig(token_budget=512, host_cache_gb=1.0, reselect_interval=interval)
     runs = {mode: bench(config, batch=3, context=3000) for mode in ("eager", "graph")}
     kv = [random_kv(3, 3001, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():

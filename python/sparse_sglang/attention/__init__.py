@@ -7,13 +7,15 @@ Shared by the CPU reference (tests, ``benchmark/quality.py``) and the GPU decode
     out = sparse_attention_reference(q_flat, k, v, sel.page_ids, page_size, seq_len)
 
 - :mod:`.selectors`: ``Selector`` and the registry ``SELECTORS`` (quest, arkvale, mean).
-- :mod:`.selection`: ``select_pages``, ``max_reduce_logical``, ``sparse_attention_reference``,
+- :mod:`.selection`: ``select_pages``, ``keep_cached``, ``max_reduce_logical``, ``sparse_attention_reference``,
   ``attention_mass_recall``.
 """
 
 from sparse_sglang.attention.selection import (
+    NOT_CACHED,
     Selection,
     attention_mass_recall,
+    keep_cached,
     max_reduce_logical,
     select_pages,
     selected_token_mask,
@@ -31,6 +33,7 @@ from sparse_sglang.attention.selectors import (
 )
 
 __all__ = [
+    "NOT_CACHED",
     "DEFAULT_GROUP_REDUCE",
     "GROUP_REDUCES",
     "SELECTORS",
@@ -39,6 +42,7 @@ __all__ = [
     "attention_mass_recall",
     "cuboid_score",
     "get_selector",
+    "keep_cached",
     "kept_summaries",
     "max_reduce_logical",
     "page_mean_abs_deviation",

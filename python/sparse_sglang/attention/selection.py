@@ -3,6 +3,8 @@
 - :func:`select_pages`: per (request, kv head) the sink pages, the recent pages and the top-scored
   rest, as a fixed-width ``[B, Hkv, budget_pages]`` page table (``-1`` padded), ascending, so the
   partial newest page comes last where FlashInfer's ``last_page_len`` applies.
+- :func:`keep_cached`: LServe's selection reuse, in the form the page cache allows: on a step
+  between two full selections a kv head chooses among the pages its cache row holds.
 - :func:`max_reduce_logical`: LServe's hierarchical paging; score small *logical* pages, keep
   *physical* pages by the max over the logical pages they hold.
 - :func:`sparse_attention_reference` / :func:`attention_mass_recall`: plain-torch decode attention
@@ -78,6 +80,25 @@ def select_pages(
     ids = torch.where(top.values > -math.inf, top.indices, n_max).sort(dim=-1).values
     page_ids = torch.where(ids < n_max, ids, -1).to(torch.int32)
     return Selection(page_ids, num_pages.to(scores.device).clamp(max=budget_pages).to(torch.int32))
+
+
+# Score of a page outside the cache row on a reuse step: below every real score, above the -inf of
+# pages past a request's end, so such a page is taken only to fill a row that holds too few.
+NOT_CACHED = -1e38
+
+
+def keep_cached(priority: torch.Tensor, cached: torch.Tensor, reselect: torch.Tensor) -> torch.Tensor:
+    """Scores (or selection priorities) ``[B, Hkv, N]`` restricted to cached pages where a request
+    reuses its selection.
+
+    Requests with ``reselect[b]`` keep every score; the others keep the scores of the pages their
+    cache row holds (``cached[b, h, p]``) and of non-finite entries (forced pages at ``+inf``,
+    pages past the end at ``-inf``), and every other page drops to :data:`NOT_CACHED`. The top
+    ``K`` of the result then loads nothing but new forced pages (the newest page) when the row
+    holds at least ``K`` pages. :func:`select_pages` keeps its forced pages whatever their score.
+    """
+    keep = reselect.view(-1, 1, 1) | cached | ~torch.isfinite(priority)
+    return torch.where(keep, priority, NOT_CACHED)
 
 
 def max_reduce_logical(

@@ -7,7 +7,9 @@ runs once per layer, on the device only:
    every context fits in the budget (then every page is selected, the exact path);
 2. **Select** per (request, kv head) the sink pages, the recent pages (the partial newest one
    included) and the top-scored rest: ``K`` pages (the score kernel ranks the forced pages
-   first, a top-k takes ``K``; :func:`select_pages` is the reference);
+   first, a top-k takes ``K``; :func:`select_pages` is the reference). With
+   ``reselect_interval`` N > 1 a request selects from all its pages once every N of its steps and
+   in between only among the pages its cache row holds (:func:`keep_cached`);
 3. **Retrieve**: hits come from the GPU page cache, misses are loaded by FlashH2D into LRU slots
    of the request's cache row (one fused kernel, :func:`retrieve_pages`, finds them and writes
    FlashInfer's indices; :meth:`GPUPageCache.retrieve` is the reference);
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse_sglang.attention.scoring import score_pages
-from sparse_sglang.attention.selection import select_pages
+from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import next_pow2, retrieve_pages
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
@@ -115,7 +117,10 @@ class SparseDecoder:
         self.selector = config.selector
         recent = min(config.recent_pages, self.width)
         self.forced = (min(config.sink_pages, self.width - recent), recent)  # (sink, recent) pages
-        # Per step (plan).
+        self.interval = config.reselect_interval
+        # Per step (plan). reselect: [B] bool, which requests select from all their pages (None:
+        # every request, interval 1).
+        self.reselect = None
         self.req_slots = self.host_pages = self.num_pages = self.dest = self.all_pages = self.indptr = None
         self.batch = 0
         self.exact = False
@@ -146,6 +151,7 @@ class SparseDecoder:
             "last_page_len": torch.ones(rows, dtype=torch.int32, device=device),
             "num_pages": torch.ones(max_batch, dtype=torch.int32, device=device),
             "host_pages": torch.zeros(max_batch, pages, dtype=torch.int32, device=device),
+            "reselect": torch.ones(max_batch, dtype=torch.bool, device=device),
         }
 
     def _graph_wrapper(self, batch: int):
@@ -196,8 +202,12 @@ class SparseDecoder:
             kv_data_type=self.store.shape.dtype,
         )  # fmt: skip
         self.req_slots, self.batch = req_slots, batch
+        reselect = None if self.interval == 1 else self.store.cache.due_for_selection(req_slots, seq_lens_cpu, self.interval)
         if graph:  # into the static buffers the captured kernels read
             g = self.graph
+            if reselect is not None:
+                self.reselect = g["reselect"][:batch]
+                self.reselect.copy_(reselect)
             self.indptr = g["indptr"][: batch * heads + 1]  # the graph wrapper's: plan() filled it
             self.num_pages = g["num_pages"][:batch]
             self.num_pages.copy_(num_pages_cpu.to(torch.int32))
@@ -206,6 +216,7 @@ class SparseDecoder:
             self.max_pages = self.host_pages.shape[1]
             self.exact = False
             return
+        self.reselect = reselect
         self.indptr = indptr.to(device, non_blocking=True)
         self.host_pages = host_pages
         self.num_pages = num_pages_cpu.to(torch.int32).to(device, non_blocking=True)
@@ -230,15 +241,21 @@ class SparseDecoder:
         qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
         summaries = self.store.summaries.layer(layer)
         if not self.fused:
-            scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages)
+            scores = self._keep_cached(layer, score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages))
             return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
         # Pages past a request's end score -inf: selected only by requests holding < K pages,
         # and retrieve_pages ignores them.
         priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
                                forced=self.forced)  # fmt: skip
+        priority = self._keep_cached(layer, priority)
         if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
             priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
         return topk_pages(priority, self.width, self.topk)
+
+    def _keep_cached(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
+        if self.reselect is None:
+            return scores
+        return keep_cached(scores, self.store.cache.cached_pages(layer, self.req_slots, scores.shape[-1]), self.reselect)
 
     def run(self, layer: int, q: torch.Tensor, sm_scale: float | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         """Sparse decode attention of one layer.

@@ -80,6 +80,9 @@ class GPUPageCache:
         ``[num_slots + 1]`` int64 step that last read or filled the slot, -1 if empty.
     step : torch.Tensor
         0-dim int64 decode step counter on the device (:meth:`next_step`).
+    selected_at : torch.Tensor
+        ``[max_requests]`` int64 sequence length at each request's last full page selection, -1
+        for none since its row opened (``--sparse-reselect-interval``; written by the decoder).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class GPUPageCache:
         self.slot_page = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
         self.last_used = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
         self.step = torch.zeros((), dtype=torch.int64, device=device)
+        self.selected_at = torch.full((max_requests,), -1, dtype=torch.int64, device=device)
         # Since start, on the device (no sync on the hot path; read by stats()): selected pages
         # looked up, and those missed (loaded from the host).
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
@@ -177,6 +181,7 @@ class GPUPageCache:
         slots = self._free.pop(self.row_slots)
         self._row_slots[req_slot] = slots
         self._filled[req_slot] = 0
+        self.selected_at[req_slot] = -1
         self.rows[req_slot] = slots.view(self.num_layers, self.num_kv_heads, self.row_width).to(self.rows.device)
 
     def close_request(self, req_slot: int) -> None:
@@ -240,6 +245,28 @@ class GPUPageCache:
         offsets = (positions % self.page_size)[:, None].expand_as(slots)
         self._k[slots, offsets] = k
         self._v[slots, offsets] = v
+
+    def due_for_selection(self, req_slots: torch.Tensor, seq_lens: torch.Tensor, interval: int) -> torch.Tensor:
+        """``[B]`` bool: which requests select from all their pages this step (the others reuse
+        their rows, ``--sparse-reselect-interval``): those whose last full selection is
+        ``interval`` tokens back, or who have had none since their row opened. Their
+        ``selected_at`` moves to now. Each request keeps its own phase, so the steps that load
+        many pages are spread over the batch. No sync: ``seq_lens`` may be a CPU tensor."""
+        slots = req_slots.long()
+        seq = seq_lens.to(self.selected_at.device, non_blocking=True).long()
+        at = self.selected_at[slots]
+        due = (at < 0) | (seq - at >= interval)
+        self.selected_at[slots] = torch.where(due, seq, at)
+        return due
+
+    def cached_pages(self, layer: int, req_slots: torch.Tensor, num_pages: int) -> torch.Tensor:
+        """``[B, Hkv, num_pages]`` bool: which logical pages ``< num_pages`` of each request the
+        rows of ``layer`` hold (no sync; a closed or padding row holds none)."""
+        row = self.rows[req_slots.long(), layer]  # [B, H, W], -1 = no slot
+        pages = self.slot_page[self._scratch(row)]  # the scratch slot holds page -1
+        pages = torch.where((pages >= 0) & (pages < num_pages), pages, num_pages)
+        held = torch.zeros(*pages.shape[:2], num_pages + 1, dtype=torch.bool, device=pages.device)
+        return held.scatter_(-1, pages, True)[..., :num_pages]
 
     def retrieve(
         self, layer: int, req_slots: torch.Tensor, page_ids: torch.Tensor, host_pages: torch.Tensor,
