@@ -314,3 +314,16 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "serving.png"
     plot(results, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_server_log_steady_state_is_time_weighted_over_the_second_half():
+    from benchmark.server_log import steady_state
+
+    lines = ["server_args=ServerArgs(decode_log_interval=10, ...)"]
+    for running, tput in [(2, 100.0), (4, 50.0), (4, 200.0), (8, 400.0)]:
+        lines.append(f"[t] Decode batch, #running-req: {running}, #token: 1, cuda graph: True, gen throughput (token/s): {tput}, #queue-req: 0")
+        lines.append(f"[t] Sparse KV, cache hit: 0.5, H2D pages/step: {running}.0, H2D GB/s: 1.0, D2H GB/s: 0.1")
+    got = steady_state("\n".join(lines))
+    # Second half: 40 tokens at 200 tok/s (0.2 s) and 80 at 400 (0.2 s): 300 tok/s, 20 steps in 0.4 s.
+    assert (got["output_throughput"], got["running_mean"], got["running_max"], got["step_ms"]) == (300.0, 6.0, 8, 20.0)
+    assert (got["cache_hit_ratio"], got["h2d_pages_per_step"]) == (0.5, 6)

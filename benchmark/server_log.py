@@ -1,0 +1,77 @@
+"""Steady-state numbers from SGLang server logs: decode throughput, running requests, sparse KV traffic.
+
+SGLang logs a "Decode batch" line every ``--decode-log-interval`` decode steps (40 by default) with
+the running requests and the interval's generation throughput (decoded tokens over the wall time
+since the previous line, prefill batches in between included); the sparse server adds a "Sparse
+KV" line after each (cache hit ratio, H2D pages per step and GB/s). This reads both from server
+logs and reports, over the second half of each log's decode lines (the steady state), the
+time-weighted output throughput (tokens / seconds, each line's tokens = interval x running) and
+the means of the other values. It is the server's view, not the client's: a client cut off before
+writing its result (the serving benchmark) leaves these.
+
+    python benchmark/server_log.py NAME=LOG[@COMMIT] [...] [--baseline NAME] [--device NAME] [--out JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+DECODE = re.compile(r"Decode batch, #running-req: (\d+),.*gen throughput \(token/s\): ([\d.]+)")
+SPARSE = re.compile(r"Sparse KV, cache hit: ([\d.]+), H2D pages/step: ([\d.]+), H2D GB/s: ([\d.]+)")
+INTERVAL = re.compile(r"decode_log_interval=(\d+)")
+
+
+def steady_state(text: str) -> dict:
+    """The second half of a log's decode lines, summarized (see the module doc)."""
+    interval = int(m.group(1)) if (m := INTERVAL.search(text)) else 40
+    decode = [(int(r), float(t)) for r, t in DECODE.findall(text)]
+    sparse = [tuple(map(float, x)) for x in SPARSE.findall(text)]
+    if not decode:
+        raise ValueError("no 'Decode batch' lines")
+    half = decode[len(decode) // 2 :]
+    tokens = sum(interval * running for running, _ in half)
+    seconds = sum(interval * running / tput for running, tput in half if tput > 0)
+    out = {"decode_lines": len(decode), "lines_used": len(half), "decode_log_interval": interval,
+           "output_throughput": round(tokens / seconds, 1), "running_mean": round(sum(r for r, _ in half) / len(half), 1),
+           "running_max": max(r for r, _ in decode), "step_ms": round(1000 * seconds / (interval * len(half)), 1)}  # fmt: skip
+    if sparse:
+        tail = sparse[len(sparse) // 2 :]
+        out.update({"cache_hit_ratio": round(sum(x[0] for x in tail) / len(tail), 3),
+                    "h2d_pages_per_step": round(sum(x[1] for x in tail) / len(tail)),
+                    "h2d_gb_per_s": round(sum(x[2] for x in tail) / len(tail), 2)})  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("logs", nargs="+", metavar="NAME=LOG[@COMMIT]", help="the commit the server ran")
+    parser.add_argument("--device", default=None, help="the GPU the logs come from")
+    parser.add_argument("--baseline", help="NAME whose throughput and running requests the others are divided by")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    runs = {}
+    for item in args.logs:
+        name, _, path = item.partition("=")
+        path, _, commit = path.partition("@")
+        runs[name] = {"log": path, "commit": commit or None, **steady_state(Path(path).read_text(errors="replace"))}
+    result = {"device": args.device, "date": datetime.date.today().isoformat(), "command": shlex.join(sys.orig_argv),
+              "runs": runs}  # fmt: skip
+    if args.baseline:
+        base = runs[args.baseline]
+        result["summary"] = {name: {"throughput_ratio": round(r["output_throughput"] / base["output_throughput"], 3),
+                                    "running_ratio": round(r["running_mean"] / base["running_mean"], 2)}
+                             for name, r in runs.items() if name != args.baseline}  # fmt: skip
+    print(json.dumps({k: result[k] for k in ("runs", "summary") if k in result}, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
