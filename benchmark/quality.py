@@ -163,6 +163,14 @@ class Capture:
         return out
 
 
+def license_tokens(tokenizer, tokens: int) -> list[int]:
+    """The first ``tokens`` token ids of the license texts in ``/usr/share/common-licenses``."""
+    text = "\n\n".join(p.read_text() for p in sorted(LICENSES.iterdir()) if p.is_file() and not p.is_symlink())
+    ids = tokenizer(text).input_ids[:tokens]
+    assert len(ids) == tokens, f"license texts hold only {len(ids)} tokens"
+    return ids
+
+
 def capture(model, input_ids: torch.Tensor, num_queries: int) -> Capture:
     cap = Capture(num_queries)
     run_with(cap, model, input_ids=input_ids, use_cache=False, logits_to_keep=1)
@@ -500,9 +508,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer, model = load_model()
     scale = model.model.layers[0].self_attn.scaling
 
-    text = "\n\n".join(p.read_text() for p in sorted(LICENSES.iterdir()) if p.is_file() and not p.is_symlink())
-    ids = tokenizer(text).input_ids[: args.tokens]
-    assert len(ids) == args.tokens, f"license texts hold only {len(ids)} tokens"
+    ids = license_tokens(tokenizer, args.tokens)
     print(f"Q2: capturing {len(ids)} tokens ...", flush=True)
     cap = capture(model, torch.tensor([ids]), args.queries)
     pk_policies = passkey_policies()

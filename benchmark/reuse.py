@@ -31,7 +31,7 @@ from sparse_sglang.mem_cache.plan import row_width_for
 from sparse_sglang.testing.provenance import git_commit, save_result
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.quality import LICENSES, PAGE_SIZE, REPO, Policy, capture, choose_pages, load_model, summarize  # noqa: E402
+from benchmark.quality import PAGE_SIZE, REPO, Policy, capture, choose_pages, license_tokens, load_model, summarize  # noqa: E402
 
 
 def simulate(cap, policy: Policy, interval: int, scale: float) -> dict:
@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.monotonic()
     tokenizer, model = load_model()
     scale = model.model.layers[0].self_attn.scaling
-    text = "\n\n".join(p.read_text() for p in sorted(LICENSES.iterdir()) if p.is_file() and not p.is_symlink())
-    ids = tokenizer(text).input_ids[: args.tokens]
+    ids = license_tokens(tokenizer, args.tokens)
     cap = capture(model, torch.tensor([ids]), args.queries)
     rows = []
     for budget in args.budgets:

@@ -220,7 +220,8 @@ def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, g
     """The Triton scoring kernel (in Triton's interpreter here, compiled on the GPU host) against
     the torch selectors; with ``forced`` its output is a priority that a plain top-k turns into
     ``select_pages``'s selection."""
-    from sparse_sglang.attention.scoring import force_pages, score_pages, score_pages_reference
+    from sparse_sglang.attention.scoring import score_pages, score_pages_reference
+    from sparse_sglang.attention.selection import force_pages
 
     gen = torch.Generator().manual_seed(2)
     heads, pool, dim, group = 2, 60, 16, 3

@@ -33,9 +33,9 @@ from sparse_sglang.attention.selectors import (
 )
 
 __all__ = [
-    "NOT_CACHED",
     "DEFAULT_GROUP_REDUCE",
     "GROUP_REDUCES",
+    "NOT_CACHED",
     "SELECTORS",
     "Selection",
     "Selector",

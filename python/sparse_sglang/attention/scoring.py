@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from sparse_sglang.attention.selection import force_pages
 from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
 
 try:  # Triton comes with CUDA builds of torch; the CPU path does not need it.
@@ -24,15 +25,6 @@ except ImportError:  # pragma: no cover
     triton = None
 
 KERNEL_SELECTORS = ("quest", "arkvale", "mean")
-
-
-def force_pages(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, recent_pages: int) -> torch.Tensor:
-    """``[B, Hkv, N]`` scores as a selection priority: sink and recent pages ``+inf`` (the
-    partial newest page is a recent page), pages past a request's end ``-inf``."""
-    page = torch.arange(scores.shape[-1], device=scores.device).view(1, 1, -1)
-    n = num_pages.to(scores.device).view(-1, 1, 1)
-    forced = (page < sink_pages) | (page >= n - recent_pages)
-    return torch.where(page < n, torch.where(forced, math.inf, scores), -math.inf)
 
 
 def gather_layer(summary: torch.Tensor, host_pages: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,15 @@ class Selection(NamedTuple):
     num_selected: torch.Tensor
 
 
+def force_pages(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, recent_pages: int) -> torch.Tensor:
+    """``[B, Hkv, N]`` scores as a selection priority: sink and recent pages ``+inf`` (the
+    partial newest page is a recent page), pages past a request's end ``-inf``."""
+    page = torch.arange(scores.shape[-1], device=scores.device).view(1, 1, -1)
+    n = num_pages.to(scores.device).long().view(-1, 1, 1)
+    forced = (page < sink_pages) | (page >= n - recent_pages)
+    return torch.where(page < n, torch.where(forced, math.inf, scores), -math.inf)
+
+
 def select_pages(
     scores: torch.Tensor, num_pages: torch.Tensor, budget_pages: int, sink_pages: int = 1, recent_pages: int = 2,
 ) -> Selection:
@@ -65,14 +74,10 @@ def select_pages(
         last among the valid entries.
     """
     assert 1 <= recent_pages and sink_pages + recent_pages <= budget_pages
-    batch, _, n_max = scores.shape
-    n = num_pages.to(scores.device).long().view(batch, 1, 1)
-    page = torch.arange(n_max, device=scores.device).view(1, 1, n_max)
-    valid = page < n
-    forced = valid & ((page < sink_pages) | (page >= n - recent_pages))
+    n_max = scores.shape[-1]
     # Forced pages above every finite score, pages past the request below all.
     finite = scores.float().nan_to_num(nan=-3e38, posinf=3e38, neginf=-3e38)
-    priority = torch.where(forced, math.inf, torch.where(valid, finite, -math.inf))
+    priority = force_pages(finite, num_pages, sink_pages, recent_pages)
     if n_max < budget_pages:
         priority = F.pad(priority, (0, budget_pages - n_max), value=-math.inf)
     top = priority.topk(budget_pages, dim=-1, sorted=False)
