@@ -10,7 +10,7 @@ prompt's first pages, as in the server), ``due_for_selection``/``cached_pages``/
 (the reuse rule) and the quest selection of ``benchmark/quality.py``. The last ``--queries``
 positions act as consecutive decode steps, each over its own prefix.
 
-    python benchmark/reuse.py           # about 5 minutes on 2 CPU cores
+    python benchmark/reuse.py           # about 2 minutes on 2 CPU cores
 
 Writes ``benchmark/results/reuse-<date>.json``.
 """
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=7168)
     parser.add_argument("--queries", type=int, default=96, help="consecutive decode steps (the last positions)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--intervals", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
