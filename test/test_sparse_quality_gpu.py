@@ -5,7 +5,8 @@
   tokens as sparse off (plain SGLang, FlashInfer).
 - Q4: the pass-key prompts of ``benchmark/quality.py`` (2K/4K/7K tokens, depths 0.1/0.5/0.9),
   greedy, through the sparse server at budget 512 and through plain SGLang: the same answers (the
-  number after "The pass key is"; whether the whole 8 greedy tokens match is recorded too).
+  number after "The pass key is"; whether the whole 8 greedy tokens match is recorded too); and
+  the same with ``--sparse-reselect-interval 8`` (selections reused between full ones).
 
 Results go to ``$SPARSE_SGLANG_RESULTS_DIR/gpu-quality.json`` when that is set.
 """
@@ -32,6 +33,7 @@ LICENSES = Path("/usr/share/common-licenses")
 COMMON = ["--mem-fraction-static", "0.7", "--disable-prefill-cuda-graph", "--sparse-host-cache-gb", "8", "--cuda-graph-max-bs", "8"]
 DENSE = ["--sparse-enabled", "false", "--attention-backend", "flashinfer"]
 PASSKEY_BUDGET = 512
+RESELECT_INTERVAL = 8  # Q4 also with selections reused for 8 steps (--sparse-reselect-interval)
 RESULTS: dict = {}
 
 
@@ -95,14 +97,17 @@ def test_q1_and_q4_through_the_server(tmp_path):
 
     dense = serve(DENSE, "dense", tmp_path, lambda url: {"q1": q1(url), "q4": q4(url)})
     exact = serve(["--sparse-exact-shortcut", "false"], "sparse-exact", tmp_path, q1)
-    budget = serve(["--sparse-token-budget", str(PASSKEY_BUDGET)], "sparse-512", tmp_path, q4)
-    assert exact["sparse_backend"] and budget["sparse_backend"] and not dense["sparse_backend"]
+    budget = serve(["--sparse-token-budget", str(PASSKEY_BUDGET), "--sparse-reselect-interval", "1"], "sparse-512", tmp_path, q4)
+    reuse = serve(["--sparse-token-budget", str(PASSKEY_BUDGET), "--sparse-reselect-interval", str(RESELECT_INTERVAL)],
+                  f"sparse-512-reselect{RESELECT_INTERVAL}", tmp_path, q4)  # fmt: skip
+    assert exact["sparse_backend"] and budget["sparse_backend"] and reuse["sparse_backend"] and not dense["sparse_backend"]
 
     q1_equal = [a == b for a, b in zip(exact["out"], dense["out"]["q1"])]
     rows = []
-    for case, d, s in zip(cases, dense["out"]["q4"], budget["out"]):
+    for case, d, s, r in zip(cases, dense["out"]["q4"], budget["out"], reuse["out"]):
         rows.append({"length": case["length"], "prompt_tokens": len(case["ids"]), "depth": case["depth"], "key": case["key"],
-                     "dense": d, "sparse": s, "dense_has_key": case["key"] in d, "sparse_has_key": case["key"] in s})  # fmt: skip
+                     "dense": d, "sparse": s, "sparse_reselect": r, "dense_has_key": case["key"] in d,
+                     "sparse_has_key": case["key"] in s, "sparse_reselect_has_key": case["key"] in r})  # fmt: skip
     summary = {
         "q1_server_equal": all(q1_equal),
         "q1_prompts_equal": f"{sum(q1_equal)}/{len(q1_equal)}",
@@ -110,9 +115,12 @@ def test_q1_and_q4_through_the_server(tmp_path):
         "passkey_outputs_equal": f"{sum(r['dense'] == r['sparse'] for r in rows)}/{len(rows)}",
         "passkey_dense_correct": sum(r["dense_has_key"] for r in rows),
         "passkey_sparse_correct": sum(r["sparse_has_key"] for r in rows),
+        f"passkey_server_equal_reselect{RESELECT_INTERVAL}": all(answer(r["dense"]) == answer(r["sparse_reselect"]) for r in rows),
+        f"passkey_outputs_equal_reselect{RESELECT_INTERVAL}": f"{sum(r['dense'] == r['sparse_reselect'] for r in rows)}/{len(rows)}",
+        f"passkey_sparse_correct_reselect{RESELECT_INTERVAL}": sum(r["sparse_reselect_has_key"] for r in rows),
     }
     record = {"summary": summary, "q1": {"prompts": prompts, "dense": dense["out"]["q1"], "sparse": exact["out"]},
-              "q4": {"budget": PASSKEY_BUDGET, "rows": rows}}  # fmt: skip
+              "q4": {"budget": PASSKEY_BUDGET, "reselect_interval": RESELECT_INTERVAL, "rows": rows}}  # fmt: skip
     if os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
         import torch
 
@@ -122,3 +130,4 @@ def test_q1_and_q4_through_the_server(tmp_path):
     print(json.dumps(summary))
     assert summary["q1_server_equal"], summary
     assert summary["passkey_server_equal"], summary
+    assert summary[f"passkey_server_equal_reselect{RESELECT_INTERVAL}"], summary
