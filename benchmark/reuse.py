@@ -11,6 +11,8 @@ prompt's first pages, as in the server), ``due_for_selection``/``cached_pages``/
 positions act as consecutive decode steps, each over its own prefix.
 
     python benchmark/reuse.py           # about 2 minutes on 2 CPU cores
+    python benchmark/reuse.py --row-ratios 1 1.25 2 3 4 --intervals 1 8 \
+        --out benchmark/results/reuse-<date>-row-ratio.json   # rows wider than the selection
 
 Writes ``benchmark/results/reuse-<date>.json``.
 """
@@ -34,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.quality import PAGE_SIZE, REPO, Policy, capture, choose_pages, license_tokens, load_model, summarize  # noqa: E402
 
 
-def simulate(cap, policy: Policy, interval: int, scale: float) -> dict:
+def simulate(cap, policy: Policy, interval: int, scale: float, row_ratio: float = 1.25) -> dict:
     """Decode steps over the captured queries with one request's cache row per (layer, head)."""
     layers, (heads, tokens, dim) = len(cap.k), cap.k[0].shape
     num_pages, budget_pages = -(-tokens // PAGE_SIZE), policy.budget // PAGE_SIZE
-    width = row_width_for(budget_pages, num_pages)
+    width = row_width_for(budget_pages, num_pages, row_ratio)
     cache = GPUPageCache(layers * heads * width, layers, heads, PAGE_SIZE, dim, torch.bfloat16, max_requests=2,
                          row_width=width, max_pages=num_pages, total_pages=num_pages)  # fmt: skip
     req, host_pages = torch.tensor([1]), torch.arange(num_pages).view(1, -1)
@@ -62,7 +64,8 @@ def simulate(cap, policy: Policy, interval: int, scale: float) -> dict:
             recall.append(attention_mass_recall(q, k, pages, PAGE_SIZE, seq_len, scale).mean().item())
         loads.append(step_loads)
     selected, loaded = cache.counters.tolist()
-    return {"budget": policy.budget, "interval": interval, "row_width_pages": width, "selected_pages": selected,
+    return {"budget": policy.budget, "interval": interval, "row_ratio": row_ratio, "row_width_pages": width,
+            "selected_pages": selected,
             "loaded_pages": loaded, "hit_ratio": round(1 - loaded / selected, 4),
             "hit_ratio_after_first_step": round(1 - sum(loads[1:]) / (selected - selected / len(loads)), 4),
             "loaded_per_step_per_head": round(sum(loads[1:]) / (len(loads) - 1) / (layers * heads), 3),
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--queries", type=int, default=96, help="consecutive decode steps (the last positions)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--intervals", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--row-ratios", type=float, nargs="+", default=[1.25],
+                        help="cache row widths over the selection (--sparse-cache-row-ratio)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     start = time.monotonic()
@@ -84,11 +89,12 @@ def main(argv: list[str] | None = None) -> dict:
     cap = capture(model, torch.tensor([ids]), args.queries)
     rows = []
     for budget in args.budgets:
-        for interval in args.intervals:
-            row = simulate(cap, Policy(budget=budget), interval, scale)
-            rows.append(row)
-            print({k: v for k, v in row.items() if k != "loads_per_step"}, flush=True)
-    base = {r["budget"]: r for r in rows if r["interval"] == 1}
+        for ratio in args.row_ratios:
+            for interval in args.intervals:
+                row = simulate(cap, Policy(budget=budget), interval, scale, ratio)
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "loads_per_step"}, flush=True)
+    base = {(r["budget"], r["row_ratio"]): r for r in rows if r["interval"] == 1}
     today = datetime.date.today().isoformat()
     result = {
         "device": "cpu", "commit": git_commit(), "date": today, "command": shlex.join(sys.orig_argv),
@@ -98,10 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
                           "it with the prompt's first pages; interval N = a full selection every N steps, the "
                           "steps between choose among the row's pages plus the sink and recent pages"},
         "rows": rows,
-        "summary": {f"budget_{b}": {f"interval_{r['interval']}": {"hit_ratio": r["hit_ratio_after_first_step"],
-                                                                 "recall": r["recall_mean"],
-                                                                 "recall_drop": round(base[b]["recall_mean"] - r["recall_mean"], 4)}
-                                    for r in rows if r["budget"] == b} for b in args.budgets},
+        "summary": {f"budget_{b}_row_ratio_{x:g}": {
+            f"interval_{r['interval']}": {"hit_ratio": r["hit_ratio_after_first_step"], "recall": r["recall_mean"],
+                                          "recall_drop": round(base[b, x]["recall_mean"] - r["recall_mean"], 4) if (b, x) in base else None}
+            for r in rows if (r["budget"], r["row_ratio"]) == (b, x)} for b in args.budgets for x in args.row_ratios},
         "run_time_s": round(time.monotonic() - start, 1),
     }  # fmt: skip
     out = args.out or REPO / "benchmark" / "results" / f"reuse-{today}.json"

@@ -28,6 +28,25 @@ def test_plan_for_the_8b_shape_splits_gpu_memory_into_summaries_cache_and_rows()
     assert capped.max_running_requests == 4 and capped.shape.num_host_pages == 33
 
 
+def test_rows_follow_the_row_ratio_and_widen_into_slots_a_request_cap_leaves_unused():
+    wide = plan_memory(SparseConfig(host_cache_gb=16, cache_row_ratio=2.0), gpu_kv_bytes=40 * GIB, **LLAMA8B)
+    assert wide.shape.row_width == 128 and wide.max_running_requests == wide.shape.num_slots // (32 * 8 * 128)
+    default = plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=40 * GIB, **LLAMA8B)
+    # Capped at a third of the rows that fit: each row widens into the free slots, up to 4x the selection.
+    third = plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=40 * GIB,
+                        max_running_requests=default.max_running_requests // 3, **LLAMA8B)  # fmt: skip
+    assert 80 < third.shape.row_width <= third.shape.num_slots // (third.max_running_requests * 32 * 8)
+    assert third.shape.row_width >= 3 * 80 - 2  # about three default rows' slots each
+    four = plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=40 * GIB, max_running_requests=1, **LLAMA8B)
+    assert four.shape.row_width == 4 * 64  # MAX_AUTO_ROW_RATIO x the selection, whatever is free
+    # Budget 8192 (256 pages): 2x would leave the fused kernels (256 x 512 pairs); the row stops at 256.
+    big = plan_memory(SparseConfig(host_cache_gb=16, token_budget=8192, cache_row_ratio=1.0), gpu_kv_bytes=40 * GIB,
+                      max_running_requests=1, **LLAMA8B)  # fmt: skip
+    assert big.shape.row_width == 256
+    with pytest.raises(Exception, match="--sparse-cache-row-ratio: must be >= 1"):
+        SparseConfig(host_cache_gb=1, cache_row_ratio=0.5)
+
+
 def test_plan_errors_name_the_flag():
     with pytest.raises(MemoryPlanError, match="--sparse-host-cache-gb: the page summaries"):
         plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=GIB, **LLAMA8B)

@@ -82,6 +82,7 @@ class SparseConfig:
     exact_shortcut: bool = knob(True, help="Skip scoring when every request's context fits in the budget (all pages are attended anyway); false checks the selection machinery.")
     decode_cuda_graph: bool = knob(True, help="Capture decode steps in SGLang's CUDA graphs (each step then scores every page a request may hold; budgets too wide for the fused kernels, above ~4K tokens, decode eagerly); false = eager decode.")
     reselect_interval: int = knob(1, help="Decode steps a request's page selection serves (LServe's reuse): on the steps between two full selections each kv head picks its top pages among those its GPU cache row already holds, plus the sink and recent pages, so little crosses PCIe; 1 = a full selection every step.")
+    cache_row_ratio: float = knob(1.25, help="GPU page-cache slots a running request keeps per (layer, kv head), as a multiple of the pages one step selects: room for recently selected pages to stay cached (SPIN's buffer pages). Wider rows hit more often and let fewer requests run at once; when --max-running-requests leaves slots unused, rows widen into them (up to 4x).")
     working_set_window: int = knob(12, help="Decode steps over which a request's selected pages form its working set (SparseServe's w).")
     gpu_cache_gb: float | None = knob(None, help="HBM (GiB) for cached KV pages; auto = what SGLang's --mem-fraction-static leaves for KV.")
     host_cache_gb: float = knob(default_factory=default_host_cache_gb, help=f"Pinned host RAM (GiB) holding all KV; defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.")
@@ -113,6 +114,8 @@ class SparseConfig:
             )
         if self.reselect_interval < 1:
             raise SparseConfigError("reselect_interval", f"must be >= 1, got {self.reselect_interval}")
+        if self.cache_row_ratio < 1:
+            raise SparseConfigError("cache_row_ratio", f"must be >= 1 (a row holds at least one step's selection), got {self.cache_row_ratio}")
         if self.working_set_window < 1:
             raise SparseConfigError("working_set_window", f"must be >= 1, got {self.working_set_window}")
         if self.gpu_cache_gb is not None and self.gpu_cache_gb <= 0:

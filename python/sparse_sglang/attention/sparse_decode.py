@@ -28,20 +28,11 @@ import torch.nn.functional as F
 from sparse_sglang.attention.scoring import score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.config import SparseConfig
-from sparse_sglang.mem_cache.kernels import next_pow2, retrieve_pages
+from sparse_sglang.mem_cache.kernels import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 
 
 TOPK_IMPLS = ("flashinfer", "torch")
-# retrieve_pages compares a row's slots with its selected pages in one program: (K x row) pairs,
-# rounded to powers of two. 256 x 256 ran on an H100 (budget 4096 covering a 4K context); wider
-# rows take the torch path.
-MAX_RETRIEVE_CELLS = 256 * 256
-
-
-def fits_fused_retrieve(selected_pages: int, row_width: int) -> bool:
-    """Whether :func:`retrieve_pages` takes rows of ``row_width`` slots with ``selected_pages`` selections."""
-    return next_pow2(selected_pages) * next_pow2(row_width) <= MAX_RETRIEVE_CELLS
 
 
 def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer") -> torch.Tensor:

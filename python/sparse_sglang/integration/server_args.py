@@ -74,14 +74,16 @@ class SparseServerArgs(ServerArgs):
         self.disable_prefill_cuda_graph = True
         self.disable_decode_cuda_graph = not self.sparse.decode_cuda_graph
         if self.sparse.decode_cuda_graph:
-            from sparse_sglang.attention.sparse_decode import fits_fused_retrieve
+            from sparse_sglang.mem_cache.kernels import fits_fused_retrieve
             from sparse_sglang.mem_cache.plan import row_width_for
 
-            if not fits_fused_retrieve(self.sparse.budget_pages, row_width_for(self.sparse.budget_pages)):
+            budget_pages = self.sparse.budget_pages
+            if not fits_fused_retrieve(budget_pages, row_width_for(budget_pages, ratio=self.sparse.cache_row_ratio)):
                 # As SGLang does for graph-incompatible settings: run, eagerly, and say why.
                 logging.getLogger(__name__).warning(
                     "--sparse-decode-cuda-graph: a budget of %d tokens is too wide for the fused decode kernels "
-                    "that CUDA graphs capture; decode runs eagerly (lower --sparse-token-budget to keep graphs)",
+                    "that CUDA graphs capture; decode runs eagerly (lower --sparse-token-budget or "
+                    "--sparse-cache-row-ratio to keep graphs)",
                     self.sparse.token_budget)  # fmt: skip
                 self.disable_decode_cuda_graph = True
 

@@ -234,6 +234,17 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# retrieve_pages compares a row's slots with its selected pages in one program: (K x row) pairs,
+# rounded to powers of two. 256 x 256 ran on an H100 (budget 4096 covering a 4K context); wider
+# rows take the torch path (and decode outside CUDA graphs).
+MAX_RETRIEVE_CELLS = 256 * 256
+
+
+def fits_fused_retrieve(selected_pages: int, row_width: int) -> bool:
+    """Whether :func:`retrieve_pages` takes rows of ``row_width`` slots with ``selected_pages`` selections."""
+    return next_pow2(selected_pages) * next_pow2(row_width) <= MAX_RETRIEVE_CELLS
+
+
 def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, token_slots: torch.Tensor,
                runs: SaveRuns, *, store_cache: bool = True) -> None:  # fmt: skip
     """Fold one layer's new keys into ``summaries`` and write new K/V into ``cache`` (one launch).

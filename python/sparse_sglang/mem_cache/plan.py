@@ -16,12 +16,14 @@ import torch
 from sparse_sglang.config import GIB, SparseConfig
 from sparse_sglang.mem_cache.gpu_cache import slot_bytes
 from sparse_sglang.mem_cache.host_pool import pages_for_budget
+from sparse_sglang.mem_cache.kernels import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2
 from sparse_sglang.mem_cache.kv_store import StoreShape
 from sparse_sglang.mem_cache.summaries import bound_dtype
 
-# Cache row width over the selection width: room for pages selected in recent steps to stay
-# cached (SparseServe's working sets overlap heavily from step to step).
-ROW_SLACK = 1.25
+# Widest automatic row (--max-running-requests leaving cache slots unused), over the selection:
+# SPIN found ~5x buffer over mandatory pages a sweet spot, and the retrieve kernel's work per row
+# (a sort of the row, a selection x row comparison) grows with the row.
+MAX_AUTO_ROW_RATIO = 4
 SAVE_CHUNK_TOKENS = 8192  # tokens per FlashD2H staging buffer (larger prefill batches go in parts)
 
 
@@ -54,10 +56,21 @@ class MemoryPlan:
         )
 
 
-def row_width_for(selection_pages: int, max_pages: int | None = None) -> int:
-    """Cache slots per (request, layer, kv head) for a selection of ``selection_pages``."""
-    width = max(selection_pages, math.ceil(selection_pages * ROW_SLACK))
+def row_width_for(selection_pages: int, max_pages: int | None = None, ratio: float = 1.25) -> int:
+    """Cache slots per (request, layer, kv head) for a selection of ``selection_pages``
+    (``--sparse-cache-row-ratio`` times it, at most every page a request can hold)."""
+    width = max(selection_pages, math.ceil(selection_pages * ratio))
     return width if max_pages is None else min(width, max_pages)
+
+
+def widened_row_width(row_width: int, selection_pages: int, max_pages: int, free_width: int) -> int:
+    """The row width when each row may take up to ``free_width`` slots per (layer, kv head): wider
+    than ``row_width`` by at most :data:`MAX_AUTO_ROW_RATIO` x the selection, never past every page
+    a request can hold, and still within the fused retrieve kernel when ``row_width`` is."""
+    width = min(free_width, max_pages, max(row_width, MAX_AUTO_ROW_RATIO * selection_pages))
+    if fits_fused_retrieve(selection_pages, row_width):
+        width = min(width, MAX_RETRIEVE_CELLS // next_pow2(selection_pages))
+    return max(row_width, width)
 
 
 def fixed_gpu_bytes(
@@ -105,7 +118,7 @@ def plan_memory(
         host_pages = min(host_pages, math.ceil(max_total_tokens / page) + 1)
     max_pages = math.ceil(context_len / page)
     selection = min(config.budget_pages, max_pages)
-    row_width = row_width_for(selection, max_pages)
+    row_width = row_width_for(selection, max_pages, config.cache_row_ratio)
 
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
                                                                 context_len, with_radius, with_mean)  # fmt: skip
@@ -131,6 +144,8 @@ def plan_memory(
             "raise it (or --mem-fraction-static), or lower --sparse-token-budget"
         )
     running = min(fits, max_running_requests) if max_running_requests else fits
+    if running < fits:  # SGLang's cap leaves slots unused: the running requests' rows widen into them
+        row_width = widened_row_width(row_width, selection, max_pages, num_slots // (running * num_layers * num_kv_heads))
     shape = StoreShape(
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page, dtype=dtype,
         num_host_pages=host_pages, num_slots=num_slots, max_requests=running + 1, row_width=row_width,
