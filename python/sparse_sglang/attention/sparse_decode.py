@@ -265,9 +265,10 @@ class SparseDecoder:
         page_ids = self.select_raw(layer, q)
         store = self.store
         if self.fused:
-            # Ascending pages (the top-k's order is arbitrary): FlashInfer then sums each row's pages
-            # in one fixed order, so a step's output does not depend on how the top-k ordered them.
-            page_ids = page_ids.sort(dim=-1).values
+            if not self.exact:
+                # Ascending pages (the top-k's order is arbitrary): FlashInfer then sums each row's
+                # pages in one fixed order, so a step's output does not depend on the top-k's order.
+                page_ids = page_ids.sort(dim=-1).values
             n = self.batch * self.num_kv_heads * self.width
             src, dst = self.miss_src[:n], self.miss_dst[:n]
             retrieve_pages(store.cache, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,
