@@ -165,6 +165,32 @@ def test_fused_and_reference_paths_give_the_same_steps(interval):
     assert (loaded[-1] > loaded[0]) if interval == 1 else (loaded[-1] == loaded[0] > 0)
 
 
+def test_a_step_does_not_depend_on_the_order_the_top_k_returns_its_pages():
+    """FlashInfer's top-k returns its picks in no fixed order; the step sorts them, so FlashInfer's
+    decode sums a row's pages in one order and the same step gives bit-identical outputs (greedy
+    tokens through the server flipped on 2 of 10 prompts before the sort)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    b = bench(SparseConfig(token_budget=512, host_cache_gb=1.0), batch=2, context=3000)
+    kv = [random_kv(2, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
+    for layer, (k, v) in enumerate(kv):
+        b.write_kv(layer, k, v)
+    q = torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+    select_raw, outs = b.decoder.select_raw, []
+    for order in ("as returned", "reversed", "shuffled"):
+        def reorder(layer, q, order=order):
+            ids = select_raw(layer, q)
+            if order == "reversed":
+                return ids.flip(-1)
+            return ids[..., torch.randperm(ids.shape[-1], device="cuda", generator=gen)] if order == "shuffled" else ids
+
+        b.decoder.select_raw = reorder
+        b.plan()
+        outs.append([b.decoder.run(layer, q) for layer in range(SHAPE.num_layers)])
+    for other in outs[1:]:
+        for a, c in zip(outs[0], other):
+            assert torch.equal(a, c)
+
+
 def test_flashinfer_topk_selects_what_torch_topk_does():
     from sparse_sglang.attention.sparse_decode import topk_pages
 
