@@ -349,6 +349,26 @@ def test_gpu_cache_rows_open_close_and_refuse_when_full():
     assert cache.page_table.lookup(0, 0, 0, torch.arange(3)).tolist() == [-1, -1, -1]
 
 
+def test_write_allocate_unmaps_a_page_a_decode_step_loaded_into_its_column():
+    """A radix hit: the prefill writes only the new pages (columns 0-1); decode steps load cached-
+    prefix pages into the empty columns; a new page then write-allocated into such a column must
+    unmap the page it replaces, or that page would read the new page's KV."""
+    cache = make_cache(2 * 2 * 6, width=6)
+    cache.open_request(1, 12)
+    assert cache.write_allocate(1, 8, 2) == 2  # prefix pages 0-7 stay on the host
+    cache.next_step()
+    for layer in range(2):
+        cache.retrieve(layer, torch.tensor([1]), torch.tensor([[[0, 1, 2]] * 2]), torch.arange(12).view(1, -1),
+                       lambda src, dst: None, 12)  # fmt: skip
+    assert cache.write_allocate(1, 10, 1) == 1  # column 2, which a step filled with page 0
+    for layer in range(2):
+        for head in range(2):
+            slots = cache.page_table.lookup(1, layer, head, torch.arange(12))
+            mapped = slots >= 0
+            assert cache.slot_page[slots[mapped].long()].tolist() == torch.arange(12)[mapped].tolist()
+            assert int(slots[0]) == -1 and int(slots[10]) >= 0
+
+
 def host_with_pages(layers, heads, pages, page_size, dim, dtype, gen):
     host = HostKVPool(layers, heads, pages, page_size, dim, dtype, pin=False)
     host.k.view(torch.uint8).copy_(torch.randint(0, 256, host.k.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))

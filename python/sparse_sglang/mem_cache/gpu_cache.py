@@ -214,7 +214,11 @@ class GPUPageCache:
         dev = self.rows.device
         pages = torch.arange(first_page, first_page + n, device=dev)
         slots = self.rows[req_slot, :, :, filled : filled + n]  # [L, H, n]
-        self.page_table.assign(req_slot, self._layers.view(-1, 1, 1), self._heads.view(1, -1, 1), pages.view(1, 1, -1), slots)
+        layers, heads = self._layers.view(-1, 1, 1), self._heads.view(1, -1, 1)
+        # Decode steps may have loaded selected pages into these columns (a request whose prefix
+        # came from the radix cache has pages its prefill did not write here): unmap those first.
+        self.page_table.invalidate(req_slot, layers, heads, self.slot_page[slots])
+        self.page_table.assign(req_slot, layers, heads, pages.view(1, 1, -1), slots)
         self.slot_page[slots] = pages.view(1, 1, -1).expand_as(slots)
         self.last_used[slots] = self.step
         self._filled[req_slot] = filled + n
