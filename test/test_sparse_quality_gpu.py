@@ -2,7 +2,8 @@
 
 - Q1 (server): 10 prompts, 64 greedy tokens each, sparse on with the budget covering every
   context and the exact shortcut off (so scoring, selection and retrieval all run) gives the same
-  tokens as sparse off (plain SGLang, FlashInfer).
+  tokens as sparse off (plain SGLang, FlashInfer); so does a request whose ~1.5K-token prefix is a
+  radix-cache hit.
 - Q4: the pass-key prompts of ``benchmark/quality.py`` (2K/4K/7K tokens, depths 0.1/0.5/0.9),
   greedy, through the sparse server at budget 512 and through plain SGLang: the same answers (the
   number after "The pass key is"; whether the whole 8 greedy tokens match is recorded too); and
@@ -46,11 +47,22 @@ def q1_prompts() -> list[str]:
     return short + long
 
 
-def generate(url: str, payload: dict) -> dict:
-    assert flush_cache(url)  # no cached prefixes
+def generate(url: str, payload: dict, flush: bool = True) -> dict:
+    assert not flush or flush_cache(url)  # no cached prefixes
     response = requests.post(url + "/generate", json=payload, timeout=300)
     assert response.status_code == 200, response.text[:500]
     return response.json()
+
+
+def radix_hit(url: str) -> dict:
+    """A ~1.5K-token document, then a question about it: the second request finds the document in
+    the radix cache (its pages were written by the first prefill, not its own) and decodes 64
+    greedy tokens, crossing new pages while its row holds loaded prefix pages."""
+    doc = q1_prompts()[-1]
+    generate(url, {"text": doc, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    out = generate(url, {"text": doc + "\n\nQuestion: what does this license allow?\nAnswer:",
+                         "sampling_params": {"temperature": 0, "max_new_tokens": 64}}, flush=False)  # fmt: skip
+    return {"output_ids": out["output_ids"], "cached_tokens": out["meta_info"].get("cached_tokens", 0)}
 
 
 def passkey_cases(tokenizer) -> list[dict]:
@@ -95,14 +107,14 @@ def test_q1_and_q4_through_the_server(tmp_path):
         return [tokenizer.decode(generate(url, {"input_ids": c["ids"], "sampling_params": params})["output_ids"])
                 for c in cases]  # fmt: skip
 
-    dense = serve(DENSE, "dense", tmp_path, lambda url: {"q1": q1(url), "q4": q4(url)})
-    exact = serve(["--sparse-exact-shortcut", "false"], "sparse-exact", tmp_path, q1)
+    dense = serve(DENSE, "dense", tmp_path, lambda url: {"q1": q1(url), "q4": q4(url), "radix": radix_hit(url)})
+    exact = serve(["--sparse-exact-shortcut", "false"], "sparse-exact", tmp_path, lambda url: {"q1": q1(url), "radix": radix_hit(url)})
     budget = serve(["--sparse-token-budget", str(PASSKEY_BUDGET), "--sparse-reselect-interval", "1"], "sparse-512", tmp_path, q4)
     reuse = serve(["--sparse-token-budget", str(PASSKEY_BUDGET), "--sparse-reselect-interval", str(RESELECT_INTERVAL)],
                   f"sparse-512-reselect{RESELECT_INTERVAL}", tmp_path, q4)  # fmt: skip
     assert exact["sparse_backend"] and budget["sparse_backend"] and reuse["sparse_backend"] and not dense["sparse_backend"]
 
-    q1_equal = [a == b for a, b in zip(exact["out"], dense["out"]["q1"])]
+    q1_equal = [a == b for a, b in zip(exact["out"]["q1"], dense["out"]["q1"])]
     rows = []
     for case, d, s, r in zip(cases, dense["out"]["q4"], budget["out"], reuse["out"]):
         rows.append({"length": case["length"], "prompt_tokens": len(case["ids"]), "depth": case["depth"], "key": case["key"],
@@ -111,6 +123,8 @@ def test_q1_and_q4_through_the_server(tmp_path):
     summary = {
         "q1_server_equal": all(q1_equal),
         "q1_prompts_equal": f"{sum(q1_equal)}/{len(q1_equal)}",
+        "radix_hit_equal": exact["out"]["radix"]["output_ids"] == dense["out"]["radix"]["output_ids"],
+        "radix_hit_cached_tokens": exact["out"]["radix"]["cached_tokens"],
         "passkey_server_equal": all(answer(r["dense"]) == answer(r["sparse"]) for r in rows),
         "passkey_outputs_equal": f"{sum(r['dense'] == r['sparse'] for r in rows)}/{len(rows)}",
         "passkey_dense_correct": sum(r["dense_has_key"] for r in rows),
@@ -119,7 +133,8 @@ def test_q1_and_q4_through_the_server(tmp_path):
         f"passkey_outputs_equal_reselect{RESELECT_INTERVAL}": f"{sum(r['dense'] == r['sparse_reselect'] for r in rows)}/{len(rows)}",
         f"passkey_sparse_correct_reselect{RESELECT_INTERVAL}": sum(r["sparse_reselect_has_key"] for r in rows),
     }
-    record = {"summary": summary, "q1": {"prompts": prompts, "dense": dense["out"]["q1"], "sparse": exact["out"]},
+    record = {"summary": summary, "q1": {"prompts": prompts, "dense": dense["out"]["q1"], "sparse": exact["out"]["q1"]},
+              "radix_hit": {"dense": dense["out"]["radix"], "sparse": exact["out"]["radix"]},
               "q4": {"budget": PASSKEY_BUDGET, "reselect_interval": RESELECT_INTERVAL, "rows": rows}}  # fmt: skip
     if os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
         import torch
@@ -129,5 +144,6 @@ def test_q1_and_q4_through_the_server(tmp_path):
         Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], "gpu-quality.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(summary))
     assert summary["q1_server_equal"], summary
+    assert summary["radix_hit_cached_tokens"] > 0 and summary["radix_hit_equal"], summary
     assert summary["passkey_server_equal"], summary
     assert summary[f"passkey_server_equal_reselect{RESELECT_INTERVAL}"], summary
