@@ -369,6 +369,84 @@ def test_write_allocate_unmaps_a_page_a_decode_step_loaded_into_its_column():
             assert int(slots[0]) == -1 and int(slots[10]) >= 0
 
 
+def test_gpu_cache_random_operations_keep_table_rows_and_blocks_consistent():
+    """Random opens (with and without radix-cached prefixes: pages the prefill did not write),
+    new pages, decode steps loading misses, and closes. After every operation: each cached page's
+    slot is in its request's row, holds that page and its host block; each row slot holding a page
+    is where the table finds it; open rows and free slots partition the pool."""
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    layers, heads, page_size, dim, width, max_pages = 2, 2, 4, 8, 4, 12
+    cache = make_cache(layers * heads * width * 3, reqs=5, layers=layers, heads=heads, max_pages=max_pages,
+                       page_size=page_size, dim=dim, width=width)  # fmt: skip
+    host = host_with_pages(layers, heads, 5 * max_pages + 1, page_size, dim, torch.bfloat16, gen)
+    host_page = lambda r, p: r * max_pages + p + 1  # noqa: E731
+    num_pages: dict[int, int] = {}
+
+    def write(r, first, n):  # what the save path does for write-allocated pages
+        for layer in range(layers):
+            for head in range(heads):
+                for p in range(first, first + n):
+                    slot = int(cache.page_table.lookup(r, layer, head, p))
+                    if slot >= 0:
+                        cache.k[slot] = host.k[layer, head, host_page(r, p)]
+
+    def check():
+        rows = {r: cache.rows[r] for r in num_pages}
+        held = torch.cat([row.reshape(-1) for row in rows.values()]) if rows else torch.empty(0, dtype=torch.int64)
+        held = held[held >= 0]
+        assert len(set(held.tolist())) == held.numel() and held.numel() + cache.num_free == cache.num_slots
+        for r, n in num_pages.items():
+            for layer in range(layers):
+                for head in range(heads):
+                    row = set(rows[r][layer, head].tolist()) - {-1}
+                    slots = cache.page_table.lookup(r, layer, head, torch.arange(n))
+                    for p, slot in enumerate(slots.tolist()):
+                        if slot >= 0:
+                            assert slot in row and int(cache.slot_page[slot]) == p, (r, layer, head, p)
+                            assert torch.equal(cache.k[slot].view(torch.uint8), host.k[layer, head, host_page(r, p)].view(torch.uint8))
+                    for slot in row:
+                        p = int(cache.slot_page[slot])
+                        if p >= 0:
+                            assert int(cache.page_table.lookup(r, layer, head, p)) == slot
+
+    for _ in range(250):
+        op = rng.choice(["open", "open", "page", "step", "step", "step", "close"])
+        closed = [r for r in range(1, 5) if r not in num_pages]
+        if op == "open" and closed:
+            r, n = rng.choice(closed), rng.randrange(1, max_pages - 2)
+            try:
+                cache.open_request(r, n)
+            except GPUCacheFull:
+                continue
+            num_pages[r] = n
+            first = rng.choice([0, 0, rng.randrange(n)])  # a radix hit: pages [0, first) come from the host only
+            write(r, first, cache.write_allocate(r, first, n - first))
+        elif op == "page" and num_pages:
+            r = rng.choice(sorted(num_pages))
+            if num_pages[r] < max_pages:
+                num_pages[r] += 1
+                cache.resize_request(r, num_pages[r])
+                write(r, num_pages[r] - 1, cache.write_allocate(r, num_pages[r] - 1, 1))
+        elif op == "step" and num_pages:
+            reqs = sorted(num_pages)
+            cache.next_step()
+            host_pages = torch.tensor([[host_page(r, p) for p in range(max_pages)] for r in reqs])
+            for layer in range(layers):
+                ids = torch.full((len(reqs), heads, 3), -1)
+                for b, r in enumerate(reqs):
+                    for h in range(heads):
+                        chosen = rng.sample(range(num_pages[r]), min(3, num_pages[r]))
+                        ids[b, h, : len(chosen)] = torch.tensor(chosen)
+                load = lambda src, dst: gather_blocks_reference(host.k, host.v, cache.k, cache.v, src, dst)  # noqa: E731
+                cache.retrieve(layer, torch.tensor(reqs), ids, host_pages, load, host.num_pages)
+        elif op == "close" and num_pages:
+            r = rng.choice(sorted(num_pages))
+            cache.close_request(r)
+            del num_pages[r]
+        check()
+
+
 def host_with_pages(layers, heads, pages, page_size, dim, dtype, gen):
     host = HostKVPool(layers, heads, pages, page_size, dim, dtype, pin=False)
     host.k.view(torch.uint8).copy_(torch.randint(0, 256, host.k.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))
