@@ -1,0 +1,96 @@
+"""Page summaries in fp8 (CPU, SmolLM2): does Quest keep its recall with bounds rounded outward to e4m3?
+
+At 128K tokens a decode step's selection reads every page's key bounds (min and max: 1/32 of the
+KV at 32-token pages, twice what the 64 selected pages hold), so selection is most of the step
+(``select_frac_128k`` 0.69 on the H100, bar 0.30). One byte per bound instead of two halves that
+read. This measures what it costs in recall before any kernel reads fp8: each (layer, kv head)
+gets a power-of-two scale that fits its largest bound into e4m3 (448), the min rounds down and the
+max up to e4m3 values, so every key stays inside its page's box and Quest's score stays an upper
+bound of ``q . k`` over the page. Recall is ``benchmark/quality.py``'s (its capture: 7,168 tokens
+of license texts, the last 32 positions as queries), with bf16 and with fp8 bounds.
+
+    python benchmark/summary_precision.py       # about 3 minutes on 2 CPU cores
+
+Writes ``benchmark/results/summary-precision-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmark import quality  # noqa: E402
+from sparse_sglang.testing.provenance import git_commit, save_result  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BUDGETS = (256, 512, 1024, 2048)
+E4M3_MAX = 448.0
+
+
+def e4m3_values() -> torch.Tensor:
+    """Every finite e4m3 value, ascending (float32)."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return torch.unique(values[values.isfinite()])
+
+
+def fp8_outward(kmin: torch.Tensor, kmax: torch.Tensor, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kmin``/``kmax`` ``[..., pages, D]`` (float32) as e4m3 values times one power-of-two scale
+    per ``[pages, D]`` slab (per kv head), rounded outward: ``lo <= kmin`` and ``hi >= kmax``
+    elementwise, each exactly an e4m3 value times its scale (non-finite bounds stay as they are)."""
+    values = e4m3_values() if values is None else values
+    finite = lambda x: torch.where(x.isfinite(), x.abs(), 0).amax(dim=(-2, -1), keepdim=True)  # noqa: E731
+    amax = torch.maximum(finite(kmin), finite(kmax))
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30) / E4M3_MAX)))
+    lo_idx = torch.searchsorted(values, (kmin / scale).contiguous(), right=True) - 1
+    hi_idx = torch.searchsorted(values, (kmax / scale).contiguous(), right=False)
+    lo, hi = values[lo_idx.clamp(0, len(values) - 1)] * scale, values[hi_idx.clamp(0, len(values) - 1)] * scale
+    return torch.where(kmin.isfinite(), lo, kmin), torch.where(kmax.isfinite(), hi, kmax)
+
+
+def quantized_summarize(keys, page_size: int):
+    """:func:`benchmark.quality.summarize` with its bounds replaced by their fp8 outward roundings."""
+    s = SUMMARIZE(keys, page_size)
+    for layer in range(s.kmin.shape[0]):
+        lo, hi = fp8_outward(s.kmin[layer].float(), s.kmax[layer].float())
+        s.kmin[layer], s.kmax[layer] = lo.to(s.kmin.dtype), hi.to(s.kmax.dtype)  # exact: e4m3 x 2^k is a bf16 value
+    return s
+
+
+SUMMARIZE = quality.summarize
+
+
+def main() -> dict:
+    start = time.monotonic()
+    tokenizer, model = quality.load_model()
+    scale = model.model.layers[0].self_attn.scaling
+    cap = quality.capture(model, torch.tensor([quality.license_tokens(tokenizer, 7168)]), 32)
+    policies = [quality.Policy(budget=b) for b in BUDGETS]
+    rows = []
+    for precision, summarize in (("bf16", SUMMARIZE), ("fp8", quantized_summarize)):
+        quality.summarize = summarize  # recall_table builds its summaries through this name
+        for r in quality.recall_table(cap, policies, scale):
+            rows.append({"precision": precision, "budget": r["budget"], "recall_mean": round(r["recall_mean"], 4),
+                         "recall_per_layer": r["recall_per_layer"]})  # fmt: skip
+            print(f"{precision} budget {r['budget']:4d}: recall {r['recall_mean']:.4f}", flush=True)
+    quality.summarize = SUMMARIZE
+    at = {(r["precision"], r["budget"]): r["recall_mean"] for r in rows}
+    summary = {f"recall_{b}_{p}": at[p, b] for b in BUDGETS for p in ("bf16", "fp8")}
+    summary["max_recall_drop_fp8"] = round(max(at["bf16", b] - at["fp8", b] for b in BUDGETS), 4)
+    today = datetime.date.today().isoformat()
+    doc = {"device": "cpu", "commit": git_commit(), "date": today, "command": "python benchmark/summary_precision.py",
+           "setup": {"tokens": 7168, "queries": 32, "selector": quality.DEFAULT_SELECTOR, "page_size": quality.PAGE_SIZE,
+                     "fp8": "e4m3, a power-of-two scale per (layer, kv head), min rounded down and max up"},
+           "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
+    save_result(doc, REPO / "benchmark" / "results" / f"summary-precision-{today}.json")
+    print(json.dumps(summary, indent=1))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
