@@ -202,8 +202,9 @@ class GPUPageCache:
             self.page_table.resize(req_slot, num_pages)
 
     def write_allocate(self, req_slot: int, first_page: int, num_pages: int) -> int:
-        """Map new pages ``[first_page, first_page + n)`` of ``req_slot`` to free slots of its row
-        in every layer and head, ``n = min(num_pages, free columns)``; returns ``n``.
+        """Map new pages ``[first_page, first_page + n)`` of ``req_slot`` to the row's columns not
+        yet write-allocated, in every layer and head, ``n = min(num_pages, such columns)``; returns
+        ``n``. A page a decode step had loaded into such a column is unmapped first.
 
         Called when a request creates pages (prefill, or a decode step starting a page), before
         their tokens are stored, so :meth:`store` writes them into the cache as well."""
