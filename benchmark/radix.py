@@ -19,6 +19,7 @@ first / the first's), ``host_gb_per_group`` (host KV kept per group: the slope o
 off), ``throughput_ratio_vs_no_radix`` (output tokens per second over the whole workload).
 
     python benchmark/radix.py                           # 8 groups x 16 requests, 16K-token prefixes
+                                                        # (estimate: two server starts + ~2.5 minutes)
     python benchmark/radix.py --groups 16 --per-group 32   # the example size (not yet run)
 
 Writes ``benchmark/results/radix-<date>.json``.
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prefix-tokens", type=int, default=16384)
     parser.add_argument("--question-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--host-cache-gb", type=float, default=80.0, help="without sharing, a group's prefixes all need room")
+    parser.add_argument("--host-cache-gb", type=float, default=48.0,
+                        help="without sharing, a group's prefixes all need room (15 x 16.6K tokens: 31 GiB)")
     parser.add_argument("--extra-server-args", default="")
     parser.add_argument("--log-dir", default="/tmp/sparse-sglang-radix")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
