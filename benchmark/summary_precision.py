@@ -1,15 +1,17 @@
-"""Page summaries in fp8 (CPU, SmolLM2): does Quest keep its recall with bounds rounded outward to e4m3?
+"""Page summaries in one byte (CPU, SmolLM2): does Quest keep its recall with bounds rounded outward?
 
 At 128K tokens a decode step's selection reads every page's key bounds (min and max: 1/32 of the
 KV at 32-token pages, twice what the 64 selected pages hold), so selection is most of the step
 (``select_frac_128k`` 0.69 on the H100, bar 0.30). One byte per bound instead of two halves that
-read. This measures what it costs in recall before any kernel reads fp8: each (layer, kv head)
-gets a power-of-two scale that fits its largest bound into e4m3 (448), the min rounds down and the
-max up to e4m3 values, so every key stays inside its page's box and Quest's score stays an upper
-bound of ``q . k`` over the page. Recall is ``benchmark/quality.py``'s (its capture: 7,168 tokens
+read. This measures what it costs in recall before any kernel reads one-byte bounds, two ways:
+e4m3 with a power-of-two scale per (layer, kv head) that fits its largest bound into 448, and int8
+levels with a power-of-two scale per (page, kv head) (a page can be quantized when it fills: the
+partial newest page is always selected, so its bounds are never scored). The min rounds down and
+the max up, so every key stays inside its page's box and Quest's score stays an upper bound of
+``q . k`` over the page. Recall is ``benchmark/quality.py``'s (its capture: 7,168 tokens
 of license texts, the last 32 positions as queries), with bf16 and with fp8 bounds.
 
-    python benchmark/summary_precision.py       # about 3 minutes on 2 CPU cores
+    python benchmark/summary_precision.py       # about 1.5 minutes on 2 CPU cores
 
 Writes ``benchmark/results/summary-precision-<date>.json``.
 """
@@ -53,16 +55,32 @@ def fp8_outward(kmin: torch.Tensor, kmax: torch.Tensor, values: torch.Tensor | N
     return torch.where(kmin.isfinite(), lo, kmin), torch.where(kmax.isfinite(), hi, kmax)
 
 
-def quantized_summarize(keys, page_size: int):
-    """:func:`benchmark.quality.summarize` with its bounds replaced by their fp8 outward roundings."""
-    s = SUMMARIZE(keys, page_size)
-    for layer in range(s.kmin.shape[0]):
-        lo, hi = fp8_outward(s.kmin[layer].float(), s.kmax[layer].float())
-        s.kmin[layer], s.kmax[layer] = lo.to(s.kmin.dtype), hi.to(s.kmax.dtype)  # exact: e4m3 x 2^k is a bf16 value
-    return s
+def int8_outward(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kmin``/``kmax`` ``[..., D]`` (float32) as int8 levels times one power-of-two scale per
+    ``[D]`` vector (per page and kv head), the min rounded down and the max up: ``lo <= kmin`` and
+    ``hi >= kmax``, each exactly ``level * scale`` with ``|level| <= 127`` (non-finite bounds stay)."""
+    finite = lambda x: torch.where(x.isfinite(), x.abs(), 0).amax(dim=-1, keepdim=True)  # noqa: E731
+    amax = torch.maximum(finite(kmin), finite(kmax))
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30) / 127)))
+    lo, hi = torch.floor(kmin / scale) * scale, torch.ceil(kmax / scale) * scale
+    return torch.where(kmin.isfinite(), lo, kmin), torch.where(kmax.isfinite(), hi, kmax)
+
+
+def quantized(outward):
+    """:func:`benchmark.quality.summarize` with its bounds replaced by ``outward``'s roundings."""
+
+    def summarize(keys, page_size: int):
+        s = SUMMARIZE(keys, page_size)
+        for layer in range(s.kmin.shape[0]):
+            lo, hi = outward(s.kmin[layer].float(), s.kmax[layer].float())
+            s.kmin[layer], s.kmax[layer] = lo.to(s.kmin.dtype), hi.to(s.kmax.dtype)  # exact: a few bits x 2^k fit bf16
+        return s
+
+    return summarize
 
 
 SUMMARIZE = quality.summarize
+PRECISIONS = {"bf16": SUMMARIZE, "fp8": quantized(fp8_outward), "int8": quantized(int8_outward)}
 
 
 def main() -> dict:
@@ -72,7 +90,7 @@ def main() -> dict:
     cap = quality.capture(model, torch.tensor([quality.license_tokens(tokenizer, 7168)]), 32)
     policies = [quality.Policy(budget=b) for b in BUDGETS]
     rows = []
-    for precision, summarize in (("bf16", SUMMARIZE), ("fp8", quantized_summarize)):
+    for precision, summarize in PRECISIONS.items():
         quality.summarize = summarize  # recall_table builds its summaries through this name
         for r in quality.recall_table(cap, policies, scale):
             rows.append({"precision": precision, "budget": r["budget"], "recall_mean": round(r["recall_mean"], 4),
@@ -80,12 +98,14 @@ def main() -> dict:
             print(f"{precision} budget {r['budget']:4d}: recall {r['recall_mean']:.4f}", flush=True)
     quality.summarize = SUMMARIZE
     at = {(r["precision"], r["budget"]): r["recall_mean"] for r in rows}
-    summary = {f"recall_{b}_{p}": at[p, b] for b in BUDGETS for p in ("bf16", "fp8")}
-    summary["max_recall_drop_fp8"] = round(max(at["bf16", b] - at["fp8", b] for b in BUDGETS), 4)
+    summary = {f"recall_{b}_{p}": at[p, b] for b in BUDGETS for p in PRECISIONS}
+    for p in ("fp8", "int8"):
+        summary[f"max_recall_drop_{p}"] = round(max(at["bf16", b] - at[p, b] for b in BUDGETS), 4)
     today = datetime.date.today().isoformat()
     doc = {"device": "cpu", "commit": git_commit(), "date": today, "command": "python benchmark/summary_precision.py",
            "setup": {"tokens": 7168, "queries": 32, "selector": quality.DEFAULT_SELECTOR, "page_size": quality.PAGE_SIZE,
-                     "fp8": "e4m3, a power-of-two scale per (layer, kv head), min rounded down and max up"},
+                     "fp8": "e4m3, a power-of-two scale per (layer, kv head), min rounded down and max up",
+                     "int8": "int8 levels, a power-of-two scale per (page, kv head), min rounded down and max up"},
            "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
     save_result(doc, REPO / "benchmark" / "results" / f"summary-precision-{today}.json")
     print(json.dumps(summary, indent=1))

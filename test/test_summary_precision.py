@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.summary_precision import e4m3_values, fp8_outward  # noqa: E402
+from benchmark.summary_precision import e4m3_values, fp8_outward, int8_outward  # noqa: E402
 
 
 def test_fp8_bounds_contain_the_originals_and_are_e4m3_values_times_a_power_of_two():
@@ -30,3 +30,18 @@ def test_fp8_bounds_contain_the_originals_and_are_e4m3_values_times_a_power_of_t
             assert torch.equal(b * scale, (b * scale).bfloat16().float())  # and exactly a bf16 value
     # Outward but tight: at most one e4m3 step away from the original.
     assert ((kmax - hi).abs() <= hi.abs() / 8 + 1e-6 * 300).all()
+
+
+def test_int8_bounds_contain_the_originals_and_are_levels_times_a_power_of_two_per_page():
+    gen = torch.Generator().manual_seed(1)
+    kmin = torch.randn(2, 30, 16, generator=gen) * torch.logspace(-2, 2, 30).view(1, 30, 1)
+    kmax = kmin + torch.rand(2, 30, 16, generator=gen)
+    lo, hi = int8_outward(kmin, kmax)
+    assert (lo <= kmin).all() and (hi >= kmax).all()
+    amax = torch.maximum(kmin.abs(), kmax.abs()).amax(-1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 127)))
+    for bound in (lo, hi):
+        levels = bound / scale
+        assert torch.equal(levels, levels.round()) and (levels.abs() <= 127).all()
+        assert torch.equal(bound, bound.bfloat16().float())  # exactly a bf16 value
+    assert ((hi - kmax) <= scale).all() and ((kmin - lo) <= scale).all()  # at most one level away
