@@ -38,7 +38,7 @@ import torch
 from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
-from sparse_sglang.testing.provenance import finish_gpu_run
+from sparse_sglang.testing.provenance import finish_run
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=1)
@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
     summary.update(quality_summary())
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest",
               "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
-    return finish_gpu_run("benchmark/decode.py", argv, {"config": config, **result, "summary": summary},
+    return finish_run("benchmark/decode.py", argv, {"config": config, **result, "summary": summary},
                           args.out_dir, "decode-{date}.json")  # fmt: skip
 
 

@@ -33,7 +33,7 @@ import torch
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.testing.decode_setup import Llama8BShape, make_store
-from sparse_sglang.testing.provenance import finish_gpu_run
+from sparse_sglang.testing.provenance import finish_run
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=32)
@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     }
     summary["target_met"] = summary["summary_overhead_32k"] <= TARGET
     shape = {**SHAPE.__dict__, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": "bfloat16"}
-    return finish_gpu_run("benchmark/prefill_save.py", argv, {"shape": shape, **result, "summary": summary},
+    return finish_run("benchmark/prefill_save.py", argv, {"shape": shape, **result, "summary": summary},
                           args.out_dir, "transfer-{date}-prefill-save.json")  # fmt: skip
 
 

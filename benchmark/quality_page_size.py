@@ -9,8 +9,6 @@ tokens. About 2 minutes on 2 CPU cores::
 
 from __future__ import annotations
 
-import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import benchmark.quality as quality  # noqa: E402
-from sparse_sglang.testing.provenance import git_commit, save_result  # noqa: E402
+from sparse_sglang.testing.provenance import finish_run  # noqa: E402
 
 PAGE_SIZES = (32, 16, 8)
 BUDGETS = (512, 1024)
@@ -46,13 +44,10 @@ def main() -> dict:
     summary["target"] = quality.TARGET_RECALL
     summary["largest_page_reaching_target_quest_512"] = next(
         (p for p in sorted(PAGE_SIZES, reverse=True) if at[p, "quest", 512] >= quality.TARGET_RECALL), None)
-    today = datetime.date.today().isoformat()
-    doc = {"device": "cpu", "commit": git_commit(), "date": today, "command": "python benchmark/quality_page_size.py",
-           "setup": {"tokens": 7168, "queries": 32, "sink_pages": 1, "recent_pages": 2, "group_reduce": "sum"},
-           "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
-    save_result(doc, REPO / "benchmark" / "results" / f"quality-page-size-{today}.json")
-    print(json.dumps(summary, indent=1))
-    return doc
+    body = {"setup": {"tokens": 7168, "queries": 32, "sink_pages": 1, "recent_pages": 2, "group_reduce": "sum"},
+            "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
+    return finish_run("benchmark/quality_page_size.py", [], body, REPO / "benchmark" / "results",
+                      "quality-page-size-{date}.json", device="cpu")  # fmt: skip
 
 
 if __name__ == "__main__":

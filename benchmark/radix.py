@@ -42,7 +42,7 @@ import requests
 
 from sparse_sglang.config import GIB
 from sparse_sglang.testing.models import LLAMA3_8B_KV_BYTES_PER_TOKEN, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
-from sparse_sglang.testing.provenance import finish_gpu_run
+from sparse_sglang.testing.provenance import finish_run
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ttft_rest_ratio_vs_no_radix": r["ttft_rest_median_s"] / n["ttft_rest_median_s"],
     }  # fmt: skip
     body = {"workload": asdict(work), "flags": flags, "modes": summaries, "runs": runs, "summary": summary}
-    return finish_gpu_run("benchmark/radix.py", argv, body, args.out_dir, "radix-{date}.json")
+    return finish_run("benchmark/radix.py", argv, body, args.out_dir, "radix-{date}.json")
 
 
 if __name__ == "__main__":

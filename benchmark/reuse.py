@@ -20,8 +20,6 @@ Writes ``benchmark/results/reuse-<date>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ import torch
 from sparse_sglang.attention import attention_mass_recall
 from sparse_sglang.mem_cache import GPUPageCache
 from sparse_sglang.mem_cache.plan import row_width_for
-from sparse_sglang.testing.provenance import git_commit, save_result
+from sparse_sglang.testing.provenance import finish_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.quality import PAGE_SIZE, REPO, Policy, capture, choose_pages, license_tokens, load_model, summarize  # noqa: E402
@@ -95,9 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "loads_per_step"}, flush=True)
     base = {(r["budget"], r["row_ratio"]): r for r in rows if r["interval"] == 1}
-    today = datetime.date.today().isoformat()
-    result = {
-        "device": "cpu", "commit": git_commit(), "date": today, "command": shlex.join(sys.orig_argv),
+    body = {
         "model": "SmolLM2-135M-Instruct (bf16 weights, run in float32, transformers, CPU)",
         "setup": {"tokens": len(ids), "queries": args.queries, "page_size": PAGE_SIZE, "selector": Policy().selector,
                   "rows": "one request; each (layer, kv head) row holds row_width_pages pages, LRU; prefill fills "
@@ -110,10 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
             for r in rows if (r["budget"], r["row_ratio"]) == (b, x)} for b in args.budgets for x in args.row_ratios},
         "run_time_s": round(time.monotonic() - start, 1),
     }  # fmt: skip
-    out = args.out or REPO / "benchmark" / "results" / f"reuse-{today}.json"
-    save_result(result, out)
-    print(f"wrote {out}")
-    return result
+    out = args.out or REPO / "benchmark" / "results" / "reuse-{date}.json"
+    return finish_run("benchmark/reuse.py", argv, body, out.parent, out.name, device="cpu")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from sparse_sglang.testing.models import (
     LLAMA3_8B_TOKEN_IDS,
     write_llama3_8b_dummy,
 )
-from sparse_sglang.testing.provenance import finish_gpu_run
+from sparse_sglang.testing.provenance import finish_run
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -243,7 +243,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--log-dir", default="/tmp/sparse-sglang-soak")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
     args = parser.parse_args(argv)
-    return finish_gpu_run("benchmark/soak.py", argv, run(args), args.out_dir, "soak-{date}.json")
+    return finish_run("benchmark/soak.py", argv, run(args), args.out_dir, "soak-{date}.json")
 
 
 if __name__ == "__main__":

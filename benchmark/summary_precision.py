@@ -18,8 +18,6 @@ Writes ``benchmark/results/summary-precision-<date>.json``.
 
 from __future__ import annotations
 
-import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark import quality  # noqa: E402
-from sparse_sglang.testing.provenance import git_commit, save_result  # noqa: E402
+from sparse_sglang.testing.provenance import finish_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGETS = (256, 512, 1024, 2048)
@@ -101,15 +99,12 @@ def main() -> dict:
     summary = {f"recall_{b}_{p}": at[p, b] for b in BUDGETS for p in PRECISIONS}
     for p in ("fp8", "int8"):
         summary[f"max_recall_drop_{p}"] = round(max(at["bf16", b] - at[p, b] for b in BUDGETS), 4)
-    today = datetime.date.today().isoformat()
-    doc = {"device": "cpu", "commit": git_commit(), "date": today, "command": "python benchmark/summary_precision.py",
-           "setup": {"tokens": 7168, "queries": 32, "selector": quality.DEFAULT_SELECTOR, "page_size": quality.PAGE_SIZE,
-                     "fp8": "e4m3, a power-of-two scale per (layer, kv head), min rounded down and max up",
-                     "int8": "int8 levels, a power-of-two scale per (page, kv head), min rounded down and max up"},
-           "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
-    save_result(doc, REPO / "benchmark" / "results" / f"summary-precision-{today}.json")
-    print(json.dumps(summary, indent=1))
-    return doc
+    body = {"setup": {"tokens": 7168, "queries": 32, "selector": quality.DEFAULT_SELECTOR, "page_size": quality.PAGE_SIZE,
+                      "fp8": "e4m3, a power-of-two scale per (layer, kv head), min rounded down and max up",
+                      "int8": "int8 levels, a power-of-two scale per (page, kv head), min rounded down and max up"},
+            "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
+    return finish_run("benchmark/summary_precision.py", [], body, REPO / "benchmark" / "results",
+                      "summary-precision-{date}.json", device="cpu")  # fmt: skip
 
 
 if __name__ == "__main__":

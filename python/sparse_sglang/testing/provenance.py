@@ -31,17 +31,20 @@ def git_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def gpu_run_header(script: str, argv: list[str] | None) -> dict:
-    """``device``, ``commit``, ``date`` and ``command`` of a GPU benchmark run of ``script``
-    (a path like ``benchmark/decode.py``) with ``argv`` (default: this process's arguments)."""
+def run_header(script: str, argv: list[str] | None, device: str | None = None) -> dict:
+    """``device``, ``commit``, ``date`` and ``command`` of a benchmark run of ``script`` (a path like
+    ``benchmark/decode.py``) with ``argv`` (default: this process's arguments); ``device`` defaults
+    to the CUDA device's name (a CPU benchmark passes ``"cpu"``)."""
     import datetime
     import shlex
     import sys
 
-    import torch
+    if device is None:
+        import torch
 
+        device = torch.cuda.get_device_name()
     args = sys.argv[1:] if argv is None else argv
-    return {"device": torch.cuda.get_device_name(), "commit": git_commit(), "date": datetime.date.today().isoformat(),
+    return {"device": device, "commit": git_commit(), "date": datetime.date.today().isoformat(),
             "command": shlex.join(["python", script, *args])}  # fmt: skip
 
 
@@ -53,10 +56,11 @@ def save_result(result: dict, path: str | Path) -> Path:
     return path
 
 
-def finish_gpu_run(script: str, argv: list[str] | None, body: dict, out_dir: str | Path, name: str) -> dict:
-    """The end of a GPU benchmark's ``main``: its document (:func:`gpu_run_header` + ``body``, which
-    holds the ``summary``) saved as ``out_dir/name`` (``{date}`` filled in), the summary printed."""
-    doc = {**gpu_run_header(script, argv), **body}
+def finish_run(script: str, argv: list[str] | None, body: dict, out_dir: str | Path, name: str,
+               device: str | None = None) -> dict:  # fmt: skip
+    """The end of a benchmark's ``main``: its document (:func:`run_header` + ``body``, which holds
+    the ``summary``) saved as ``out_dir/name`` (``{date}`` filled in), the summary printed."""
+    doc = {**run_header(script, argv, device), **body}
     save_result(doc, Path(out_dir) / name.format(date=doc["date"]))
     print(json.dumps(doc["summary"], indent=1))
     return doc
