@@ -4,8 +4,8 @@ Every running request owns a *row* of slots in each (layer, kv head), taken from
 pool when it starts and returned when it ends. Rows are elastic (SPIN's buffer pages): a row
 holds at least ``min_row_width`` slots (the pages a step selects plus a minimum buffer) and grows
 up to ``row_width`` while the pool has slots no other request needs; when a new request finds the
-pool short, the widest rows give back their least recently used slots. A :class:`TwoLevelPageTable` maps
-(request slot, layer, kv head, logical page) to the slot holding that page, or -1 when the page
+pool short, the widest rows give back their least recently used slots. A :class:`TwoLevelPageTable`
+maps (request slot, layer, kv head, logical page) to the slot holding that page, or -1 when the page
 is only on the host. Rows make the decode path free of host synchronization: a step selects at
 most ``budget_pages <= row_width`` pages per (request, layer, head), so the misses always fit in
 the row's slots that hold no selected page, and choosing them (least recently used first) is a
@@ -205,9 +205,9 @@ class GPUPageCache:
                     f"GPU page cache full: a request needs {lh * width} slots, {self.num_free} of "
                     f"{self.num_slots} are free; raise --sparse-gpu-cache-gb or lower --max-running-requests"
                 )
+        self.page_table.resize(req_slot, num_pages)  # may refuse (its segment pool): before any row shrinks
         if self.num_free < lh * width:
             self._shrink_widest(lh * width - self.num_free, floor=width)
-        self.page_table.resize(req_slot, num_pages)
         slots = self._free.pop(lh * width)
         self._row_slots[req_slot] = slots
         self._filled[req_slot] = 0
