@@ -162,6 +162,15 @@ class GPUPageCache:
         used = self.last_used[self.rows[self.rows >= 0]]  # -1: an empty slot
         return int(((used >= 0) & (used > self.step - window)).sum())
 
+    def working_set_pages_of(self, req_slots: list[int], window: int) -> list[int]:
+        """Per open request, the slots of its rows used in the last ``window`` steps (one read of
+        the device)."""
+        if not req_slots:
+            return []
+        rows = self.rows[torch.tensor(req_slots, device=self.rows.device)]  # [n, L, H, W], -1 past the width
+        used = self.last_used[self._scratch(rows)]  # the scratch slot is never used (-1)
+        return ((used >= 0) & (used > self.step - window)).flatten(1).sum(1).tolist()
+
     def stats(self, window: int = 12) -> dict:
         """Counters for metrics (reads the device counters: a sync, not for the hot path)."""
         selected, loaded = self.counters.tolist()
