@@ -159,8 +159,7 @@ class GPUPageCache:
         """Slots of the open rows used (hit, loaded or written) in the last ``window`` steps: the
         running requests' working sets as far as their rows hold them (SparseServe's w-step union,
         read from the LRU stamps the steps leave anyway)."""
-        used = self.last_used[self.rows[self.rows >= 0]]  # -1: an empty slot
-        return int(((used >= 0) & (used > self.step - window)).sum())
+        return sum(self.working_set_pages_of(list(self._row_slots), window))
 
     def working_set_pages_of(self, req_slots: list[int], window: int) -> list[int]:
         """Per open request, the slots of its rows used in the last ``window`` steps (one read of
