@@ -186,3 +186,64 @@ def test_a_long_request_behind_a_stream_of_short_ones(policy_name):
     else:
         assert long_started is not None and long_started - 10 <= short_steps
         assert len(waiting) < 60  # and the short stream drains again once it runs
+
+
+# The gate SGLang's prefill admission asks (integration/admission.py), over a real page cache.
+
+
+def test_gate_admits_while_working_sets_and_a_narrowest_row_per_new_request_fit_the_cache():
+    from sparse_sglang.mem_cache import GPUPageCache
+    from sparse_sglang.scheduler import WorkingSetGate
+
+    lh = 2 * 2  # layers x kv heads; narrowest row 2 pages (8 slots), widest 4, room for 4 narrow rows
+    cache = GPUPageCache(lh * 8, 2, 2, 4, 16, torch.bfloat16, max_requests=6, row_width=4, max_pages=16,
+                         total_pages=32, min_row_width=2)  # fmt: skip
+    gate = WorkingSetGate(cache, window=3)
+    assert gate.admits([], starting=0)
+    for r in (1, 2):
+        cache.open_request(r, 16)
+    # Idle rows count as narrowest rows (8 slots each): 16 + 8 per starting request fits 32 twice.
+    assert gate.admits([1, 2], starting=0) and gate.admits([1, 2], starting=1)
+    assert not gate.admits([1, 2], starting=2)
+
+    def use_whole_rows(req_slots):
+        """One step in which the requests select every page their rows can hold (4 per row)."""
+        cache.next_step()
+        slots = torch.tensor(req_slots)
+        for layer in range(2):
+            pages = torch.arange(4).view(1, 1, 4).expand(len(req_slots), 2, 4)
+            cache.retrieve(layer, slots, pages, torch.arange(16).repeat(len(req_slots), 1), lambda src, dst: None, 16)
+
+    use_whole_rows([1])  # request 1 uses 16 slots: 16 + 8 + a new narrow row = 32 still fits
+    assert cache.working_set_pages_of([1, 2], 3) == [16, 0]
+    assert gate.admits([1, 2], starting=0) and not gate.admits([1, 2], starting=1)
+    use_whole_rows([1, 2])  # both use their whole rows: nothing more fits
+    assert not gate.admits([1, 2], starting=0)
+    for _ in range(3):  # the window passes without use: the working sets drain
+        cache.next_step()
+    assert cache.working_set_pages_of([1, 2], 3) == [0, 0] and gate.admits([1, 2], starting=0)
+    assert (gate.admitted, gate.deferred) == (5, 3)
+
+
+def test_prefill_adder_defers_a_request_the_gate_does_not_admit():
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    from sparse_sglang.integration.admission import patch_prefill_adder
+    from sparse_sglang.scheduler import WorkingSetGate
+
+    class Refusing:
+        def admits(self, running_slots, starting):
+            self.asked = (running_slots, starting)
+            return False
+
+    patch_prefill_adder()
+    gate, saved = Refusing(), WorkingSetGate.current
+    WorkingSetGate.current = gate
+    try:
+        adder = SimpleNamespace(running_batch=SimpleNamespace(reqs=[SimpleNamespace(req_pool_idx=3)]), can_run_list=[object()])
+        assert PrefillAdder.add_one_req(adder, object(), False, None) == AddReqResult.OTHER
+        assert gate.asked == ([3], 1)
+    finally:
+        WorkingSetGate.current = saved

@@ -369,16 +369,22 @@ def test_write_allocate_unmaps_a_page_a_decode_step_loaded_into_its_column():
             assert int(slots[0]) == -1 and int(slots[10]) >= 0
 
 
-def test_gpu_cache_random_operations_keep_table_rows_and_blocks_consistent():
+@pytest.mark.parametrize("elastic", [False, True])
+def test_gpu_cache_random_operations_keep_table_rows_and_blocks_consistent(elastic):
     """Random opens (with and without radix-cached prefixes: pages the prefill did not write),
-    new pages, decode steps loading misses, and closes. After every operation: each cached page's
+    new pages, decode steps loading misses, and closes, with fixed and with elastic rows. After
+    every operation: each cached page's
     slot is in its request's row, holds that page and its host block; each row slot holding a page
     is where the table finds it; open rows and free slots partition the pool."""
     rng = random.Random(3)
     gen = torch.Generator().manual_seed(3)
     layers, heads, page_size, dim, width, max_pages = 2, 2, 4, 8, 4, 12
-    cache = make_cache(layers * heads * width * 3, reqs=5, layers=layers, heads=heads, max_pages=max_pages,
-                       page_size=page_size, dim=dim, width=width)  # fmt: skip
+    if elastic:  # rows of 3 to 6 columns: opens shrink the widest rows, closes grow the narrowest
+        cache = GPUPageCache(layers * heads * 3 * 4, layers, heads, page_size, dim, torch.bfloat16, max_requests=5,
+                             row_width=6, max_pages=max_pages, total_pages=2 * max_pages, min_row_width=3)  # fmt: skip
+    else:
+        cache = make_cache(layers * heads * width * 3, reqs=5, layers=layers, heads=heads, max_pages=max_pages,
+                           page_size=page_size, dim=dim, width=width)  # fmt: skip
     host = host_with_pages(layers, heads, 5 * max_pages + 1, page_size, dim, torch.bfloat16, gen)
     host_page = lambda r, p: r * max_pages + p + 1  # noqa: E731
     num_pages: dict[int, int] = {}
@@ -445,6 +451,49 @@ def test_gpu_cache_random_operations_keep_table_rows_and_blocks_consistent():
             cache.close_request(r)
             del num_pages[r]
         check()
+
+
+def test_elastic_rows_grow_into_free_slots_and_give_back_their_least_recently_used_ones():
+    lh = 2 * 2  # layers x kv heads
+    cache = GPUPageCache(lh * 12, 2, 2, 4, 16, torch.bfloat16, max_requests=8, row_width=6, max_pages=12,
+                         total_pages=48, min_row_width=2)  # fmt: skip
+    assert cache.max_open_requests == 6
+    no_load = lambda src, dst: None  # noqa: E731 (the test follows the mapping, not the data)
+    cache.open_request(1, 12)
+    assert cache.width(1) == 6 and cache.num_free == lh * 6  # alone: as wide as a row may be
+    for page in range(6):  # fill request 1's rows: page p last used at step p + 1
+        cache.next_step()
+        for layer in range(2):
+            cache.retrieve(layer, torch.tensor([1]), torch.full((1, 2, 1), page), torch.arange(12).view(1, -1), no_load, 12)
+    cache.open_request(2, 12)
+    assert (cache.width(1), cache.width(2), cache.num_free) == (6, 6, 0)
+    cache.open_request(3, 12)  # a third of the pool each: requests 1 and 2 give back 2 columns
+    assert [cache.width(r) for r in (1, 2, 3)] == [4, 4, 4] and cache.num_free == 0
+    for layer in range(2):
+        for head in range(2):
+            slots = cache.page_table.lookup(1, layer, head, torch.arange(6))
+            assert slots[:2].tolist() == [-1, -1]  # pages 0 and 1 were the least recently used
+            assert set(slots[2:].tolist()) == set(cache.rows[1, layer, head, :4].tolist())
+            assert sorted(cache.slot_page[cache.rows[1, layer, head, :4]].tolist()) == [2, 3, 4, 5]
+    open_rows = cache.rows[[1, 2, 3]]
+    assert (open_rows[..., 4:] == -1).all() and len(set(open_rows[..., :4].reshape(-1).tolist())) == 3 * lh * 4
+    assert cache.write_allocate(1, 6, 1) == 0  # a narrowed row is no longer filled in page order
+    for r in (4, 5, 6):
+        cache.open_request(r)
+    assert all(cache.width(r) == 2 for r in range(1, 7)) and cache.num_free == 0
+    with pytest.raises(GPUCacheFull):
+        cache.open_request(7)
+    assert cache.num_open == 6 and cache.num_free == 0  # the refusal changed nothing
+    for r in (3, 4, 5, 6):
+        cache.close_request(r)
+    assert (cache.width(1), cache.width(2)) == (6, 6) and cache.num_free == 0  # half the pool each, at most 6
+    # Misses go to the grown (empty) columns first; the pages request 1 kept stay cached.
+    cache.next_step()
+    kept = cache.page_table.lookup(1, 0, 0, torch.arange(12))
+    slots = cache.retrieve(0, torch.tensor([1]), torch.tensor([[[10], [10]]]), torch.arange(12).view(1, -1), no_load, 12)
+    assert int(slots[0, 0, 0]) in cache.rows[1, 0, 0, 2:].tolist()  # it had shrunk to 2 columns
+    assert kept[4] >= 0 and kept[5] >= 0  # its two most recently used pages
+    assert torch.equal(cache.page_table.lookup(1, 0, 0, torch.arange(10)), kept[:10])
 
 
 def host_with_pages(layers, heads, pages, page_size, dim, dtype, gen):

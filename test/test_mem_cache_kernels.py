@@ -19,9 +19,10 @@ from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs, retrieve_pages
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_cache(num_slots, layers=2, heads=2, page_size=8, dim=16, dtype=torch.bfloat16, width=4, max_pages=24):
+def make_cache(num_slots, layers=2, heads=2, page_size=8, dim=16, dtype=torch.bfloat16, width=4, max_pages=24,
+               min_width=None):  # fmt: skip
     return GPUPageCache(num_slots, layers, heads, page_size, dim, dtype, max_requests=4, row_width=width,
-                        max_pages=max_pages, total_pages=64, device=DEVICE, segment_pages=4)  # fmt: skip
+                        max_pages=max_pages, total_pages=64, device=DEVICE, segment_pages=4, min_row_width=min_width)  # fmt: skip
 
 
 def test_save_runs_split_each_request_at_its_page_boundaries():
@@ -98,18 +99,24 @@ def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius,
     assert torch.equal(cache.v.view(torch.uint8), ref_cache.v.view(torch.uint8))
 
 
-def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indices():
+@pytest.mark.parametrize("elastic", [False, True])
+def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indices(elastic):
     """Random selections over many steps (some rows partly padded, pages past a request's end
     ignored): the kernel's hits, victims, table updates and copies equal the reference's, and
-    each row's FlashInfer indices are its slots with the newest page last."""
+    each row's FlashInfer indices are its slots with the newest page last. Elastic: the rows are
+    5 of 6 columns wide (the second request's opening narrowed the first), the last one -1."""
     rng = random.Random(11)
     layers, heads, width, k_sel, page, dim = 2, 3, 6, 4, 8, 16
-    ref = make_cache(2 * layers * heads * width + 5, layers, heads, page, dim, width=width, max_pages=16)
+    if elastic:
+        ref = make_cache(layers * heads * (width + 4), layers, heads, page, dim, width=width, max_pages=16, min_width=k_sel)
+    else:
+        ref = make_cache(2 * layers * heads * width + 5, layers, heads, page, dim, width=width, max_pages=16)
     host_pages = torch.tensor([[3 + i for i in range(16)], [30 + i for i in range(16)]], device=DEVICE, dtype=torch.int32)
     req_slots = torch.tensor([2, 1], device=DEVICE)
     for r in req_slots.tolist():
         ref.open_request(r, 16)
     ref.write_allocate(2, 0, 3)  # some pages cached from the prefill
+    assert [ref.width(r) for r in (2, 1)] == ([5, 5] if elastic else [6, 6])
     cache = copy.deepcopy(ref)
     for step in range(30):
         ref.next_step()

@@ -18,7 +18,7 @@ def test_plan_for_the_8b_shape_splits_gpu_memory_into_summaries_cache_and_rows()
     s = plan.shape
     assert s.num_host_pages == 16 * GIB // (2 * 32 * 8 * 32 * 128 * 2)  # 4 MiB per host page
     assert plan.max_total_tokens == (s.num_host_pages - 1) * 32
-    assert plan.selection_pages == 64 and s.row_width == 80 and s.max_pages == 4096
+    assert plan.selection_pages == 64 and s.min_row_width == 80 and s.row_width == 256 and s.max_pages == 4096
     assert plan.summary_bytes < 16 * GIB * 0.07  # 6.25% of the host KV, plus counts
     assert plan.summary_bytes + plan.cache_bytes + plan.staging_bytes < 40 * GIB
     assert plan.max_running_requests == s.num_slots // (32 * 8 * 80) and s.max_requests == plan.max_running_requests + 1
@@ -28,21 +28,18 @@ def test_plan_for_the_8b_shape_splits_gpu_memory_into_summaries_cache_and_rows()
     assert capped.max_running_requests == 4 and capped.shape.num_host_pages == 33
 
 
-def test_rows_follow_the_row_ratio_and_widen_into_slots_a_request_cap_leaves_unused():
+def test_rows_are_at_least_the_row_ratio_and_may_grow_to_4x_the_selection():
     wide = plan_memory(SparseConfig(host_cache_gb=16, cache_row_ratio=2.0), gpu_kv_bytes=40 * GIB, **LLAMA8B)
-    assert wide.shape.row_width == 128 and wide.max_running_requests == wide.shape.num_slots // (32 * 8 * 128)
-    default = plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=40 * GIB, **LLAMA8B)
-    # Capped at a third of the rows that fit: each row widens into the free slots, up to 4x the selection.
-    third = plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=40 * GIB,
-                        max_running_requests=default.max_running_requests // 3, **LLAMA8B)  # fmt: skip
-    assert 80 < third.shape.row_width <= third.shape.num_slots // (third.max_running_requests * 32 * 8)
-    assert third.shape.row_width >= 3 * 80 - 2  # about three default rows' slots each
-    four = plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=40 * GIB, max_running_requests=1, **LLAMA8B)
-    assert four.shape.row_width == 4 * 64  # MAX_AUTO_ROW_RATIO x the selection, whatever is free
-    # Budget 8192 (256 pages): 2x would leave the fused kernels (256 x 512 pairs); the row stops at 256.
+    assert wide.shape.min_row_width == 128 and wide.max_running_requests == wide.shape.num_slots // (32 * 8 * 128)
+    assert wide.shape.row_width == 4 * 64  # MAX_AUTO_ROW_RATIO x the selection
+    # Budget 8192 (256 pages): a wider row would leave the fused kernels (256 x 512 pairs); it stays 256.
     big = plan_memory(SparseConfig(host_cache_gb=16, token_budget=8192, cache_row_ratio=1.0), gpu_kv_bytes=40 * GIB,
                       max_running_requests=1, **LLAMA8B)  # fmt: skip
-    assert big.shape.row_width == 256
+    assert big.shape.row_width == big.shape.min_row_width == 256
+    # A short-context model: no row grows past every page a request can hold.
+    short = plan_memory(SparseConfig(host_cache_gb=1, token_budget=512), gpu_kv_bytes=4 * GIB, num_layers=30,
+                        num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, context_len=1000)  # fmt: skip
+    assert short.shape.min_row_width == 20 and short.shape.row_width == 32
     with pytest.raises(Exception, match="--sparse-cache-row-ratio: must be >= 1"):
         SparseConfig(host_cache_gb=1, cache_row_ratio=0.5)
 

@@ -28,6 +28,7 @@ from sparse_sglang.attention.prefix import PrefixAttention
 from sparse_sglang.attention.sparse_decode import SparseDecoder, host_page_table
 from sparse_sglang.integration.registry import relies_on
 from sparse_sglang.mem_cache.kernels import SaveRuns
+from sparse_sglang.scheduler import WorkingSetGate
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -58,6 +59,8 @@ class SparseAttnBackend(FlashInferAttnBackend):
         max_batch = model_runner.req_to_token_pool.size + 1
         self.decoder = SparseDecoder(self.store, self.sparse_config, self.num_q_heads, self.workspace_buffer, max_batch)
         self.prefix = PrefixAttention(self.store, self.num_q_heads, self.workspace_buffer, model_runner.model_config.context_len)
+        config = self.sparse_config
+        WorkingSetGate.current = WorkingSetGate(self.store.cache, config.working_set_window) if config.working_set_admission else None
         logger.info("sparse attention backend: %s", self.sparse_config)
 
     @staticmethod

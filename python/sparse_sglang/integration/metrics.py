@@ -49,13 +49,18 @@ def interval_stats(before: dict, now: dict, steps: int, seconds: float) -> dict:
     }
 
 
+def row_width(now: dict) -> str:
+    width = now.get("gpu_cache_row_width_mean")
+    return "" if width is None else f" ({width:.0f} pages wide)"
+
+
 def log_line(stats: dict, now: dict) -> str:
     hit = stats["gpu_cache_hit_ratio"]
     return (
         f"Sparse KV, cache hit: {'-' if hit is None else f'{hit:.3f}'}, "
         f"H2D pages/step: {stats['h2d_pages_per_step']:.1f}, H2D GB/s: {stats['h2d_bytes_per_s'] / 1e9:.2f}, "
         f"D2H GB/s: {stats['d2h_bytes_per_s'] / 1e9:.2f}, "
-        f"cache rows: {now['gpu_cache_rows_open']}/{now['request_slots']}, "
+        f"cache rows: {now['gpu_cache_rows_open']}/{now['request_slots']}{row_width(now)}, "
         f"working set: {now['working_set_pages']}/{now['gpu_cache_slots']} slots, "
         f"host KV tokens: {stats['host_tokens_used']}/{now['host_tokens']}"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 
 from sparse_sglang.integration.registry import relies_on, wrap_once
+from sparse_sglang.scheduler import WorkingSetGate
 
 
 def sparse_state(scheduler) -> dict | None:
@@ -21,7 +22,10 @@ def sparse_state(scheduler) -> dict | None:
     if store is None:
         return None
     allocator, tree = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
+    gate = WorkingSetGate.current
     return {
+        "working_set_admissions": None if gate is None else gate.admitted,
+        "working_set_deferrals": None if gate is None else gate.deferred,
         **store.stats(scheduler.server_args.sparse.working_set_window),
         "host_tokens": scheduler.max_total_num_tokens,
         "host_tokens_free": allocator.available_size(),

@@ -1,8 +1,11 @@
 """The GPU page cache: per-head KV slots in HBM, handed to running requests in rows.
 
-Every running request owns a *row* of ``row_width`` slots in each (layer, kv head), taken from
-the shared slot pool when it starts and returned when it ends. A :class:`TwoLevelPageTable` maps
-(request slot, layer, kv head, logical page) to the slot holding that page, or -1 when the page
+Every running request owns a *row* of slots in each (layer, kv head), taken from the shared slot
+pool when it starts and returned when it ends. Rows are elastic (SPIN's buffer pages): a row
+holds at least ``min_row_width`` slots (the pages a step selects plus a minimum buffer) and grows
+up to ``row_width`` while the pool has slots no other request needs; when a new request finds the
+pool short, the widest rows give back their least recently used slots. A :class:`TwoLevelPageTable`
+maps (request slot, layer, kv head, logical page) to the slot holding that page, or -1 when the page
 is only on the host. Rows make the decode path free of host synchronization: a step selects at
 most ``budget_pages <= row_width`` pages per (request, layer, head), so the misses always fit in
 the row's slots that hold no selected page, and choosing them (least recently used first) is a
@@ -60,7 +63,10 @@ class GPUPageCache:
     max_requests : int
         Request slots (SGLang's ``req_pool_idx`` range, padding row 0 included).
     row_width : int
-        Slots per (request, layer, kv head); at least the pages one decode step selects.
+        Most slots per (request, layer, kv head) (a row's width when slots are plentiful).
+    min_row_width : int, optional
+        Fewest slots per (request, layer, kv head), at least the pages one decode step selects
+        (default ``row_width``: fixed rows).
     max_pages : int
         Most logical pages one request may have (sizes the page table's directory).
     total_pages : int
@@ -72,7 +78,8 @@ class GPUPageCache:
     k, v : torch.Tensor
         ``[num_slots, page_size, head_dim]`` (views; FlashH2D's and FlashInfer's paged KV).
     rows : torch.Tensor
-        ``[max_requests, num_layers, num_kv_heads, row_width]`` int64 slots of each open request.
+        ``[max_requests, num_layers, num_kv_heads, row_width]`` int64 slots of each open request:
+        its row's width of them first, then -1.
     slot_page : torch.Tensor
         ``[num_slots + 1]`` int64 logical page a slot holds, -1 if none (entry ``num_slots`` is
         the scratch slot that padded writes land in).
@@ -88,12 +95,15 @@ class GPUPageCache:
     def __init__(
         self, num_slots: int, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int,
         dtype: torch.dtype, *, max_requests: int, row_width: int, max_pages: int, total_pages: int,
-        device: torch.device | str = "cpu", segment_pages: int = 128,
+        device: torch.device | str = "cpu", segment_pages: int = 128, min_row_width: int | None = None,
     ):
         check_kv_shape(page_size, head_dim, dtype, num_slots=num_slots, num_layers=num_layers,
                        num_kv_heads=num_kv_heads, max_requests=max_requests, row_width=row_width)  # fmt: skip
         self.num_slots, self.num_layers, self.num_kv_heads = num_slots, num_layers, num_kv_heads
         self.page_size, self.row_width = page_size, row_width
+        self.min_row_width = row_width if min_row_width is None else min_row_width
+        if not 1 <= self.min_row_width <= row_width:
+            raise ValueError(f"min_row_width must be in [1, row_width={row_width}], got {min_row_width}")
         segment_pages = min(segment_pages, max_pages)
         self.page_table = TwoLevelPageTable(
             max_requests, num_layers, num_kv_heads, max_pages,
@@ -116,17 +126,23 @@ class GPUPageCache:
         self._layers = torch.arange(num_layers, device=device)
         # Host side: free slots, and per open request its row (CPU copy) and write-allocated count.
         self._free = FreeStack(torch.arange(num_slots))
+        # Write-allocation fills columns [0, filled) of a row in page order (see write_allocate).
         self._row_slots: dict[int, torch.Tensor] = {}
         self._filled: dict[int, int] = {}
+        self._width: dict[int, int] = {}
 
     @property
     def row_slots(self) -> int:
-        """Slots one request's row takes in all layers and heads."""
-        return self.num_layers * self.num_kv_heads * self.row_width
+        """Slots one request's row takes in all layers and heads, at its narrowest."""
+        return self.num_layers * self.num_kv_heads * self.min_row_width
 
     @property
     def max_open_requests(self) -> int:
         return self.num_slots // self.row_slots
+
+    def width(self, req_slot: int) -> int:
+        """The current width of an open request's rows."""
+        return self._width[req_slot]
 
     @property
     def num_free(self) -> int:
@@ -143,14 +159,23 @@ class GPUPageCache:
         """Slots of the open rows used (hit, loaded or written) in the last ``window`` steps: the
         running requests' working sets as far as their rows hold them (SparseServe's w-step union,
         read from the LRU stamps the steps leave anyway)."""
-        used = self.last_used[self.rows[self.rows >= 0]]  # -1: an empty slot
-        return int(((used >= 0) & (used > self.step - window)).sum())
+        return sum(self.working_set_pages_of(list(self._row_slots), window))
+
+    def working_set_pages_of(self, req_slots: list[int], window: int) -> list[int]:
+        """Per open request, the slots of its rows used in the last ``window`` steps (one read of
+        the device)."""
+        if not req_slots:
+            return []
+        rows = self.rows[torch.tensor(req_slots, device=self.rows.device)]  # [n, L, H, W], -1 past the width
+        used = self.last_used[self._scratch(rows)]  # the scratch slot is never used (-1)
+        return ((used >= 0) & (used > self.step - window)).flatten(1).sum(1).tolist()
 
     def stats(self, window: int = 12) -> dict:
         """Counters for metrics (reads the device counters: a sync, not for the hot path)."""
         selected, loaded = self.counters.tolist()
         return {
             "gpu_cache_slots": self.num_slots, "gpu_cache_slots_free": self.num_free, "gpu_cache_rows_open": self.num_open,
+            "gpu_cache_row_width_mean": sum(self._width.values()) / self.num_open if self._width else None,
             "pages_selected": selected, "pages_loaded": loaded,
             "hit_ratio": None if selected == 0 else 1 - loaded / selected,
             "working_set_window": window, "working_set_pages": self.working_set_pages(window),
@@ -165,35 +190,102 @@ class GPUPageCache:
     def open_request(self, req_slot: int, num_pages: int = 0) -> None:
         """Give request slot ``req_slot`` its row and a page table of ``num_pages`` pages.
 
+        The row gets an equal share of the pool among the open requests (within the row width
+        bounds); the widest open rows give back their least recently used slots when the free ones
+        fall short.
+
         Raises
         ------
         GPUCacheFull
-            When fewer than a row's slots are free (nothing changes then).
+            When even the narrowest row cannot be made room for (nothing changes then).
         """
         if self.is_open(req_slot):
             raise ValueError(f"request slot {req_slot} already has a row (close it first)")
-        if self.row_slots > self.num_free:
-            raise GPUCacheFull(
-                f"GPU page cache full: a request needs {self.row_slots} slots, {self.num_free} of "
-                f"{self.num_slots} are free; raise --sparse-gpu-cache-gb or lower --max-running-requests"
-            )
-        self.page_table.resize(req_slot, num_pages)
-        slots = self._free.pop(self.row_slots)
+        lh = self.num_layers * self.num_kv_heads
+        share = self.num_slots // (lh * (self.num_open + 1))
+        width = max(self.min_row_width, min(self.row_width, share))
+        reclaimable = sum(w - max(width, self.min_row_width) for w in self._width.values() if w > width)
+        if self.num_free + lh * reclaimable < lh * width:
+            width = self.min_row_width
+            reclaimable = sum(w - width for w in self._width.values())
+            if self.num_free + lh * reclaimable < lh * width:
+                raise GPUCacheFull(
+                    f"GPU page cache full: a request needs {lh * width} slots, {self.num_free} of "
+                    f"{self.num_slots} are free; raise --sparse-gpu-cache-gb or lower --max-running-requests"
+                )
+        self.page_table.resize(req_slot, num_pages)  # may refuse (its segment pool): before any row shrinks
+        if self.num_free < lh * width:
+            self._shrink_widest(lh * width - self.num_free, floor=width)
+        slots = self._free.pop(lh * width)
         self._row_slots[req_slot] = slots
         self._filled[req_slot] = 0
+        self._width[req_slot] = width
         self.selected_at[req_slot] = -1
-        self.rows[req_slot] = slots.view(self.num_layers, self.num_kv_heads, self.row_width).to(self.rows.device)
+        self.rows[req_slot] = -1
+        self.rows[req_slot, :, :, :width] = slots.view(self.num_layers, self.num_kv_heads, width).to(self.rows.device)
 
     def close_request(self, req_slot: int) -> None:
-        """Return the row of ``req_slot`` (finish, abort, or the slot's reuse) and drop its table."""
+        """Return the row of ``req_slot`` (finish, abort, or the slot's reuse) and drop its table;
+        the narrowest open rows grow into the freed slots."""
         slots = self._row_slots.pop(req_slot)
         del self._filled[req_slot]
+        del self._width[req_slot]
         self.page_table.release(req_slot)
         dev = self.slot_page.device
         self.slot_page[slots.to(dev)] = -1
         self.last_used[slots.to(dev)] = -1
         self.rows[req_slot] = -1
         self._free.push(slots)
+        self._grow_narrowest()
+
+    def _shrink_widest(self, slots_needed: int, floor: int) -> None:
+        """Free ``slots_needed`` slots from the widest open rows, none going below ``floor``."""
+        lh = self.num_layers * self.num_kv_heads
+        while slots_needed > 0:
+            req = max(self._width, key=lambda r: self._width[r])
+            width = self._width[req]
+            cut = min(width - floor, -(-slots_needed // lh))
+            assert cut > 0, "open_request checked that enough slots are reclaimable"
+            self._shrink(req, width - cut)
+            slots_needed -= lh * cut
+
+    def _shrink(self, req_slot: int, width: int) -> None:
+        """Narrow one request's rows to ``width``: each (layer, head) keeps its most recently used
+        slots; the pages the others held go back to being on the host only."""
+        old = self._width[req_slot]
+        row = self.rows[req_slot, :, :, :old]  # [L, H, old]
+        order = self.last_used[row].argsort(dim=-1, descending=True, stable=True)
+        keep, drop = row.gather(-1, order[..., :width]), row.gather(-1, order[..., width:])
+        self.page_table.invalidate(req_slot, self._layers.view(-1, 1, 1), self._heads.view(1, -1, 1), self.slot_page[drop])
+        self.slot_page[drop] = -1
+        self.last_used[drop] = -1
+        self.rows[req_slot, :, :, :width] = keep
+        self.rows[req_slot, :, :, width:] = -1
+        self._row_slots[req_slot] = keep.reshape(-1).cpu()
+        self._free.push(drop.reshape(-1).cpu())
+        self._width[req_slot] = width
+        # Its pages are no longer all cached in column order: no more write-allocation.
+        self._filled[req_slot] = width
+
+    def _grow_narrowest(self) -> None:
+        """Widen the narrowest open rows toward an equal share of the pool (at most ``row_width``)."""
+        if not self._width:
+            return
+        lh = self.num_layers * self.num_kv_heads
+        share = min(self.row_width, self.num_slots // (lh * self.num_open))
+        for req in sorted(self._width, key=lambda r: self._width[r]):
+            width = self._width[req]
+            add = min(share - width, self.num_free // lh)
+            if add <= 0:
+                continue
+            new = self._free.pop(lh * add)
+            dev = self.rows.device
+            self.rows[req, :, :, width : width + add] = new.view(self.num_layers, self.num_kv_heads, add).to(dev)
+            self._row_slots[req] = torch.cat([self._row_slots[req].view(self.num_layers, self.num_kv_heads, width),
+                                              new.view(self.num_layers, self.num_kv_heads, add)], -1).reshape(-1)  # fmt: skip
+            if self._filled[req] == width:  # decode steps may load into the new (empty) columns first
+                self._filled[req] = width + add
+            self._width[req] = width + add
 
     def resize_request(self, req_slot: int, num_pages: int) -> None:
         """Let request ``req_slot`` hold ``num_pages`` logical pages (grow only: a request's pages
@@ -209,7 +301,7 @@ class GPUPageCache:
         Called when a request creates pages (prefill, or a decode step starting a page), before
         their tokens are stored, so :meth:`store` writes them into the cache as well."""
         filled = self._filled[req_slot]
-        n = max(0, min(num_pages, self.row_width - filled))
+        n = max(0, min(num_pages, self._width[req_slot] - filled))
         if n == 0:
             return 0
         dev = self.rows.device
@@ -315,8 +407,9 @@ class GPUPageCache:
         miss = (page >= 0) & (hit < 0)
         self.counters += torch.stack([(page >= 0).sum(), miss.sum()])
 
-        row = self.rows[req_slots.long(), layer]  # [B, H, W]
-        victims = row.gather(-1, self.last_used[row].argsort(dim=-1, stable=True))
+        row = self.rows[req_slots.long(), layer]  # [B, H, W], -1 past the row's width
+        never = torch.iinfo(torch.int64).max  # columns past the width are never victims
+        victims = row.gather(-1, torch.where(row >= 0, self.last_used[self._scratch(row)], never).argsort(dim=-1, stable=True))
         rank = (miss.long().cumsum(-1) - 1).clamp(0, self.row_width - 1)
         dst = torch.where(miss, victims.gather(-1, rank), -1)  # [B, H, K]
 

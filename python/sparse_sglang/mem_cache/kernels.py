@@ -187,11 +187,12 @@ if triton is not None:
 
         # Victims: the row's slots by last use (hits count as used now), oldest first; ties by position.
         w = tl.arange(0, WP)
-        in_row = w < W
-        row = tl.load(rows_ptr + row_base + w, mask=in_row, other=-1)
-        # A padding request's row holds -1s: last_used[-1] is outside the tensor (an illegal
-        # address when the allocation starts a mapping), so those loads stay masked.
-        used = tl.load(last_used_ptr + row, mask=in_row & (row >= 0), other=0)
+        row = tl.load(rows_ptr + row_base + w, mask=w < W, other=-1)
+        # Columns past the row's width (and a padding request's whole row) hold -1: never victims,
+        # and their last_used[-1] loads (outside the tensor: an illegal address when the
+        # allocation starts a mapping) stay masked.
+        in_row = (w < W) & (row >= 0)
+        used = tl.load(last_used_ptr + row, mask=in_row, other=0)
         hit_now = tl.max(((row[:, None] == hit[None, :]) & is_hit[None, :]).to(tl.int32), axis=1) > 0
         used = tl.where(hit_now, step, used)
         order = tl.sort(tl.where(in_row, (used + 1) * WP + w, (step + 2) * WP + w))

@@ -41,9 +41,10 @@ class StoreShape:
     num_host_pages: int  # page 0 included (reserved: SGLang pads with it)
     num_slots: int  # GPU page cache slots
     max_requests: int  # request slots, SGLang's padding row 0 included
-    row_width: int  # cache slots per (request, layer, kv head)
+    row_width: int  # most cache slots per (request, layer, kv head)
     max_pages: int  # logical pages of the longest request
     max_save_tokens: int  # tokens one FlashD2H submit takes (longer batches go in parts)
+    min_row_width: int | None = None  # fewest cache slots per (request, layer, kv head); None = row_width
 
 
 class SparseKVStore:
@@ -74,7 +75,7 @@ class SparseKVStore:
         self.cache = GPUPageCache(
             s.num_slots, s.num_layers, s.num_kv_heads, s.page_size, s.head_dim, s.dtype,
             max_requests=s.max_requests, row_width=s.row_width, max_pages=s.max_pages,
-            total_pages=s.num_host_pages, device=self.device,
+            total_pages=s.num_host_pages, device=self.device, min_row_width=s.min_row_width,
         )  # fmt: skip
         if on_gpu:
             from sparse_sglang.transfer import DirectD2H, FlashD2H, FlashH2D

@@ -20,9 +20,9 @@ from sparse_sglang.mem_cache.kernels import MAX_RETRIEVE_CELLS, fits_fused_retri
 from sparse_sglang.mem_cache.kv_store import StoreShape
 from sparse_sglang.mem_cache.summaries import bound_dtype
 
-# Widest automatic row (--max-running-requests leaving cache slots unused), over the selection:
-# SPIN found ~5x buffer over mandatory pages a sweet spot, and the retrieve kernel's work per row
-# (a sort of the row, a selection x row comparison) grows with the row.
+# Widest row (rows grow into slots no other request needs), over the selection: SPIN found ~5x
+# buffer over mandatory pages a sweet spot, and the retrieve kernel's work per row (a sort of the
+# row, a selection x row comparison) grows with the row.
 MAX_AUTO_ROW_RATIO = 4
 SAVE_CHUNK_TOKENS = 8192  # tokens per FlashD2H staging buffer (larger prefill batches go in parts)
 
@@ -51,7 +51,7 @@ class MemoryPlan:
         return (
             f"host store {s.num_host_pages - 1} pages ({self.max_total_tokens} tokens); GPU: summaries "
             f"{self.summary_bytes / GIB:.2f} GiB, page cache {self.cache_bytes / GIB:.2f} GiB ({s.num_slots} slots, "
-            f"rows of {s.row_width} pages), prefix staging {self.staging_bytes / GIB:.2f} GiB; "
+            f"rows of {s.min_row_width}-{s.row_width} pages), prefix staging {self.staging_bytes / GIB:.2f} GiB; "
             f"{self.max_running_requests} requests at once, {self.selection_pages} pages per kv head per step"
         )
 
@@ -63,11 +63,11 @@ def row_width_for(selection_pages: int, max_pages: int | None = None, ratio: flo
     return width if max_pages is None else min(width, max_pages)
 
 
-def widened_row_width(row_width: int, selection_pages: int, max_pages: int, free_width: int) -> int:
-    """The row width when each row may take up to ``free_width`` slots per (layer, kv head): wider
-    than ``row_width`` by at most :data:`MAX_AUTO_ROW_RATIO` x the selection, never past every page
-    a request can hold, and still within the fused retrieve kernel when ``row_width`` is."""
-    width = min(free_width, max_pages, max(row_width, MAX_AUTO_ROW_RATIO * selection_pages))
+def widest_row_width(row_width: int, selection_pages: int, max_pages: int) -> int:
+    """How wide a row of at least ``row_width`` slots may grow: :data:`MAX_AUTO_ROW_RATIO` x the
+    selection, never past every page a request can hold, and still within the fused retrieve
+    kernel when ``row_width`` is."""
+    width = min(max_pages, max(row_width, MAX_AUTO_ROW_RATIO * selection_pages))
     if fits_fused_retrieve(selection_pages, row_width):
         width = min(width, MAX_RETRIEVE_CELLS // next_pow2(selection_pages))
     return max(row_width, width)
@@ -118,7 +118,7 @@ def plan_memory(
         host_pages = min(host_pages, math.ceil(max_total_tokens / page) + 1)
     max_pages = math.ceil(context_len / page)
     selection = min(config.budget_pages, max_pages)
-    row_width = row_width_for(selection, max_pages, config.cache_row_ratio)
+    min_row_width = row_width_for(selection, max_pages, config.cache_row_ratio)
 
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
                                                                 context_len, with_radius, with_mean)  # fmt: skip
@@ -134,22 +134,23 @@ def plan_memory(
                 "raise --mem-fraction-static"
             )
     num_slots = cache_bytes // slot_bytes(page, head_dim, dtype)
-    row = num_layers * num_kv_heads * row_width
+    row = num_layers * num_kv_heads * min_row_width
     fits = num_slots // row
     if fits < 1:
         need = row * slot_bytes(page, head_dim, dtype) / GIB
         raise MemoryPlanError(
             f"--sparse-gpu-cache-gb: the GPU page cache ({cache_bytes / GIB:.2f} GiB) holds no request; one "
-            f"request needs {need:.2f} GiB ({row_width} pages x {num_layers} layers x {num_kv_heads} kv heads); "
-            "raise it (or --mem-fraction-static), or lower --sparse-token-budget"
+            f"request needs {need:.2f} GiB ({min_row_width} pages x {num_layers} layers x {num_kv_heads} kv heads); "
+            "raise it (or --mem-fraction-static), or lower --sparse-token-budget or --sparse-cache-row-ratio"
         )
     running = min(fits, max_running_requests) if max_running_requests else fits
-    if running < fits:  # SGLang's cap leaves slots unused: the running requests' rows widen into them
-        row_width = widened_row_width(row_width, selection, max_pages, num_slots // (running * num_layers * num_kv_heads))
+    # Rows are elastic: each takes at least min_row_width slots and grows into slots no other
+    # request needs (fewer requests running than fit), up to row_width.
+    row_width = widest_row_width(min_row_width, selection, max_pages)
     shape = StoreShape(
         num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page, dtype=dtype,
         num_host_pages=host_pages, num_slots=num_slots, max_requests=running + 1, row_width=row_width,
-        max_pages=max_pages, max_save_tokens=SAVE_CHUNK_TOKENS,
+        max_pages=max_pages, max_save_tokens=SAVE_CHUNK_TOKENS, min_row_width=min_row_width,
     )  # fmt: skip
     return MemoryPlan(shape, running, selection, summary_bytes, num_slots * slot_bytes(page, head_dim, dtype), staging_bytes,
                       table_bytes)  # fmt: skip

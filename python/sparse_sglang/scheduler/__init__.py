@@ -4,6 +4,8 @@
   ``window`` decode steps), measured on the device.
 - :class:`AdmissionPolicy`: keep / retract / admit / defer / refuse so the summed working sets fit
   the GPU page cache, strict FCFS on the waiting queue.
+- :class:`WorkingSetGate`: the policy asked by SGLang's prefill admission
+  (``integration/admission.py``), with working sets from the GPU page cache.
 """
 
 from sparse_sglang.scheduler.admission import (
@@ -12,6 +14,7 @@ from sparse_sglang.scheduler.admission import (
     AdmissionStats,
     Running,
     Waiting,
+    WorkingSetGate,
     WorkingSetTracker,
     prefill_pages,
 )
@@ -22,6 +25,7 @@ __all__ = [
     "AdmissionStats",
     "Running",
     "Waiting",
+    "WorkingSetGate",
     "WorkingSetTracker",
     "prefill_pages",
 ]

@@ -11,6 +11,8 @@ admitting waiting ones only while they fit.
   last ``window`` steps' selections per request, layer and kv head).
 - :func:`prefill_pages` is a prefill's working set, which is exact: every KV page it attends.
 - :class:`AdmissionPolicy` is the pure-Python decision: keep / retract / admit / defer / refuse.
+- :class:`WorkingSetGate` asks it, for SGLang's prefill admission, whether one more request fits
+  next to the running ones, with working sets read from the GPU page cache's LRU stamps.
 
 Fairness rule: strict FCFS on the waiting queue. Requests are considered in arrival order and the
 first one that does not fit (GPU working-set budget or free host pages) stops admission: every
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -232,3 +235,35 @@ class AdmissionPolicy:
         d.working_set_pages = used
         self.stats.add(d)
         return d
+
+
+class WorkingSetGate:
+    """Whether SGLang may start one more request now (the admission half of Algorithm 1).
+
+    A running request's working set is what its cache rows used in the last ``window`` steps
+    (:meth:`GPUPageCache.working_set_pages_of`), counted as at least a narrowest row: that much it
+    keeps whatever happens. Each request starting (those admitted earlier in this scheduling
+    round, and the candidate) needs a narrowest row. :class:`AdmissionPolicy` decides; a deferred
+    request stops the round (strict FCFS) and is asked about again in the next one.
+
+    ``current`` is the gate of this process's sparse backend (``None``: admission is SGLang's alone).
+    """
+
+    current: ClassVar[WorkingSetGate | None] = None
+
+    def __init__(self, cache, window: int):
+        self.cache, self.window = cache, window
+        self.policy = AdmissionPolicy(cache.num_slots, host_total_pages=1)  # host memory is SGLang's to check
+        self.admitted = self.deferred = 0  # answers since start (metrics)
+
+    def admits(self, running_slots: list[int], starting: int) -> bool:
+        """``running_slots``: request slots of the running batch; ``starting``: requests already
+        admitted in this round (slots not yet assigned). True when one more fits."""
+        row = self.cache.row_slots
+        sets = self.cache.working_set_pages_of(running_slots, self.window)
+        running = [Running(i, i, max(pages, row)) for i, pages in enumerate(sets)]
+        waiting = [Waiting(("new", j), len(running) + j, row, 0) for j in range(starting + 1)]
+        fits = waiting[-1].rid in self.policy.decide(running, waiting, host_free_pages=0).admit
+        self.admitted += fits
+        self.deferred += not fits
+        return fits
