@@ -10,6 +10,7 @@ what the soak benchmark checks.
 
 from __future__ import annotations
 
+import dataclasses
 
 from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.scheduler import WorkingSetGate
@@ -32,6 +33,7 @@ def sparse_state(scheduler) -> dict | None:
         "host_tokens_in_radix_cache": tree.evictable_size() + tree.protected_size(),
         "request_slots": scheduler.req_to_token_pool.size,
         "request_slots_free": scheduler.req_to_token_pool.available_size(),
+        "segmented_prefill": dataclasses.asdict(segmented) if (segmented := getattr(scheduler, "sparse_segmented_prefill", None)) else None,
     }
 
 
