@@ -33,8 +33,21 @@ def sparse_state(scheduler) -> dict | None:
         "host_tokens_in_radix_cache": tree.evictable_size() + tree.protected_size(),
         "request_slots": scheduler.req_to_token_pool.size,
         "request_slots_free": scheduler.req_to_token_pool.available_size(),
+        **hbm_state(),
         "segmented_prefill": dataclasses.asdict(segmented) if (segmented := getattr(scheduler, "sparse_segmented_prefill", None)) else None,
     }
+
+
+def hbm_state() -> dict:
+    """This process's GPU memory (torch's allocator): allocated now, and the peak since the last
+    report (read, then reset: a benchmark reads once before and once after what it measures)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return {"hbm_allocated_bytes": torch.cuda.memory_allocated(), "hbm_peak_bytes_since_last_report": peak}
 
 
 @relies_on("sglang.srt.managers.scheduler:Scheduler.get_internal_state", at="sglang/srt/managers/scheduler.py:4165")
