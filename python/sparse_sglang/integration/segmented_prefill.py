@@ -131,6 +131,7 @@ class SegmentedPrefillLoop:
         if end == self.num_layers:
             batch.split_prefill_finished = True
             s.process_batch_result(batch, result)
+            batch.split_forward_batch = None  # its hidden states; the batch may live on as the running batch
             self.prefill = None  # stays last_batch: the next get_next_batch_to_run merges it
 
     def _cancel(self, batch: ScheduleBatch) -> None:
