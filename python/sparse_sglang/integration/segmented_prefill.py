@@ -69,14 +69,17 @@ class SegmentedPrefillLoop:
                     self.max_inject_tokens)  # fmt: skip
 
     def run_forever(self) -> None:
+        while not self.scheduler.gracefully_exit:
+            self.iterate()
+
+    def iterate(self) -> None:
         s = self.scheduler
-        while not s.gracefully_exit:
-            s.process_input_requests(s.request_receiver.recv_requests())
-            if s._engine_paused:
-                continue
-            if self.prefill is None and not self._run_sglang_iteration():
-                continue
-            self._run_segmented_iteration()
+        s.process_input_requests(s.request_receiver.recv_requests())
+        if s._engine_paused:
+            return
+        if self.prefill is None and not self._run_sglang_iteration():
+            return
+        self._run_segmented_iteration()
 
     def _run_sglang_iteration(self) -> bool:
         """One iteration of SGLang's normal loop, unless it forms a prefill batch to segment (then
