@@ -82,11 +82,11 @@ async def stream(session: aiohttp.ClientSession, url: str, rid: str, ids: list[i
 
 
 def gaps_within(arrivals: list[tuple[float, int]], start: float, end: float) -> list[float]:
-    """Seconds between consecutive new tokens of one stream, for tokens that arrived in
-    ``(start, end]`` (a gap that spans ``start`` counts: a decode stalled by the prefill)."""
+    """Seconds between consecutive new tokens of one stream, for every gap that overlaps
+    ``(start, end)``: one that spans the whole window is a decode stalled by the prefill."""
     out = []
     for (t0, n0), (t1, n1) in zip(arrivals, arrivals[1:]):
-        if start < t1 <= end and n1 > n0:
+        if t1 > start and t0 < end and n1 > n0:
             out.append((t1 - t0) / (n1 - n0))
     return out
 
@@ -117,6 +117,9 @@ async def prefill_next_to_decodes(url: str, args) -> dict:
         "tbt_p99_s": percentile(gaps, 0.99),
         "tbt_max_s": max(gaps, default=float("nan")),
         "tbt_p50_before_s": percentile(before, 0.5),
+        # each decode's token arrivals, seconds from the long prompt's arrival, within 2 s of the prefill
+        "arrivals": [[(round(t - long["sent"], 4), n) for t, n in d["arrivals"] if long["sent"] - 2 < t < first + 2]
+                     for d in decoded],  # fmt: skip
     }
 
 

@@ -7,10 +7,11 @@ from benchmark.prefill import gaps_within, one_layer_kv_bytes, percentile, summa
 
 def test_gaps_count_tokens_that_arrived_during_the_prefill_stalls_included():
     arrivals = [(0.0, 1), (0.1, 2), (0.2, 3), (2.2, 4), (2.3, 6), (2.4, 6), (3.0, 7)]
-    # the prefill runs (0.15, 2.35]: the 0.2 token (gap 0.1), the stalled one (2.0) and a
-    # two-token event (0.1 / 2 each); the repeated count at 2.4 and the 3.0 token are outside
+    # the prefill runs (0.15, 2.35): the gap into 0.2 (0.1), the stalled one (2.0) and a two-token
+    # event (0.1 / 2 each); the count repeated at 2.4 adds nothing, and 2.4 -> 3.0 starts after it
     assert gaps_within(arrivals, 0.15, 2.35) == pytest.approx([0.1, 2.0, 0.05])
     assert gaps_within(arrivals, 5.0, 6.0) == []
+    assert gaps_within([(0.0, 1), (9.0, 2)], 1.0, 5.0) == [9.0]  # stalled across the whole prefill
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0] * 99 + [9.0], 0.99) == 9.0
 
 

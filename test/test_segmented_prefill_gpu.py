@@ -142,9 +142,9 @@ def test_segmented_prefill_equals_a_normal_one_and_aborts_free_at_once(model_nam
                   "output_ids": {"segmented": during["output_ids"], "alone": alone["output_ids"]}}  # fmt: skip
         Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], f"segmented-prefill-{model_name}.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(summary))
-    chunks = -(-len(prompt) // CHUNK_TOKENS)
-    assert summary["segments"] >= chunks * 30, summary  # one layer per iteration, every chunk
-    assert summary["decode_steps_between_segments"] >= summary["segments"] - chunks, summary
+    layers = 32 if model_name == "llama3-8b-dummy" else 30
+    assert summary["segments"] > layers, summary  # the first chunk one layer per iteration, then the rest
+    assert summary["decode_steps_between_segments"] == summary["segments"], summary  # a decode step next to each
     assert not summary["alone_was_segmented"], summary
     assert summary["prompt_logprob_max_abs_diff"] <= 1e-3, summary
     assert summary["greedy_equal"], summary
