@@ -14,7 +14,9 @@ running, one ``--peak-prompt-tokens`` prompt alone and one ``--chunk`` -token pr
 between two reads of the server's GPU memory peak (``/get_server_info``): the long prompt's peak
 over what was allocated before it, against one layer's KV of that prompt, is
 ``peak_hbm_over_one_layer``; the short one's peak (the chunk's activations and its own KV) shows
-how much of that is activations rather than KV (``peak_kv_hbm_over_one_layer`` subtracts it).
+how much of that is activations rather than KV. ``peak_kv_hbm_over_one_layer`` counts the KV
+alone: the prefix staging buffer (one layer of the longest context, allocated at start-up, so in
+no peak; the server reports its size), what the long prompt's peak adds, and the chunk's own KV.
 
 Summary: ``ttft_ratio_vs_chunked`` (segmented / chunked), ``tbt_ratio_vs_chunked`` (p99 of the
 decode gaps during the prefill, segmented / chunked), ``peak_hbm_over_one_layer`` and
@@ -135,7 +137,8 @@ def peak_of(url: str, ids: list[int]) -> dict:
     requests.post(url + "/generate", json=body, timeout=1800).raise_for_status()
     after = sparse_info(url)
     return {"tokens": len(ids), "allocated_before_bytes": before["hbm_allocated_bytes"],
-            "peak_over_before_bytes": after["hbm_peak_bytes_since_last_report"] - before["hbm_allocated_bytes"]}  # fmt: skip
+            "peak_over_before_bytes": after["hbm_peak_bytes_since_last_report"] - before["hbm_allocated_bytes"],
+            "prefix_staging_bytes": after.get("prefix_staging_bytes")}  # fmt: skip
 
 
 def summarize(systems: dict, peak_tokens: int) -> dict:
@@ -146,7 +149,10 @@ def summarize(systems: dict, peak_tokens: int) -> dict:
         "ttft_ratio_vs_chunked": s["next_to_decodes"]["ttft_s"] / c["next_to_decodes"]["ttft_s"],
         "tbt_ratio_vs_chunked": s["next_to_decodes"]["tbt_p99_s"] / c["next_to_decodes"]["tbt_p99_s"],
         "peak_hbm_over_one_layer": peaks["long"]["peak_over_before_bytes"] / layer,
-        "peak_kv_hbm_over_one_layer": (peaks["long"]["peak_over_before_bytes"] - peaks["chunk"]["peak_over_before_bytes"]
+        # KV in HBM: the prefix staging buffer (allocated at start-up, so not in the peak), what
+        # the long prompt's peak adds to a chunk-long prompt's, and the chunk's own new KV
+        "peak_kv_hbm_over_one_layer": ((peaks["long"].get("prefix_staging_bytes") or 0)
+                                       + peaks["long"]["peak_over_before_bytes"] - peaks["chunk"]["peak_over_before_bytes"]
                                        + one_layer_kv_bytes(peaks["chunk"]["tokens"])) / layer,  # fmt: skip
         "chunked_prefill_all_layers_over_one_layer": LLAMA3_8B_CONFIG["num_hidden_layers"],
         "max_prompt_ratio": None,

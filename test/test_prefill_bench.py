@@ -21,11 +21,11 @@ def test_summary_ratios():
     systems = {
         "chunked": {"next_to_decodes": {"ttft_s": 10.0, "tbt_p99_s": 8.0}},
         "segmented": {"next_to_decodes": {"ttft_s": 9.0, "tbt_p99_s": 0.2},
-                      "peaks": {"long": {"tokens": 1000, "peak_over_before_bytes": 3 * layer},
+                      "peaks": {"long": {"tokens": 1000, "peak_over_before_bytes": 3 * layer, "prefix_staging_bytes": layer},
                                 "chunk": {"tokens": 100, "peak_over_before_bytes": 2 * layer}}},
     }
     s = summarize(systems, 1000)
     assert s["ttft_ratio_vs_chunked"] == pytest.approx(0.9) and s["tbt_ratio_vs_chunked"] == pytest.approx(0.025)
     assert s["peak_hbm_over_one_layer"] == pytest.approx(3.0)
-    assert s["peak_kv_hbm_over_one_layer"] == pytest.approx(1.1)  # (3 - 2) layers + the chunk's own 0.1
+    assert s["peak_kv_hbm_over_one_layer"] == pytest.approx(2.1)  # staging 1 + (3 - 2) layers + the chunk's own 0.1
     assert s["max_prompt_ratio"] is None

@@ -34,8 +34,16 @@ def sparse_state(scheduler) -> dict | None:
         "request_slots": scheduler.req_to_token_pool.size,
         "request_slots_free": scheduler.req_to_token_pool.available_size(),
         **hbm_state(),
+        "prefix_staging_bytes": staging_bytes(scheduler.tp_worker.model_runner.attn_backend),
         "segmented_prefill": dataclasses.asdict(segmented) if (segmented := getattr(scheduler, "sparse_segmented_prefill", None)) else None,
     }
+
+
+def staging_bytes(backend) -> int | None:
+    """GPU bytes of the buffer a prefill stages one layer of its cached prefix into (allocated at
+    start-up for one layer of the longest context): the KV a prefill holds in HBM besides its own."""
+    prefix = getattr(backend, "prefix", None)
+    return None if prefix is None else 2 * prefix.k.numel() * prefix.k.element_size()
 
 
 def hbm_state() -> dict:
