@@ -87,7 +87,8 @@ class SparseConfig:
     working_set_window: int = knob(12, help="Decode steps over which a request's selected pages form its working set (SparseServe's w).")
     gpu_cache_gb: float | None = knob(None, help="HBM (GiB) for cached KV pages; auto = what SGLang's --mem-fraction-static leaves for KV.")
     host_cache_gb: float = knob(default_factory=default_host_cache_gb, help=f"Pinned host RAM (GiB) holding all KV; defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.")
-    max_inject_tokens: int | None = knob(None, help=f"Layer-segmented prefill: prompt tokens x layers run per iteration; auto = {PREFILL_CHUNK_TOKENS_EQUIVALENT} x the model's layers.")
+    segmented_prefill: bool = knob(False, help="Layer-segmented prefill (SparseServe): while requests decode, a prefill batch runs a few layers per scheduler iteration, each iteration also running one decode step, so decodes never wait for a whole long prompt.")
+    max_inject_tokens: int | None = knob(None, help=f"Layer-segmented prefill: prompt tokens x layers run per iteration; auto = {PREFILL_CHUNK_TOKENS_EQUIVALENT} x the model's layers (what one {PREFILL_CHUNK_TOKENS_EQUIVALENT}-token chunk of chunked prefill costs).")
 
     def __post_init__(self) -> None:
         self._check_types()

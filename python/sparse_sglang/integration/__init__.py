@@ -35,6 +35,7 @@ def install() -> None:
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
     from sparse_sglang.integration.metrics import patch_report_decode_stats
     from sparse_sglang.integration.scheduler_state import patch_get_internal_state
+    from sparse_sglang.integration.segmented_prefill import patch_event_loop_normal
 
     add_sparse_backend_choice()
     register_sparse_attention_backend()
@@ -43,6 +44,7 @@ def install() -> None:
     patch_report_decode_stats()
     patch_validate_input_length()
     patch_prefill_adder()
+    patch_event_loop_normal()
     _installed = True
     logger.info("sparse-sglang installed into SGLang (%d hooks)", len(HOOKS))
 

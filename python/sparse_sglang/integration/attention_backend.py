@@ -58,6 +58,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         self.num_q_heads = self.num_qo_heads_per_rank(model_runner)
         max_batch = model_runner.req_to_token_pool.size + 1
         self.decoder = SparseDecoder(self.store, self.sparse_config, self.num_q_heads, self.workspace_buffer, max_batch)
+        self.extend_runs: SaveRuns | None = None  # the tokens the current prefill saves
         self.prefix = PrefixAttention(self.store, self.num_q_heads, self.workspace_buffer, model_runner.model_config.context_len)
         config = self.sparse_config
         WorkingSetGate.current = WorkingSetGate(self.store.cache, config.working_set_window) if config.working_set_admission else None
@@ -114,10 +115,18 @@ class SparseAttnBackend(FlashInferAttnBackend):
             first, end = math.ceil(prefix / page), math.ceil((prefix + new) / page)
             cache.resize_request(slot, end)
             cache.write_allocate(slot, first, end - first)  # new pages go to free row slots while any are left
-        self.store.bind_runs(SaveRuns.for_extend(slots, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, page,
-                                                 fb.req_pool_indices.device))  # fmt: skip
+        self.extend_runs = SaveRuns.for_extend(slots, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, page,
+                                               fb.req_pool_indices.device)  # fmt: skip
+        self.store.bind_runs(self.extend_runs)
         self.prefix.plan(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu,
                          fb.extend_seq_lens_cpu)  # fmt: skip
+
+    def resume_extend(self) -> None:
+        """Before the next layer segment of a layer-segmented prefill. Its metadata (the ragged and
+        prefix plans, the pages it writes) was set up at its first segment and outlives the decode
+        steps run since, which only bound their own save runs; the prefill's go back in place."""
+        self.store.wait_saves()
+        self.store.bind_runs(self.extend_runs)
 
     def _begin_decode(self, fb: ForwardBatch, graph: bool = False) -> None:
         page = self.store.shape.page_size

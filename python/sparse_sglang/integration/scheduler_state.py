@@ -10,6 +10,7 @@ what the soak benchmark checks.
 
 from __future__ import annotations
 
+import dataclasses
 
 from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.scheduler import WorkingSetGate
@@ -32,7 +33,29 @@ def sparse_state(scheduler) -> dict | None:
         "host_tokens_in_radix_cache": tree.evictable_size() + tree.protected_size(),
         "request_slots": scheduler.req_to_token_pool.size,
         "request_slots_free": scheduler.req_to_token_pool.available_size(),
+        **hbm_state(),
+        "prefix_staging_bytes": staging_bytes(scheduler.tp_worker.model_runner.attn_backend),
+        "segmented_prefill": dataclasses.asdict(segmented) if (segmented := getattr(scheduler, "sparse_segmented_prefill", None)) else None,
     }
+
+
+def staging_bytes(backend) -> int | None:
+    """GPU bytes of the buffer a prefill stages one layer of its cached prefix into (allocated at
+    start-up for one layer of the longest context): the KV a prefill holds in HBM besides its own."""
+    prefix = getattr(backend, "prefix", None)
+    return None if prefix is None else 2 * prefix.k.numel() * prefix.k.element_size()
+
+
+def hbm_state() -> dict:
+    """This process's GPU memory (torch's allocator): allocated now, and the peak since the last
+    report (read, then reset: a benchmark reads once before and once after what it measures)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return {"hbm_allocated_bytes": torch.cuda.memory_allocated(), "hbm_peak_bytes_since_last_report": peak}
 
 
 @relies_on("sglang.srt.managers.scheduler:Scheduler.get_internal_state", at="sglang/srt/managers/scheduler.py:4165")

@@ -1,0 +1,201 @@
+"""Layer-segmented prefill against chunked prefill on the sparse server (issue 6's measurement).
+
+The 8B shape with dummy weights, ``input_ids`` in. Two sparse servers, one per system:
+
+- ``chunked``: SGLang's chunked prefill, ``--chunked-prefill-size 2048`` (each chunk runs through
+  every layer in one iteration; the running decodes wait for the whole prompt);
+- ``segmented``: ``--sparse-segmented-prefill true`` at the default injection budget (2048 tokens
+  x the layers per iteration), SGLang's default chunk size as the in-layer chunk.
+
+On each: ``--decodes`` requests start and decode (streamed; every token's arrival time kept); once
+they all decode, a ``--prompt-tokens`` prompt arrives. Its TTFT, and the gaps between the running
+decodes' tokens while it prefills (mean, p99, max), are the TTFT and TBT numbers. Then, with nothing
+running, one ``--peak-prompt-tokens`` prompt alone and one ``--chunk`` -token prompt alone, each
+between two reads of the server's GPU memory peak (``/get_server_info``): the long prompt's peak
+over what was allocated before it, against one layer's KV of that prompt, is
+``peak_hbm_over_one_layer``; the short one's peak (the chunk's activations and its own KV) shows
+how much of that is activations rather than KV. ``peak_kv_hbm_over_one_layer`` counts the KV
+alone: the prefix staging buffer (one layer of the longest context, allocated at start-up, so in
+no peak; the server reports its size), what the long prompt's peak adds, and the chunk's own KV.
+
+Summary: ``ttft_ratio_vs_chunked`` (segmented / chunked), ``tbt_ratio_vs_chunked`` (p99 of the
+decode gaps during the prefill, segmented / chunked), ``peak_hbm_over_one_layer`` and
+``peak_kv_hbm_over_one_layer`` (segmented server), ``max_prompt_ratio`` (not measured here:
+``null``).
+
+    python benchmark/prefill.py      # two server starts + about a minute each
+
+Writes ``benchmark/results/prefill-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import requests
+
+from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
+from sparse_sglang.testing.provenance import finish_run
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = {
+    "chunked": ["--chunked-prefill-size", "2048"],
+    "segmented": ["--sparse-segmented-prefill", "true"],
+}
+
+
+def prompt(tag: str, n: int) -> list[int]:
+    rng = random.Random(tag)
+    return [rng.randrange(*LLAMA3_8B_TOKEN_IDS) for _ in range(n)]
+
+
+def one_layer_kv_bytes(tokens: int) -> int:
+    """K and V of ``tokens`` tokens in one layer of the 8B shape (bf16)."""
+    c = LLAMA3_8B_CONFIG
+    return 2 * tokens * c["num_key_value_heads"] * c["head_dim"] * 2
+
+
+async def stream(session: aiohttp.ClientSession, url: str, rid: str, ids: list[int], new_tokens: int) -> dict:
+    """A streamed greedy request; ``arrivals``: (seconds since the epoch of perf_counter, tokens so far)."""
+    body = orjson.dumps({"rid": rid, "input_ids": ids, "stream": True,
+                         "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})  # fmt: skip
+    sent, arrivals, finish = time.perf_counter(), [], None
+    async with session.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        buffer = b""
+        async for piece in resp.content.iter_any():
+            *events, buffer = (buffer + piece).split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                    continue
+                meta = orjson.loads(event[len(b"data: ") :])["meta_info"]
+                arrivals.append((time.perf_counter(), meta.get("completion_tokens", 0)))
+                finish = meta.get("finish_reason")
+    return {"sent": sent, "arrivals": arrivals, "finish": finish}
+
+
+def gaps_within(arrivals: list[tuple[float, int]], start: float, end: float) -> list[float]:
+    """Seconds between consecutive new tokens of one stream, for every gap that overlaps
+    ``(start, end)``: one that spans the whole window is a decode stalled by the prefill."""
+    out = []
+    for (t0, n0), (t1, n1) in zip(arrivals, arrivals[1:]):
+        if t1 > start and t0 < end and n1 > n0:
+            out.append((t1 - t0) / (n1 - n0))
+    return out
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def prefill_next_to_decodes(url: str, args) -> dict:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=1800)) as session:  # fmt: skip
+        decodes = [asyncio.create_task(stream(session, url, f"decode-{i}", prompt(f"decode-{i}", args.decode_prompt_tokens),
+                                              args.decode_new_tokens)) for i in range(args.decodes)]  # fmt: skip
+        await asyncio.sleep(args.settle_s)  # every decode past its prefill
+        long = await stream(session, url, "long", prompt("long", args.prompt_tokens), 1)
+        first = long["arrivals"][0][0] if long["arrivals"] else float("nan")
+        for i in range(args.decodes):  # done measuring: stop them
+            async with session.post(url + "/abort_request", json={"rid": f"decode-{i}"}) as resp:
+                resp.raise_for_status()
+        decoded = await asyncio.gather(*decodes)
+    gaps = [g for d in decoded for g in gaps_within(d["arrivals"], long["sent"], first)]
+    before = [g for d in decoded for g in gaps_within(d["arrivals"], long["sent"] - args.settle_s / 2, long["sent"])]
+    return {
+        "ttft_s": first - long["sent"],
+        "decode_gaps_during_prefill": len(gaps),
+        "tbt_mean_s": statistics.fmean(gaps) if gaps else float("nan"),
+        "tbt_p99_s": percentile(gaps, 0.99),
+        "tbt_max_s": max(gaps, default=float("nan")),
+        "tbt_p50_before_s": percentile(before, 0.5),
+        # each decode's token arrivals, seconds from the long prompt's arrival, within 2 s of the prefill
+        "arrivals": [[(round(t - long["sent"], 4), n) for t, n in d["arrivals"] if long["sent"] - 2 < t < first + 2]
+                     for d in decoded],  # fmt: skip
+    }
+
+
+def sparse_info(url: str) -> dict:
+    return requests.get(url + "/get_server_info", timeout=60).json()["internal_states"][0]["sparse"]
+
+
+def peak_of(url: str, ids: list[int]) -> dict:
+    """GPU memory peak over what was allocated before, while one prompt prefills alone."""
+    flush_cache(url, 60)
+    before = sparse_info(url)  # resets the peak
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    requests.post(url + "/generate", json=body, timeout=1800).raise_for_status()
+    after = sparse_info(url)
+    return {"tokens": len(ids), "allocated_before_bytes": before["hbm_allocated_bytes"],
+            "peak_over_before_bytes": after["hbm_peak_bytes_since_last_report"] - before["hbm_allocated_bytes"],
+            "prefix_staging_bytes": after.get("prefix_staging_bytes")}  # fmt: skip
+
+
+def summarize(systems: dict, peak_tokens: int) -> dict:
+    c, s = systems["chunked"], systems["segmented"]
+    layer = one_layer_kv_bytes(peak_tokens)
+    peaks = s["peaks"]
+    return {
+        "ttft_ratio_vs_chunked": s["next_to_decodes"]["ttft_s"] / c["next_to_decodes"]["ttft_s"],
+        "tbt_ratio_vs_chunked": s["next_to_decodes"]["tbt_p99_s"] / c["next_to_decodes"]["tbt_p99_s"],
+        "peak_hbm_over_one_layer": peaks["long"]["peak_over_before_bytes"] / layer,
+        # KV in HBM: the prefix staging buffer (allocated at start-up, so not in the peak), what
+        # the long prompt's peak adds to a chunk-long prompt's, and the chunk's own new KV
+        "peak_kv_hbm_over_one_layer": ((peaks["long"].get("prefix_staging_bytes") or 0)
+                                       + peaks["long"]["peak_over_before_bytes"] - peaks["chunk"]["peak_over_before_bytes"]
+                                       + one_layer_kv_bytes(peaks["chunk"]["tokens"])) / layer,  # fmt: skip
+        "chunked_prefill_all_layers_over_one_layer": LLAMA3_8B_CONFIG["num_hidden_layers"],
+        "max_prompt_ratio": None,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", default="chunked,segmented")
+    parser.add_argument("--prompt-tokens", type=int, default=65536)
+    parser.add_argument("--decodes", type=int, default=16)
+    parser.add_argument("--decode-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--decode-new-tokens", type=int, default=4000, help="more than they decode while measured")
+    parser.add_argument("--settle-s", type=float, default=3.0)
+    parser.add_argument("--peak-prompt-tokens", type=int, default=131072 - 64)
+    parser.add_argument("--chunk", type=int, default=8192, help="SGLang's default chunk on an H100/H200")
+    parser.add_argument("--host-cache-gb", type=float, default=32.0)
+    parser.add_argument("--extra-server-args", default="")
+    parser.add_argument("--log-dir", default="/tmp/sparse-sglang-prefill")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
+    args = parser.parse_args(argv)
+    model = write_llama3_8b_dummy(Path(args.log_dir) / "llama3-8b-dummy")
+    flags = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "32",
+             "--sparse-host-cache-gb", str(args.host_cache_gb), *args.extra_server_args.split()]  # fmt: skip
+    systems = {}
+    for name in args.systems.split(","):
+        with ServerProcess(SPARSE_MODULE, model, [*flags, *SYSTEMS[name]], log_path=Path(args.log_dir) / f"{name}.log") as server:
+            url = server.url
+            requests.post(url + "/generate", json={"input_ids": prompt("warm", 4096), "sampling_params": {"max_new_tokens": 8}},
+                          timeout=600).raise_for_status()  # fmt: skip
+            flush_cache(url, 60)
+            run = {"next_to_decodes": asyncio.run(prefill_next_to_decodes(url, args))}
+            flush_cache(url, 60)
+            if name == "segmented":
+                run["peaks"] = {"chunk": peak_of(url, prompt("chunk", args.chunk)),
+                                "long": peak_of(url, prompt("peak", args.peak_prompt_tokens))}  # fmt: skip
+            run["segmented_prefill"] = sparse_info(url).get("segmented_prefill")
+            systems[name] = run
+    summary = summarize(systems, args.peak_prompt_tokens) if {"chunked", "segmented"} <= systems.keys() else {}
+    body = {"flags": flags, "systems_flags": SYSTEMS, "args": vars(args) | {"out_dir": str(args.out_dir)},
+            "systems": systems, "summary": summary}  # fmt: skip
+    return finish_run("benchmark/prefill.py", argv, body, args.out_dir, "prefill-{date}.json")
+
+
+if __name__ == "__main__":
+    main()

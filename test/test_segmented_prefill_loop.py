@@ -1,0 +1,131 @@
+"""The layer-segmented scheduler loop's order of work, on CPU, with a scripted scheduler.
+
+SGLang's Scheduler needs a GPU to exist, so this drives :class:`SegmentedPrefillLoop` through a
+stand-in that has the scheduler methods the loop calls and records each call. The real loop on the
+real scheduler is ``test_segmented_prefill_gpu.py``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from sparse_sglang.config import SparseConfig
+from sparse_sglang.integration.segmented_prefill import SegmentedPrefillLoop
+
+LAYERS, INJECT = 8, 4096
+
+
+class Batch:
+    def __init__(self, name, mode, reqs=(), tokens=0):
+        self.name, self.forward_mode, self.reqs, self.extend_num_tokens = name, mode, list(reqs), tokens
+        self.split_index, self.split_forward_count, self.split_forward_batch = 0, 1, None
+        self.is_prefill_only = False
+
+    def is_empty(self):
+        return not self.reqs
+
+
+class Scheduler:
+    """Scripted: ``plans`` are the batches get_next_batch_to_run returns, in order (None = idle)."""
+
+    def __init__(self, plans, running_reqs):
+        self.log, self.plans = [], list(plans)
+        self.running_batch = Batch("running", ForwardMode.DECODE, running_reqs)
+        self.last_batch = self.chunked_req = self._pending_chunked_abort_req = None
+        self.gracefully_exit = self._engine_paused = False
+        self.model_config = SimpleNamespace(num_hidden_layers=LAYERS)
+        self.server_args = SimpleNamespace(sparse=SparseConfig(host_cache_gb=1.0, segmented_prefill=True, max_inject_tokens=INJECT))
+        backend = SimpleNamespace(resume_extend=lambda: self.log.append("resume"),
+                                  store=SimpleNamespace(wait_saves=lambda: self.log.append("wait_saves")))
+        self.tp_worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
+        self.request_receiver = SimpleNamespace(recv_requests=lambda: [])
+        self.abort_at_segment = None
+
+    def process_input_requests(self, reqs):
+        pass
+
+    def get_next_batch_to_run(self, running_batch, last_batch):
+        self.log.append(f"next(last={last_batch.name if last_batch else None})")
+        batch = self.plans.pop(0) if self.plans else None
+        return SimpleNamespace(running_batch=running_batch, batch_to_run=batch)
+
+    def update_running_batch(self, batch):
+        self.log.append("update_running")
+        return batch
+
+    def run_batch(self, batch):
+        if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
+            self.log.append(f"segment {batch.split_index}+{batch.split_forward_count}")
+            if self.abort_at_segment == batch.split_index:
+                for req in batch.reqs:
+                    req.to_finish = "abort"
+        else:
+            self.log.append(f"run {batch.name}")
+        return batch.name
+
+    def process_batch_result(self, batch, result):
+        self.log.append(f"result {batch.name}")
+
+    def on_idle(self):
+        self.log.append("idle")
+
+
+def req(rid):
+    return SimpleNamespace(rid=rid, to_finish=None, finished=lambda: False)
+
+
+def run(scheduler):
+    """Iterate until the script is done and nothing is in flight, then once more (idle)."""
+    loop = SegmentedPrefillLoop(scheduler)
+    while scheduler.plans or loop.prefill is not None:
+        loop.iterate()
+    loop.iterate()
+    return loop
+
+
+def test_each_iteration_runs_a_decode_step_then_the_next_segment_and_the_batch_is_merged_after():
+    prefill = Batch("prefill", ForwardMode.EXTEND, [req("long")], tokens=1500)  # 4096 // 1500 = 2 layers per iteration
+    s = Scheduler([prefill], running_reqs=[req("a"), req("b")])
+    loop = run(s)
+    assert s.log == ["next(last=None)",
+                     "update_running", "run running", "result running", "segment 0+2",
+                     "update_running", "run running", "result running", "resume", "segment 2+2",
+                     "update_running", "run running", "result running", "resume", "segment 4+2",
+                     "update_running", "run running", "result running", "resume", "segment 6+2", "result prefill",
+                     "next(last=prefill)", "idle"]  # fmt: skip
+    assert loop.stats.prefills == 1 and loop.stats.segments == 4 and loop.stats.decode_steps == 4
+    assert s.enable_pdmux  # run_batch's SPLIT_PREFILL branch
+
+
+def test_small_batches_and_batches_with_no_decodes_next_to_them_run_as_sglang_runs_them():
+    small = Batch("small", ForwardMode.EXTEND, [req("s")], tokens=INJECT // LAYERS)  # all layers fit the budget
+    s = Scheduler([small], running_reqs=[req("a")])
+    run(s)
+    assert s.log == ["next(last=None)", "run small", "result small", "next(last=small)", "idle"]
+    alone = Batch("alone", ForwardMode.EXTEND, [req("l")], tokens=100_000)
+    s = Scheduler([alone], running_reqs=[])
+    run(s)
+    assert s.log == ["next(last=None)", "run alone", "result alone", "next(last=alone)", "idle"]
+
+
+def test_a_split_batch_whose_requests_were_all_aborted_stops_and_frees_at_once(monkeypatch):
+    import sparse_sglang.integration.segmented_prefill as seg
+
+    released = []
+    monkeypatch.setattr(seg, "prepare_abort", lambda r: released.append(("abort", r.rid)))
+    import sglang.srt.mem_cache.common as common
+
+    monkeypatch.setattr(common, "release_kv_cache", lambda r, tree, is_insert: released.append(("release", r.rid, is_insert)))
+    prefill = Batch("prefill", ForwardMode.EXTEND, [req("long")], tokens=3000)  # 1 layer per iteration
+    s = Scheduler([prefill], running_reqs=[req("a")])
+    s.tree_cache = object()
+    s.ipc_channels = SimpleNamespace(send_to_tokenizer=SimpleNamespace(send_output=lambda out, r: released.append(("tell", out.rid))))
+    s.abort_at_segment = 2
+    loop = run(s)
+    segments = [e for e in s.log if e.startswith("segment")]
+    assert segments == ["segment 0+1", "segment 1+1", "segment 2+1"]  # nothing after the abort
+    assert released == [("abort", "long"), ("release", "long", False), ("tell", "long")]
+    assert "result prefill" not in s.log and s.log[-2:] == ["next(last=None)", "idle"]
+    assert loop.stats.cancelled == 1 and loop.prefill is None
