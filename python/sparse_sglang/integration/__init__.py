@@ -34,6 +34,7 @@ def install() -> None:
     from sparse_sglang.integration.input_length import patch_validate_input_length
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
     from sparse_sglang.integration.metrics import patch_report_decode_stats
+    from sparse_sglang.integration.retraction import patch_release_req
     from sparse_sglang.integration.scheduler_state import patch_get_internal_state
     from sparse_sglang.integration.segmented_prefill import patch_event_loop_normal
 
@@ -45,6 +46,7 @@ def install() -> None:
     patch_validate_input_length()
     patch_prefill_adder()
     patch_event_loop_normal()
+    patch_release_req()
     _installed = True
     logger.info("sparse-sglang installed into SGLang (%d hooks)", len(HOOKS))
 
