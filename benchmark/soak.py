@@ -5,7 +5,9 @@ One server (Llama-3-8B shape, dummy weights, ``input_ids`` in, a small host cach
 1. **probe**: one greedy request on the fresh server; its tokens are the reference.
 2. **mixed**: ``--requests`` requests, prompts log-uniform in 1K-32K tokens, 16-128 new tokens,
    Poisson arrivals at ``--rate``; ``--abort-frac`` of them are aborted (``POST /abort_request``)
-   at a random moment: while queued, during prefill or during decode.
+   at a random moment: while queued, during prefill or during decode (with
+   ``--extra-server-args "--sparse-segmented-prefill true"``, during layer-segmented prefill too:
+   the summary's ``segmented_prefill`` counts the split batches those aborts stopped).
 3. **bad input**: each malformed request must get an HTTP 4xx with a reason while the server keeps
    serving (a prompt longer than the context, one whose KV exceeds the host cache, negative
    ``max_new_tokens``, malformed JSON, wrong types, an empty prompt).
@@ -224,6 +226,8 @@ def run(args) -> dict:
         "burst_completed": f"{sum(r['status'] == 200 for r in burst)}/{len(burst)}",
         **leaks(idle, now),
         "output_matches_fresh": again == fresh,
+        # with --sparse-segmented-prefill: prefills segmented, and those stopped by aborts mid-prefill
+        "segmented_prefill": now.get("segmented_prefill"),
     }
     return result
 
