@@ -105,6 +105,7 @@ BAD_ARGV = [
     (["--sparse-recent-pages", "0"], "--sparse-recent-pages"),
     (["--sparse-working-set-window", "0"], "--sparse-working-set-window"),
     (["--sparse-max-inject-tokens", "-5"], "--sparse-max-inject-tokens"),
+    (["--sparse-segmented-prefill", "true", "--pp-size", "2"], "--sparse-segmented-prefill"),
     (["--sparse-enabled", "maybe"], "--sparse-enabled"),
     (["--attention-backend", "flashinfer"], "--attention-backend"),
     (["--decode-attention-backend", "triton"], "--decode-attention-backend"),

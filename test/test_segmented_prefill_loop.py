@@ -39,7 +39,8 @@ class Scheduler:
         self.server_args = SimpleNamespace(sparse=SparseConfig(host_cache_gb=1.0, segmented_prefill=True, max_inject_tokens=INJECT))
         backend = SimpleNamespace(resume_extend=lambda: self.log.append("resume"),
                                   store=SimpleNamespace(wait_saves=lambda: self.log.append("wait_saves")))
-        self.tp_worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend))
+        model = SimpleNamespace(forward_split_prefill=None)  # the models SGLang can run layer by layer have it
+        self.tp_worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend, model=model))
         self.request_receiver = SimpleNamespace(recv_requests=lambda: [])
         self.abort_at_segment = None
 
@@ -129,3 +130,12 @@ def test_a_split_batch_whose_requests_were_all_aborted_stops_and_frees_at_once(m
     assert released == [("abort", "long"), ("release", "long", False), ("tell", "long")]
     assert "result prefill" not in s.log and s.log[-2:] == ["next(last=None)", "idle"]
     assert loop.stats.cancelled == 1 and loop.prefill is None
+
+
+def test_a_model_without_a_layer_split_forward_is_refused_by_name():
+    import pytest
+
+    s = Scheduler([], running_reqs=[])
+    s.tp_worker.model_runner.model = object()
+    with pytest.raises(RuntimeError, match="no layer-split forward .* for object; serve it without the flag"):
+        SegmentedPrefillLoop(s)

@@ -54,6 +54,10 @@ class SegmentedPrefillLoop:
     """SGLang's normal scheduler loop, with prefill batches run a layer segment per iteration."""
 
     def __init__(self, scheduler: Scheduler):
+        model = scheduler.tp_worker.model_runner.model
+        if not hasattr(model, "forward_split_prefill"):
+            raise RuntimeError(f"--sparse-segmented-prefill: SGLang has no layer-split forward (forward_split_prefill) "
+                               f"for {type(model).__name__}; serve it without the flag")  # fmt: skip
         self.scheduler = scheduler
         self.num_layers = scheduler.model_config.num_hidden_layers
         self.max_inject_tokens = scheduler.server_args.sparse.inject_tokens(self.num_layers)

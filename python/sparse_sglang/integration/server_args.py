@@ -65,6 +65,9 @@ class SparseServerArgs(ServerArgs):
                          ("--speculative-algorithm", self.speculative_algorithm is not None)):  # fmt: skip
             if on:
                 raise ValueError(f"{flag} is not supported with sparse decode (add --sparse-enabled false)")
+        if self.sparse.segmented_prefill and self.pp_size > 1:
+            raise ValueError("--sparse-segmented-prefill runs in SGLang's normal scheduler loop, which pipeline "
+                             "parallelism (--pp-size > 1) replaces; leave one of them out")  # fmt: skip
         self.page_size = page
         # One batch at a time: the backend's host-side bookkeeping (cache rows, plans) and the
         # waits for saved prefill KV follow the forwards in order.
