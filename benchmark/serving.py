@@ -506,9 +506,10 @@ def kv_budget_args(system: str, args: argparse.Namespace) -> list[str]:
     return ["--sparse-gpu-cache-gb", f"{cache_gb:.3f}", "--sparse-host-cache-gb", f"{args.sparse_host_cache_gb:g}"]
 
 
-def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float) -> float:
+def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int | None = None) -> float:
     """Page-cache GiB that, with the summaries, staging and table of ``host_cache_gb`` of host KV
-    (:func:`~sparse_sglang.mem_cache.plan.plan_memory`'s sizes), fills ``kv_hbm_gb``."""
+    (:func:`~sparse_sglang.mem_cache.plan.plan_memory`'s sizes; staging for ``context_len``, the
+    8B shape's by default), fills ``kv_hbm_gb``."""
     import torch
 
     from sparse_sglang.attention.selectors import kept_summaries
@@ -521,7 +522,7 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float) -> float:
     page = SparseConfig(host_cache_gb=1.0).page_size  # the default page
     host_pages = pages_for_budget(host_cache_gb, *shape, page, c["head_dim"], bf16)
     kept = kept_summaries(SparseConfig(host_cache_gb=1.0).selector)  # the default selector's summaries
-    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], bf16, c["max_position_embeddings"], **kept))
+    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], bf16, context_len or c["max_position_embeddings"], **kept))
     cache_gb = kv_hbm_gb - other / GIB
     if cache_gb <= 0:
         raise SystemExit(f"--kv-hbm-gb {kv_hbm_gb:g}: the summaries and staging of {host_cache_gb:g} GiB of host KV "

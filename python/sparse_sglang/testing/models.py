@@ -39,7 +39,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def write_llama3_8b_dummy(out_dir: str | Path, tokenizer_from: str | Path | None = None,
-                          num_layers: int | None = None) -> str:
+                          num_layers: int | None = None, context_len: int | None = None) -> str:
     """A folder holding the Llama-3-8B-shaped ``config.json`` (serve with ``--load-format dummy``).
 
     With ``tokenizer_from`` (a model folder, e.g. the default SmolLM2 one) the
@@ -47,12 +47,16 @@ def write_llama3_8b_dummy(out_dir: str | Path, tokenizer_from: str | Path | None
     tokenizer's, so text endpoints work; without it, serve with
     ``--skip-tokenizer-init`` and send ``input_ids``. ``num_layers`` keeps every layer's shape
     and drops the rest (a shallower model for runs that test machinery, not speed).
+    ``context_len`` sets its longest context (``max_position_embeddings``;
+    dummy weights make any length fine for machinery and memory runs).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(LLAMA3_8B_CONFIG)
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
+    if context_len is not None:
+        config["max_position_embeddings"] = context_len
     if tokenizer_from is not None:
         src = Path(tokenizer_from)
         source_config = json.loads((src / "config.json").read_text())
