@@ -24,18 +24,19 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
 import requests
 
-from benchmark.serving import SYSTEM_SERVER_ARGS, SYSTEMS, sparse_gpu_cache_gb
-from sparse_sglang.config import GIB
-from sparse_sglang.testing.models import LLAMA3_8B_KV_BYTES_PER_TOKEN, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
-from sparse_sglang.testing.provenance import finish_run
-from sparse_sglang.testing.server import ServerProcess
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root holds `benchmark`
+from benchmark.serving import SYSTEM_SERVER_ARGS, SYSTEMS, sparse_gpu_cache_gb  # noqa: E402
+from sparse_sglang.config import GIB  # noqa: E402
+from sparse_sglang.testing.models import LLAMA3_8B_KV_BYTES_PER_TOKEN, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy  # noqa: E402
+from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
+from sparse_sglang.testing.server import ServerProcess  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 PAGE = 32
 
 
@@ -88,8 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--systems", default="vanilla,sparse")
-    parser.add_argument("--log-dir", default="/tmp/sparse-sglang-max-prompt")
-    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
+    add_server_run_args(parser, "max-prompt")
     args = parser.parse_args(argv)
     model = write_llama3_8b_dummy(Path(args.log_dir) / "llama3-8b-dummy-long", context_len=args.context)
     pool, host_gb = pool_tokens(args.kv_hbm_gb), host_cache_gb(args.context)

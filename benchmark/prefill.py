@@ -42,10 +42,9 @@ import orjson
 import requests
 
 from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
-from sparse_sglang.testing.provenance import finish_run
+from sparse_sglang.testing.provenance import add_server_run_args, finish_run
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
 
-REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = {
     "chunked": ["--chunked-prefill-size", "2048"],
     "segmented": ["--sparse-segmented-prefill", "true"],
@@ -171,8 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--chunk", type=int, default=8192, help="SGLang's default chunk on an H100/H200")
     parser.add_argument("--host-cache-gb", type=float, default=32.0)
     parser.add_argument("--extra-server-args", default="")
-    parser.add_argument("--log-dir", default="/tmp/sparse-sglang-prefill")
-    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
+    add_server_run_args(parser, "prefill")
     args = parser.parse_args(argv)
     model = write_llama3_8b_dummy(Path(args.log_dir) / "llama3-8b-dummy")
     flags = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "32",

@@ -42,10 +42,9 @@ import requests
 
 from sparse_sglang.config import GIB
 from sparse_sglang.testing.models import LLAMA3_8B_KV_BYTES_PER_TOKEN, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
-from sparse_sglang.testing.provenance import finish_run
+from sparse_sglang.testing.provenance import add_server_run_args, finish_run
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -171,8 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--host-cache-gb", type=float, default=48.0,
                         help="without sharing, a group's prefixes all need room (15 x 16.6K tokens: 31 GiB)")
     parser.add_argument("--extra-server-args", default="")
-    parser.add_argument("--log-dir", default="/tmp/sparse-sglang-radix")
-    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
+    add_server_run_args(parser, "radix")
     args = parser.parse_args(argv)
     work = Workload(args.groups, args.per_group, args.prefix_tokens, args.question_tokens, args.output_tokens)
     model = write_llama3_8b_dummy(Path(args.log_dir) / "llama3-8b-dummy")

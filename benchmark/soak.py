@@ -47,10 +47,9 @@ from sparse_sglang.testing.models import (
     LLAMA3_8B_TOKEN_IDS,
     write_llama3_8b_dummy,
 )
-from sparse_sglang.testing.provenance import finish_run
+from sparse_sglang.testing.provenance import add_server_run_args, finish_run
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
 
-REPO = Path(__file__).resolve().parents[1]
 TOKEN_IDS = LLAMA3_8B_TOKEN_IDS
 PAGE_SIZE = 32
 
@@ -244,8 +243,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=1800.0)
     parser.add_argument("--extra-server-args", default="")
-    parser.add_argument("--log-dir", default="/tmp/sparse-sglang-soak")
-    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
+    add_server_run_args(parser, "soak")
     args = parser.parse_args(argv)
     return finish_run("benchmark/soak.py", argv, run(args), args.out_dir, "soak-{date}.json")
 

@@ -64,3 +64,10 @@ def finish_run(script: str, argv: list[str] | None, body: dict, out_dir: str | P
     save_result(doc, Path(out_dir) / name.format(date=doc["date"]))
     print(json.dumps(doc["summary"], indent=1))
     return doc
+
+
+def add_server_run_args(parser, name: str) -> None:
+    """``--log-dir`` (server logs and model folders, ``/tmp/sparse-sglang-<name>``) and
+    ``--out-dir`` (the result document, ``benchmark/results``) of a benchmark that starts servers."""
+    parser.add_argument("--log-dir", default=f"/tmp/sparse-sglang-{name}")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
