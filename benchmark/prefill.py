@@ -43,7 +43,7 @@ import requests
 
 from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sse_events
 
 SYSTEMS = {
     "chunked": ["--chunked-prefill-size", "2048"],
@@ -70,15 +70,12 @@ async def stream(session: aiohttp.ClientSession, url: str, rid: str, ids: list[i
     async with session.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        buffer = b""
-        async for piece in resp.content.iter_any():
-            *events, buffer = (buffer + piece).split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                meta = orjson.loads(event[len(b"data: ") :])["meta_info"]
-                arrivals.append((time.perf_counter(), meta.get("completion_tokens", 0)))
-                finish = meta.get("finish_reason")
+        async for event in sse_events(resp.content):
+            if event == b"[DONE]":
+                break
+            meta = orjson.loads(event)["meta_info"]
+            arrivals.append((time.perf_counter(), meta.get("completion_tokens", 0)))
+            finish = meta.get("finish_reason")
     return {"sent": sent, "arrivals": arrivals, "finish": finish}
 
 

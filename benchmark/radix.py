@@ -43,7 +43,7 @@ import requests
 from sparse_sglang.config import GIB
 from sparse_sglang.testing.models import LLAMA3_8B_KV_BYTES_PER_TOKEN, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sse_events
 
 
 
@@ -79,15 +79,12 @@ async def generate(session: aiohttp.ClientSession, url: str, ids: list[int], max
     async with session.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        buffer = b""
-        async for piece in resp.content.iter_any():
-            *events, buffer = (buffer + piece).split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                meta = orjson.loads(event[len(b"data: ") :])["meta_info"]
-                if ttft is None and meta.get("completion_tokens", 0) > 0:
-                    ttft = time.perf_counter() - sent
+        async for event in sse_events(resp.content):
+            if event == b"[DONE]":
+                break
+            meta = orjson.loads(event)["meta_info"]
+            if ttft is None and meta.get("completion_tokens", 0) > 0:
+                ttft = time.perf_counter() - sent
     return {"ttft_s": ttft, "e2e_s": time.perf_counter() - sent, "output_tokens": meta.get("completion_tokens", 0),
             "cached_tokens": meta.get("cached_tokens", 0)}  # fmt: skip
 

@@ -39,7 +39,7 @@ from sparse_sglang.testing.models import (
     LLAMA3_8B_TOKEN_IDS,
     write_llama3_8b_dummy,
 )
-from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache
+from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache, sse_events
 from sparse_sglang.testing.provenance import git_commit, save_result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,17 +133,6 @@ class RateRun:
 def generate_payload(request: Request) -> bytes:
     sampling = {"max_new_tokens": request.max_new_tokens, "temperature": 0, "ignore_eos": True}
     return orjson.dumps({"input_ids": request.input_ids, "sampling_params": sampling, "stream": True})
-
-
-async def sse_events(stream: aiohttp.StreamReader):
-    """The `data:` payloads of a server-sent-event stream (own framing: a chunk's
-    cumulative output_ids can outgrow aiohttp's line-length limit)."""
-    buffer = b""
-    async for piece in stream.iter_any():
-        *events, buffer = (buffer + piece).split(b"\n\n")
-        for event in events:
-            if event.startswith(b"data: "):
-                yield event[len(b"data: ") :]
 
 
 async def stream_generate(session: aiohttp.ClientSession, url: str, payload: bytes,

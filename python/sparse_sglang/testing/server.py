@@ -33,6 +33,17 @@ def flush_cache(url: str, timeout: float = 30.0) -> bool:
         return False
 
 
+async def sse_events(stream) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of a server-sent-event stream (an aiohttp ``StreamReader``; own
+    framing: a chunk's cumulative output_ids can outgrow aiohttp's line-length limit)."""
+    buffer = b""
+    async for piece in stream.iter_any():
+        *events, buffer = (buffer + piece).split(b"\n\n")
+        for event in events:
+            if event.startswith(b"data: "):
+                yield event[len(b"data: ") :]
+
+
 class ServerProcess:
     """``python -m <module> --model-path ... --port ...`` in its own process group.
 
