@@ -16,7 +16,7 @@ from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.scheduler import WorkingSetGate
 
 
-def sparse_state(scheduler) -> dict | None:
+def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
     """The ``"sparse"`` entry for one scheduler (``None`` when it serves without sparse decode)."""
     pool = scheduler.tp_worker.model_runner.token_to_kv_pool
     store = getattr(pool, "store", None)
@@ -33,7 +33,7 @@ def sparse_state(scheduler) -> dict | None:
         "host_tokens_in_radix_cache": tree.evictable_size() + tree.protected_size(),
         "request_slots": scheduler.req_to_token_pool.size,
         "request_slots_free": scheduler.req_to_token_pool.available_size(),
-        **hbm_state(),
+        **hbm_state(reset_hbm_peak),
         "prefix_staging_bytes": staging_bytes(scheduler.tp_worker.model_runner.attn_backend),
         "segmented_prefill": dataclasses.asdict(segmented) if (segmented := getattr(scheduler, "sparse_segmented_prefill", None)) else None,
     }
@@ -46,15 +46,17 @@ def staging_bytes(backend) -> int | None:
     return None if prefix is None else 2 * prefix.k.numel() * prefix.k.element_size()
 
 
-def hbm_state() -> dict:
+def hbm_state(reset_peak: bool) -> dict:
     """This process's GPU memory (torch's allocator): allocated now, and the peak since the last
-    report (read, then reset: a benchmark reads once before and once after what it measures)."""
+    reset. ``/get_server_info`` resets it after reading (a benchmark reads once before and once
+    after what it measures); the periodic metrics read it without resetting."""
     import torch
 
     if not torch.cuda.is_available():
         return {}
     peak = torch.cuda.max_memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats()
     return {"hbm_allocated_bytes": torch.cuda.memory_allocated(), "hbm_peak_bytes_since_last_report": peak}
 
 
@@ -67,7 +69,7 @@ def patch_get_internal_state() -> None:
         def get_internal_state(self, recv_req):
             out = original(self, recv_req)
             try:  # a failing report must not take the scheduler down
-                state = sparse_state(self)
+                state = sparse_state(self, reset_hbm_peak=True)
             except Exception as err:
                 state = {"error": repr(err)}
             if state is not None:
