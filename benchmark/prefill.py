@@ -41,7 +41,12 @@ import aiohttp
 import orjson
 import requests
 
-from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
+from sparse_sglang.testing.models import (
+    LLAMA3_8B_CONFIG,
+    LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    LLAMA3_8B_TOKEN_IDS,
+    write_llama3_8b_dummy,
+)
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sse_events
 
@@ -58,8 +63,7 @@ def prompt(tag: str, n: int) -> list[int]:
 
 def one_layer_kv_bytes(tokens: int) -> int:
     """K and V of ``tokens`` tokens in one layer of the 8B shape (bf16)."""
-    c = LLAMA3_8B_CONFIG
-    return 2 * tokens * c["num_key_value_heads"] * c["head_dim"] * 2
+    return tokens * LLAMA3_8B_KV_BYTES_PER_TOKEN // LLAMA3_8B_CONFIG["num_hidden_layers"]
 
 
 async def stream(session: aiohttp.ClientSession, url: str, rid: str, ids: list[int], new_tokens: int) -> dict:
