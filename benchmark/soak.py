@@ -21,7 +21,8 @@ Writes ``benchmark/results/soak-<date>.json`` whose summary holds ``requests``, 
 ``errors_5xx`` (must be 0), ``leaked_host_pages``, ``leaked_gpu_slots`` (must be 0) and
 ``output_matches_fresh``::
 
-    python benchmark/soak.py --requests 1000            # the issue's size (not yet run: over one 10-minute call)
+    python benchmark/soak.py --requests 1000 --rate 8 --layers 4 --host-cache-gb 1.5 --extra-server-args \
+        "--cuda-graph-max-bs 64 --sparse-segmented-prefill true --sparse-working-set-admission true --sparse-gpu-cache-gb 0.25"
     python benchmark/soak.py --requests 400 --rate 8 --layers 4 --host-cache-gb 1.5 \
         --extra-server-args "--cuda-graph-max-bs 64"      # ran on an H100 in about 5 minutes
 """
@@ -227,6 +228,9 @@ def run(args) -> dict:
         "output_matches_fresh": again == fresh,
         # with --sparse-segmented-prefill: prefills segmented, and those stopped by aborts mid-prefill
         "segmented_prefill": now.get("segmented_prefill"),
+        # with --sparse-working-set-admission: requests admitted / rounds a request waited for room
+        "working_set_admissions": now.get("working_set_admissions"),
+        "working_set_deferrals": now.get("working_set_deferrals"),
     }
     return result
 
