@@ -7,16 +7,18 @@ and each adds its own ``--question-tokens``, then decodes ``--output-tokens`` (g
 radix cache on and ``--disable-radix-cache``. Group by group:
 
 1. the group's first request alone: its prefix is not cached anywhere (cold TTFT);
-2. the rest of the group at once, polling ``/get_server_info`` for the host KV tokens in use
+2. its second request alone: with the radix cache, a prefix hit (hit TTFT);
+3. the rest of the group at once, polling ``/get_server_info`` for the host KV tokens in use
    (their peak over the use before them: what those requests hold together, beyond a prefix the
    radix cache already holds);
-3. the host KV tokens in use once the group is done (with the radix cache: its prefix and the
+4. the host KV tokens in use once the group is done (with the radix cache: its prefix and the
    requests' own tokens stay cached until evicted).
 
-Summary (radix on unless named): ``prefix_hit_ttft_ratio`` (median TTFT of the requests after the
-first / the first's), ``host_gb_per_group`` (host KV kept per group: the slope over the groups),
+Summary (radix on unless named): ``prefix_hit_ttft_ratio`` (median hit TTFT / median cold TTFT,
+each request alone), ``host_gb_per_group`` (host KV kept per group: the slope over the groups),
 ``host_gb_per_request`` (a group's peak extra host KV / its concurrent requests, radix on and
-off), ``throughput_ratio_vs_no_radix`` (output tokens per second over the whole workload).
+off), ``throughput_ratio_vs_no_radix`` (output tokens per second over the whole workload),
+``ttft_rest_ratio_vs_no_radix`` (median TTFT of the concurrent requests, radix on / off).
 
     python benchmark/radix.py                           # 8 groups x 16 requests, 16K-token prefixes
                                                         # (estimate: two server starts + ~2.5 minutes)
@@ -120,12 +122,13 @@ async def run_workload(url: str, work: Workload) -> dict:
         for g in range(work.groups):
             before = host_tokens_used(url)
             cold = await generate(session, url, work.prompt(g, 0), work.output_tokens)
+            hit = await generate(session, url, work.prompt(g, 1), work.output_tokens)  # alone, like the cold one
             before_rest = host_tokens_used(url)  # with the radix cache: the group's prefix now cached
             with PeakPoller(url) as poller:
                 rest = await asyncio.gather(*(generate(session, url, work.prompt(g, r), work.output_tokens)
-                                              for r in range(1, work.per_group)))  # fmt: skip
-            groups.append({"host_tokens_before": before, "host_tokens_before_rest": before_rest, "cold": cold, "rest": list(rest),
-                           "host_tokens_peak": poller.peak, "host_tokens_after": host_tokens_used(url)})  # fmt: skip
+                                              for r in range(2, work.per_group)))  # fmt: skip
+            groups.append({"host_tokens_before": before, "host_tokens_before_rest": before_rest, "cold": cold, "hit": hit,
+                           "rest": list(rest), "host_tokens_peak": poller.peak, "host_tokens_after": host_tokens_used(url)})  # fmt: skip
         seconds = time.perf_counter() - start
     return {"groups": groups, "seconds": seconds}
 
@@ -143,14 +146,16 @@ def summarize(run: dict, work: Workload, kv_bytes_per_token: int) -> dict:
     """One mode's numbers (see module doc)."""
     groups = run["groups"]
     cold = [g["cold"]["ttft_s"] for g in groups]
-    hit = [r["ttft_s"] for g in groups for r in g["rest"]]
-    out_tokens = sum(g["cold"]["output_tokens"] + sum(r["output_tokens"] for r in g["rest"]) for g in groups)
+    hit = [g["hit"]["ttft_s"] for g in groups]
+    rest = [r["ttft_s"] for g in groups for r in g["rest"]]
+    out_tokens = sum(g["cold"]["output_tokens"] + g["hit"]["output_tokens"] + sum(r["output_tokens"] for r in g["rest"])
+                     for g in groups)  # fmt: skip
     gb = kv_bytes_per_token / GIB
-    extra = [(g["host_tokens_peak"] - g["host_tokens_before_rest"]) / max(work.per_group - 1, 1) for g in groups]
+    extra = [(g["host_tokens_peak"] - g["host_tokens_before_rest"]) / max(work.per_group - 2, 1) for g in groups]
     return {
-        "ttft_cold_median_s": statistics.median(cold), "ttft_rest_median_s": statistics.median(hit),
-        "ttft_ratio": statistics.median(hit) / statistics.median(cold),
-        "cached_tokens_rest_median": statistics.median(r["cached_tokens"] for g in groups for r in g["rest"]),
+        "ttft_cold_median_s": statistics.median(cold), "ttft_hit_median_s": statistics.median(hit),
+        "ttft_rest_median_s": statistics.median(rest), "ttft_ratio": statistics.median(hit) / statistics.median(cold),
+        "cached_tokens_hit_median": statistics.median(g["hit"]["cached_tokens"] for g in groups),
         "host_gb_per_group": slope([g["host_tokens_after"] for g in groups]) * gb,
         "host_gb_per_request": statistics.median(extra) * gb,
         "output_tokens_per_s": out_tokens / run["seconds"],

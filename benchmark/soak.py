@@ -130,8 +130,10 @@ async def send(session: aiohttp.ClientSession, url: str, body: bytes, timeout: f
 
 def client() -> aiohttp.ClientSession:
     # No connection cap (aiohttp's default is 100): a request must reach the server when planned,
-    # or its abort would fire before the server knows its rid.
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    # or its abort would fire before the server knows its rid. A new connection per request:
+    # reusing an idle keep-alive one races uvicorn closing it after its 5 s keep-alive timeout,
+    # and the request then fails in the client ("Server disconnected") without reaching the server.
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
 
 
 async def run_mixed(url: str, plan: list[SoakRequest], timeout: float) -> list[dict]:

@@ -33,7 +33,7 @@ import requests
 from benchmark.soak import leaks, sparse_state
 from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import git_commit
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, generate_ids
 
 pytestmark = pytest.mark.gpu
 
@@ -69,17 +69,6 @@ def model_and_prompts(name: str, tmp_path: Path) -> tuple[str, list[str], list[l
     return model, [], pieces
 
 
-def generate(url: str, ids: list[int], new_tokens: int, rid: str | None = None, logprobs: bool = False) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
-    if rid:
-        body["rid"] = rid
-    if logprobs:
-        body.update(return_logprob=True, logprob_start_len=0)
-    response = requests.post(url + "/generate", json=body, timeout=600)
-    assert response.status_code == 200, response.text[:500]
-    return response.json()
-
-
 def prompt_logprobs(out: dict) -> list[float]:
     return [entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]]  # the first token has none
 
@@ -93,17 +82,17 @@ def test_segmented_prefill_equals_a_normal_one_and_aborts_free_at_once(model_nam
     model, model_args, (prompt, doomed, *background) = model_and_prompts(model_name, tmp_path)
     with ServerProcess(SPARSE_MODULE, model, [*ARGS, *model_args], log_path=tmp_path / "server.log") as server:
         url = server.url
-        generate(url, background[0], 4)  # first-request costs out of the way
+        generate_ids(url, background[0], 4)  # first-request costs out of the way
         assert flush_cache(url)
         idle = sparse_state(url)
         before = segmented(url)
         with ThreadPoolExecutor(BACKGROUND + 1) as pool:
-            decoding = [pool.submit(generate, url, ids, BACKGROUND_NEW) for ids in background]
+            decoding = [pool.submit(generate_ids, url, ids, BACKGROUND_NEW) for ids in background]
             time.sleep(2.0)  # they are past their prefill and decoding
-            during = generate(url, prompt, NEW_TOKENS, logprobs=True)
+            during = generate_ids(url, prompt, NEW_TOKENS, logprobs=True)
             after_one = segmented(url)
             # A long prompt aborted a moment into its prefill, while the others still decode.
-            doomed_reply = pool.submit(generate, url, doomed, NEW_TOKENS, "segmented-abort")
+            doomed_reply = pool.submit(generate_ids, url, doomed, NEW_TOKENS, "segmented-abort")
             time.sleep(0.15)
             abort_status = requests.post(url + "/abort_request", json={"rid": "segmented-abort"}, timeout=30).status_code
             doomed_finish = doomed_reply.result()["meta_info"]["finish_reason"]
@@ -112,7 +101,7 @@ def test_segmented_prefill_equals_a_normal_one_and_aborts_free_at_once(model_nam
         after_abort = segmented(url)
         assert flush_cache(url)
         leaked = leaks(idle, sparse_state(url))
-        alone = generate(url, prompt, NEW_TOKENS, logprobs=True)  # nothing decodes: a normal prefill
+        alone = generate_ids(url, prompt, NEW_TOKENS, logprobs=True)  # nothing decodes: a normal prefill
         after_alone = segmented(url)
         log = server.log_path.read_text(errors="replace")
     assert server.stopped_cleanly, server.log_tail()

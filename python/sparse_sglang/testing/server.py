@@ -18,6 +18,19 @@ SPARSE_MODULE = "sparse_sglang.launch_server"
 VANILLA_MODULE = "sglang.launch_server"
 
 
+def generate_ids(url: str, ids: list[int], new_tokens: int, rid: str | None = None, logprobs: bool = False) -> dict:
+    """One greedy ``/generate`` request on token ids (``ignore_eos``); asserts HTTP 200. ``logprobs``
+    asks for the log-probability of every prompt and output token."""
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+    if rid:
+        body["rid"] = rid
+    if logprobs:
+        body.update(return_logprob=True, logprob_start_len=0)
+    response = requests.post(url + "/generate", json=body, timeout=600)
+    assert response.status_code == 200, response.text[:500]
+    return response.json()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
