@@ -53,10 +53,10 @@ def test_prefix_hit_decodes_like_a_cold_request(tmp_path):
         cold = []
         for prompt in prompts:
             assert flush_cache(url)
-            cold.append(generate_ids(url, prompt, NEW_TOKENS, logprobs=True))
+            cold.append(generate_ids(url, prompt, NEW_TOKENS, logprobs=True, logprob_start_len=-1))
         assert flush_cache(url)
         generate_ids(url, primer, 1)  # caches the prefix's full pages
-        hit = [generate_ids(url, prompt, NEW_TOKENS, logprobs=True) for prompt in prompts]
+        hit = [generate_ids(url, prompt, NEW_TOKENS, logprobs=True, logprob_start_len=-1) for prompt in prompts]
         shared = sparse_state(url)
         assert flush_cache(url)
         leaked = leaks(idle, sparse_state(url))

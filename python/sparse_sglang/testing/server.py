@@ -18,14 +18,17 @@ SPARSE_MODULE = "sparse_sglang.launch_server"
 VANILLA_MODULE = "sglang.launch_server"
 
 
-def generate_ids(url: str, ids: list[int], new_tokens: int, rid: str | None = None, logprobs: bool = False) -> dict:
+def generate_ids(url: str, ids: list[int], new_tokens: int, rid: str | None = None, logprobs: bool = False,
+                 logprob_start_len: int = 0) -> dict:  # fmt: skip
     """One greedy ``/generate`` request on token ids (``ignore_eos``); asserts HTTP 200. ``logprobs``
-    asks for the log-probability of every prompt and output token."""
+    asks for the log-probability of every token from ``logprob_start_len`` on (-1: output tokens
+    only; SGLang recomputes prompt positions it returns log-probabilities for, so a cached prefix
+    is reused only up to ``logprob_start_len``)."""
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
     if rid:
         body["rid"] = rid
     if logprobs:
-        body.update(return_logprob=True, logprob_start_len=0)
+        body.update(return_logprob=True, logprob_start_len=logprob_start_len)
     response = requests.post(url + "/generate", json=body, timeout=600)
     assert response.status_code == 200, response.text[:500]
     return response.json()
