@@ -28,6 +28,8 @@ GAUGES = {  # name suffix -> documentation; values from interval_stats()
     "gpu_cache_slots_free": "Free GPU page-cache slots.",
     "working_set_pages": "GPU page-cache slots the running requests used in the last --sparse-working-set-window steps.",
     "host_tokens_used": "Host KV tokens in use (running requests and the radix cache).",
+    "host_tokens_in_radix_cache": "Host KV tokens of prefixes the radix cache holds (radix hit tokens: SGLang's sglang:cached_tokens_total).",
+    "host_pages_shared": "Host KV pages of cached prefixes that running requests use now (shared by the radix cache and a request).",
 }
 
 
@@ -46,6 +48,8 @@ def interval_stats(before: dict, now: dict, steps: int, seconds: float) -> dict:
         "gpu_cache_slots_free": now["gpu_cache_slots_free"],
         "working_set_pages": now["working_set_pages"],
         "host_tokens_used": now["host_tokens"] - now["host_tokens_free"],
+        "host_tokens_in_radix_cache": now["host_tokens_in_radix_cache"],
+        "host_pages_shared": now["host_pages_shared"],
     }
 
 
