@@ -47,7 +47,9 @@ def pool_tokens(kv_hbm_gb: float) -> int:
 
 def ladder(pool: int, context: int, new_tokens: int) -> list[int]:
     """Prompt lengths to try, rising: around the pool, its multiples, the whole context."""
-    longest = context - new_tokens - 1
+    # SGLang's last token must stay one short of the context (the 2026-11-23 run asked for
+    # context - new_tokens - 1 and got new_tokens - 1 tokens back, which counted as refused)
+    longest = context - new_tokens - 2
     steps = {pool - 8 * PAGE, pool + 8 * PAGE, 2 * pool, 4 * pool, 8 * pool, longest}
     return sorted(n for n in steps if 0 < n <= longest)
 

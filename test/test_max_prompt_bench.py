@@ -9,8 +9,8 @@ def test_the_ladder_brackets_the_pool_then_reaches_the_context():
     pool = pool_tokens(3.5)
     assert pool == 28672  # 3.5 GiB of the 8B shape's KV (128 KiB a token)
     lengths = ladder(pool, 262144, 8)
-    assert lengths == [pool - 256, pool + 256, 2 * pool, 4 * pool, 8 * pool, 262135]
-    assert ladder(pool, 131072, 8) == [pool - 256, pool + 256, 2 * pool, 4 * pool, 131063]  # 8x is past the context
+    assert lengths == [pool - 256, pool + 256, 2 * pool, 4 * pool, 8 * pool, 262134]
+    assert ladder(pool, 131072, 8) == [pool - 256, pool + 256, 2 * pool, 4 * pool, 131062]  # 8x is past the context
 
 
 def test_longest_is_the_last_answered_before_a_refusal():
