@@ -236,6 +236,7 @@ def run(args) -> dict:
         # with --sparse-working-set-admission: requests admitted / rounds a request waited for room
         "working_set_admissions": now.get("working_set_admissions"),
         "working_set_deferrals": now.get("working_set_deferrals"),
+        "aborted_while_waiting_for_working_set": now.get("working_set_aborted_while_waiting"),
     }
     return result
 

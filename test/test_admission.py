@@ -219,10 +219,25 @@ def test_gate_admits_while_working_sets_and_a_narrowest_row_per_new_request_fit_
     assert gate.admits([1, 2], starting=0) and not gate.admits([1, 2], starting=1)
     use_whole_rows([1, 2])  # both use their whole rows: nothing more fits
     assert not gate.admits([1, 2], starting=0)
+    gate.note_queued_aborts(2)  # the queue waits for room: aborts of queued requests count
     for _ in range(3):  # the window passes without use: the working sets drain
         cache.next_step()
     assert cache.working_set_pages_of([1, 2], 3) == [0, 0] and gate.admits([1, 2], starting=0)
     assert (gate.admitted, gate.deferred) == (5, 3)
+    gate.note_queued_aborts(1)  # the last answer admitted: the queue is not held
+    assert gate.aborted_while_holding == 2
+
+
+def test_queued_aborts_follow_sglangs_rid_prefix_rule():
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import AbortReq
+
+    from sparse_sglang.integration.admission import queued_aborts
+
+    queue = [SimpleNamespace(rid=rid) for rid in ("a-1", "a-2", "b-1")]
+    assert queued_aborts(queue, AbortReq(rid="a-")) == 2 and queued_aborts(queue, AbortReq(rid="b-1")) == 1
+    assert queued_aborts(queue, AbortReq(rid="c")) == 0 and queued_aborts(queue, AbortReq(abort_all=True)) == 3
 
 
 def test_prefill_adder_defers_a_request_the_gate_does_not_admit():

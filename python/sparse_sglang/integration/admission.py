@@ -6,7 +6,8 @@ in policy order until one does not fit its token budgets. The hook asks
 to the running requests' working sets in the GPU page cache, it answers ``OTHER`` (the batch
 stops here, as for SGLang's own per-batch request cap, and the request is asked about again in
 the next round), so a request waits instead of shrinking the running requests' cache rows below
-what they use.
+what they use. ``Scheduler.abort_request`` is hooked to count the queued requests aborted while the
+gate held the queue (the soak's "aborted while queued by the working-set rule").
 """
 
 from __future__ import annotations
@@ -32,3 +33,27 @@ def patch_prefill_adder() -> None:
         return add_one_req
 
     wrap_once(PrefillAdder, "add_one_req", wrap)
+
+
+def queued_aborts(waiting_queue, abort) -> int:
+    """Waiting requests an ``AbortReq`` removes (SGLang's rule: every one for ``abort_all``, else
+    those whose rid starts with the abort's rid)."""
+    return sum(1 for req in waiting_queue if abort.abort_all or req.rid.startswith(abort.rid))
+
+
+@relies_on("sglang.srt.managers.scheduler:Scheduler.abort_request", at="sglang/srt/managers/scheduler.py:4326")
+def patch_abort_request() -> None:
+    """Make ``Scheduler.abort_request`` tell :data:`WorkingSetGate.current` how many waiting requests
+    it aborts (SGLang pops those whose rid starts with the abort's rid, or all of them)."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    def wrap(original):
+        def abort_request(self, recv_req):
+            gate = WorkingSetGate.current
+            if gate is not None:
+                gate.note_queued_aborts(queued_aborts(self.waiting_queue, recv_req))
+            return original(self, recv_req)
+
+        return abort_request
+
+    wrap_once(Scheduler, "abort_request", wrap)

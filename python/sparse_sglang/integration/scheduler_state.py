@@ -27,6 +27,7 @@ def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
     return {
         "working_set_admissions": None if gate is None else gate.admitted,
         "working_set_deferrals": None if gate is None else gate.deferred,
+        "working_set_aborted_while_waiting": None if gate is None else gate.aborted_while_holding,
         **store.stats(scheduler.server_args.sparse.working_set_window),
         "host_tokens": scheduler.max_total_num_tokens,
         "host_tokens_free": allocator.available_size(),

@@ -255,6 +255,8 @@ class WorkingSetGate:
         self.cache, self.window = cache, window
         self.policy = AdmissionPolicy(cache.num_slots, host_total_pages=1)  # host memory is SGLang's to check
         self.admitted = self.deferred = 0  # answers since start (metrics)
+        self.holding = False  # the last answer deferred: the waiting queue waits for working-set room
+        self.aborted_while_holding = 0  # queued requests aborted while it held the queue (metrics)
 
     def admits(self, running_slots: list[int], starting: int) -> bool:
         """``running_slots``: request slots of the running batch; ``starting``: requests already
@@ -266,4 +268,11 @@ class WorkingSetGate:
         fits = waiting[-1].rid in self.policy.decide(running, waiting, host_free_pages=0).admit
         self.admitted += fits
         self.deferred += not fits
+        self.holding = not fits
         return fits
+
+    def note_queued_aborts(self, count: int) -> None:
+        """``count`` waiting requests are being aborted; counted when the working-set rule holds
+        the queue (strict FCFS: every waiting request then waits for room, not only the head)."""
+        if self.holding:
+            self.aborted_while_holding += count
