@@ -182,6 +182,13 @@ def sparse_state(url: str) -> dict:
     return info["internal_states"][0]["sparse"]
 
 
+def settled(server: ServerProcess, idle: dict) -> dict:
+    """A GPU test's end: the radix cache flushed, what the server holds beyond ``idle``
+    (:func:`leaks`, all zero when nothing leaked) and the tracebacks in its log."""
+    assert flush_cache(server.url, 60)
+    return {**leaks(idle, sparse_state(server.url)), "tracebacks_in_log": server.log_path.read_text(errors="replace").count("Traceback")}
+
+
 def probe(url: str) -> list[int]:
     body = {"input_ids": prompt_ids("probe", 3000), "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
     response = requests.post(url + "/generate", json=body, timeout=300)

@@ -15,28 +15,21 @@ Results go to ``$SPARSE_SGLANG_RESULTS_DIR/radix-gpu-test.json`` when that is se
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import random
-from pathlib import Path
 
 import pytest
 
-from benchmark.soak import PAGE_SIZE, leaks, sparse_state
+from benchmark.soak import PAGE_SIZE, settled, sparse_state
 from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
-from sparse_sglang.testing.provenance import git_commit
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, generate_ids
+from sparse_sglang.testing.provenance import save_gpu_test_record
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, generate_ids, greedy_comparison
 
 pytestmark = pytest.mark.gpu
 
 PREFIX_TOKENS, QUESTION_TOKENS, QUESTIONS, NEW_TOKENS = 6000, 500, 3, 32
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.7",
         "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs", "8", "--chunked-prefill-size", "4096"]  # fmt: skip
-
-
-def output_logprobs(out: dict) -> list[float]:
-    return [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
 
 
 def test_prefix_hit_decodes_like_a_cold_request(tmp_path):
@@ -58,32 +51,22 @@ def test_prefix_hit_decodes_like_a_cold_request(tmp_path):
         generate_ids(url, primer, 1)  # caches the prefix's full pages
         hit = [generate_ids(url, prompt, NEW_TOKENS, logprobs=True, logprob_start_len=-1) for prompt in prompts]
         shared = sparse_state(url)
-        assert flush_cache(url)
-        leaked = leaks(idle, sparse_state(url))
-        log = server.log_path.read_text(errors="replace")
+        leaked = settled(server, idle)
     assert server.stopped_cleanly, server.log_tail()
 
     summary = {
         "cached_tokens_cold": [c["meta_info"].get("cached_tokens", 0) for c in cold],
         "cached_tokens_hit": [h["meta_info"].get("cached_tokens", 0) for h in hit],
-        "greedy_equal": [c["output_ids"] == h["output_ids"] for c, h in zip(cold, hit)],
-        "output_logprob_max_abs_diff": max(abs(a - b) for c, h in zip(cold, hit)
-                                           for a, b in zip(output_logprobs(c), output_logprobs(h))),  # fmt: skip
+        **greedy_comparison(cold, hit),
         "host_tokens_in_radix_cache": shared.get("host_tokens_in_radix_cache"),
         **leaked,
-        "tracebacks_in_log": log.count("Traceback"),
     }
-    if os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
-        import torch
-
-        record = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
-                  "commit": git_commit(), "args": ARGS, "summary": summary,
-                  "output_ids": {"cold": [c["output_ids"] for c in cold], "hit": [h["output_ids"] for h in hit]}}  # fmt: skip
-        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], "radix-gpu-test.json").write_text(json.dumps(record, indent=1))
+    save_gpu_test_record("radix-gpu-test.json", {"args": ARGS, "summary": summary, "output_ids": {
+        "cold": [c["output_ids"] for c in cold], "hit": [h["output_ids"] for h in hit]}})
     print(json.dumps(summary))
     full_prefix = PREFIX_TOKENS // PAGE_SIZE * PAGE_SIZE
     assert summary["cached_tokens_cold"] == [0] * QUESTIONS, summary
     assert summary["cached_tokens_hit"] == [full_prefix] * QUESTIONS, summary  # full pages only: the partial one is recomputed
     assert all(summary["greedy_equal"]), summary
     assert summary["output_logprob_max_abs_diff"] <= 0.05, summary
-    assert not any(leaked.values()) and summary["tracebacks_in_log"] == 0, summary
+    assert not any(leaked.values()), summary  # nothing leaked, no traceback

@@ -19,9 +19,7 @@ Results go to ``$SPARSE_SGLANG_RESULTS_DIR/segmented-prefill-<model>.json`` when
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +28,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from benchmark.soak import leaks, sparse_state
+from benchmark.soak import settled, sparse_state
 from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
-from sparse_sglang.testing.provenance import git_commit
+from sparse_sglang.testing.provenance import save_gpu_test_record
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, generate_ids
 
 pytestmark = pytest.mark.gpu
@@ -99,8 +97,7 @@ def test_segmented_prefill_equals_a_normal_one_and_aborts_free_at_once(model_nam
             still_decoding = sum(not f.done() for f in decoding)
             background_out = [f.result() for f in decoding]
         after_abort = segmented(url)
-        assert flush_cache(url)
-        leaked = leaks(idle, sparse_state(url))
+        leaked = settled(server, idle)
         alone = generate_ids(url, prompt, NEW_TOKENS, logprobs=True)  # nothing decodes: a normal prefill
         after_alone = segmented(url)
         log = server.log_path.read_text(errors="replace")
@@ -123,13 +120,8 @@ def test_segmented_prefill_equals_a_normal_one_and_aborts_free_at_once(model_nam
         **leaked,
         "tracebacks_in_log": log.count("Traceback"),
     }
-    if os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
-        import torch
-
-        record = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
-                  "commit": git_commit(), "args": ARGS, "summary": summary,
-                  "output_ids": {"segmented": during["output_ids"], "alone": alone["output_ids"]}}  # fmt: skip
-        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], f"segmented-prefill-{model_name}.json").write_text(json.dumps(record, indent=1))
+    save_gpu_test_record(f"segmented-prefill-{model_name}.json", {"args": ARGS, "summary": summary, "output_ids": {
+        "segmented": during["output_ids"], "alone": alone["output_ids"]}})
     print(json.dumps(summary))
     layers = 32 if model_name == "llama3-8b-dummy" else 30
     assert summary["segments"] > layers, summary  # the first chunk one layer per iteration, then the rest

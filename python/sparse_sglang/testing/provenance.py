@@ -56,6 +56,19 @@ def save_result(result: dict, path: str | Path) -> Path:
     return path
 
 
+def save_gpu_test_record(name: str, record: dict) -> None:
+    """A GPU test's outcome as ``$SPARSE_SGLANG_RESULTS_DIR/name`` (with ``device``, ``date`` and
+    ``commit`` first), when that is set (on the GPU host); nothing otherwise."""
+    if not os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
+        return
+    import datetime
+
+    import torch
+
+    header = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), "commit": git_commit()}
+    save_result({**header, **record}, Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], name))
+
+
 def finish_run(script: str, argv: list[str] | None, body: dict, out_dir: str | Path, name: str,
                device: str | None = None) -> dict:  # fmt: skip
     """The end of a benchmark's ``main``: its document (:func:`run_header` + ``body``, which holds

@@ -34,6 +34,17 @@ def generate_ids(url: str, ids: list[int], new_tokens: int, rid: str | None = No
     return response.json()
 
 
+def greedy_comparison(reference: list[dict], other: list[dict]) -> dict:
+    """Whether each pair of ``/generate`` answers has the same output tokens, and the largest
+    difference of their output log-probabilities (answers asked with ``logprobs``)."""
+    logprobs = lambda out: [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]  # noqa: E731
+    return {
+        "greedy_equal": [a["output_ids"] == b["output_ids"] for a, b in zip(reference, other)],
+        "output_logprob_max_abs_diff": max(abs(x - y) for a, b in zip(reference, other)
+                                           for x, y in zip(logprobs(a), logprobs(b))),  # fmt: skip
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
