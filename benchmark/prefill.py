@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import orjson
 import requests
 
 from sparse_sglang.testing.models import (
@@ -48,7 +47,7 @@ from sparse_sglang.testing.models import (
     write_llama3_8b_dummy,
 )
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sse_events
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, streamed_meta
 
 SYSTEMS = {
     "chunked": ["--chunked-prefill-size", "2048"],
@@ -68,18 +67,10 @@ def one_layer_kv_bytes(tokens: int) -> int:
 
 async def stream(session: aiohttp.ClientSession, url: str, rid: str, ids: list[int], new_tokens: int) -> dict:
     """A streamed greedy request; ``arrivals``: (seconds since the epoch of perf_counter, tokens so far)."""
-    body = orjson.dumps({"rid": rid, "input_ids": ids, "stream": True,
-                         "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})  # fmt: skip
     sent, arrivals, finish = time.perf_counter(), [], None
-    async with session.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for event in sse_events(resp.content):
-            if event == b"[DONE]":
-                break
-            meta = orjson.loads(event)["meta_info"]
-            arrivals.append((time.perf_counter(), meta.get("completion_tokens", 0)))
-            finish = meta.get("finish_reason")
+    async for arrived, meta in streamed_meta(session, url, ids, new_tokens, rid):
+        arrivals.append((arrived, meta.get("completion_tokens", 0)))
+        finish = meta.get("finish_reason")
     return {"sent": sent, "arrivals": arrivals, "finish": finish}
 
 

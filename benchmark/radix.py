@@ -39,13 +39,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
-import orjson
 import requests
 
 from sparse_sglang.config import GIB
 from sparse_sglang.testing.models import LLAMA3_8B_KV_BYTES_PER_TOKEN, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sse_events
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, streamed_meta
 
 
 
@@ -75,18 +74,10 @@ def host_tokens_used(url: str) -> int:
 
 async def generate(session: aiohttp.ClientSession, url: str, ids: list[int], max_new_tokens: int) -> dict:
     """One streamed greedy request: its TTFT, end-to-end time, output tokens and cached tokens."""
-    body = orjson.dumps({"input_ids": ids, "stream": True,
-                         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})  # fmt: skip
     sent, ttft, meta = time.perf_counter(), None, {}
-    async with session.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for event in sse_events(resp.content):
-            if event == b"[DONE]":
-                break
-            meta = orjson.loads(event)["meta_info"]
-            if ttft is None and meta.get("completion_tokens", 0) > 0:
-                ttft = time.perf_counter() - sent
+    async for arrived, meta in streamed_meta(session, url, ids, max_new_tokens):
+        if ttft is None and meta.get("completion_tokens", 0) > 0:
+            ttft = arrived - sent
     return {"ttft_s": ttft, "e2e_s": time.perf_counter() - sent, "output_tokens": meta.get("completion_tokens", 0),
             "cached_tokens": meta.get("cached_tokens", 0)}  # fmt: skip
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import orjson
 import requests
 
 SPARSE_MODULE = "sparse_sglang.launch_server"
@@ -69,6 +70,23 @@ async def sse_events(stream) -> AsyncIterator[bytes]:
         for event in events:
             if event.startswith(b"data: "):
                 yield event[len(b"data: ") :]
+
+
+async def streamed_meta(session, url: str, ids: list[int], new_tokens: int,
+                        rid: str | None = None) -> AsyncIterator[tuple[float, dict]]:  # fmt: skip
+    """A streamed greedy ``/generate`` on token ids (``ignore_eos``; ``session`` an aiohttp client
+    session): each event's arrival time (``time.perf_counter()``) and ``meta_info``."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    if rid:
+        body["rid"] = rid
+    async with session.post(url + "/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for event in sse_events(resp.content):
+            if event == b"[DONE]":
+                break
+            yield time.perf_counter(), orjson.loads(event)["meta_info"]
 
 
 class ServerProcess:
