@@ -196,6 +196,38 @@ def probe(url: str) -> list[int]:
     return response.json()["output_ids"]
 
 
+def summarize(result: dict) -> dict:
+    """The soak's summary, from the raw phases in ``result``. ``aborted`` counts requests whose
+    finish reason is an abort; an abort sent in the instant the request finished counts as completed."""
+    mixed, bad, burst, now = result["mixed"], result["bad"], result["burst"], result["idle_after"]
+    statuses = [r["status"] for r in mixed] + [b["status"] for b in bad.values()] + [r["status"] for r in burst]
+    finishes = [(r["finish"] or {}) for r in mixed]
+    aborted = [f for f in finishes if f.get("type") == "abort"]
+    return {
+        "requests": len(mixed),
+        # an abort planned for after the request finished is never sent: --abort-frac 0.8 aborted 31%
+        "aborts_planned": sum(1 for r in mixed if r["abort_after"] is not None),
+        "aborted": len(aborted),
+        # SGLang's reason for an abort of a request not yet scheduled (queued, by SGLang or the working-set rule)
+        "aborted_while_queued": sum(1 for f in aborted if f.get("message") == "Abort in waiting queue"),
+        "aborted_while_running": sum(1 for f in aborted if f.get("message") != "Abort in waiting queue"),
+        "abort_sent_after_completion": sum(1 for r, f in zip(mixed, finishes) if r["abort_sent"] and f.get("type") != "abort"),
+        "completed": sum(1 for r, f in zip(mixed, finishes) if r["status"] == 200 and f.get("type") == "length"),
+        "errors_5xx": sum(1 for s in statuses if s >= 500),
+        "bad_requests_4xx": f"{sum(400 <= b['status'] < 500 for b in bad.values())}/{len(bad)}",
+        "healthy_after_bad": all(b["healthy_after"] for b in bad.values()),
+        "burst_completed": f"{sum(r['status'] == 200 for r in burst)}/{len(burst)}",
+        **leaks(result["idle_before"], now),
+        "output_matches_fresh": result["probe_after"] == result["probe_fresh"],
+        # with --sparse-segmented-prefill: prefills segmented, and those stopped by aborts mid-prefill
+        "segmented_prefill": now.get("segmented_prefill"),
+        # with --sparse-working-set-admission: requests admitted / rounds a request waited for room
+        "working_set_admissions": now.get("working_set_admissions"),
+        "working_set_deferrals": now.get("working_set_deferrals"),
+        "aborted_while_waiting_for_working_set": now.get("working_set_aborted_while_waiting"),
+    }
+
+
 def run(args) -> dict:
     model = write_llama3_8b_dummy(Path(args.log_dir) / f"llama3-8b-dummy-{args.layers}l", num_layers=args.layers)
     kv_bytes_per_token = LLAMA3_8B_KV_BYTES_PER_TOKEN * args.layers // LLAMA3_8B_CONFIG["num_hidden_layers"]
@@ -225,26 +257,7 @@ def run(args) -> dict:
     result.update(mixed=mixed, bad=bad, burst=burst, idle_before=idle, idle_after=now, flushed=flushed,
                   probe_fresh=fresh, probe_after=again, burst_prompt_tokens=burst_tokens,
                   server_tracebacks=log.count("Traceback"), stopped_cleanly=server.stopped_cleanly)  # fmt: skip
-    statuses = [r["status"] for r in mixed] + [b["status"] for b in bad.values()] + [r["status"] for r in burst]
-    result["summary"] = {
-        "requests": len(mixed),
-        # an abort planned for after the request finished is never sent: --abort-frac 0.6 aborts ~34%
-        "aborts_planned": sum(1 for r in mixed if r["abort_after"] is not None),
-        "aborted": sum(1 for r in mixed if r["abort_sent"] or (r["finish"] or {}).get("type") == "abort"),
-        "completed": sum(1 for r in mixed if r["status"] == 200 and (r["finish"] or {}).get("type") == "length"),
-        "errors_5xx": sum(1 for s in statuses if s >= 500),
-        "bad_requests_4xx": f"{sum(400 <= b['status'] < 500 for b in bad.values())}/{len(bad)}",
-        "healthy_after_bad": all(b["healthy_after"] for b in bad.values()),
-        "burst_completed": f"{sum(r['status'] == 200 for r in burst)}/{len(burst)}",
-        **leaks(idle, now),
-        "output_matches_fresh": again == fresh,
-        # with --sparse-segmented-prefill: prefills segmented, and those stopped by aborts mid-prefill
-        "segmented_prefill": now.get("segmented_prefill"),
-        # with --sparse-working-set-admission: requests admitted / rounds a request waited for room
-        "working_set_admissions": now.get("working_set_admissions"),
-        "working_set_deferrals": now.get("working_set_deferrals"),
-        "aborted_while_waiting_for_working_set": now.get("working_set_aborted_while_waiting"),
-    }
+    result["summary"] = summarize(result)
     return result
 
 
@@ -252,8 +265,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--rate", type=float, default=4.0, help="mixed-phase arrivals per second")
-    parser.add_argument("--abort-frac", type=float, default=0.6,
-                        help="share of requests given an abort moment; about 40%% of those finish first (2026-11-23 run)")
+    parser.add_argument("--abort-frac", type=float, default=0.8,
+                        help="share of requests given an abort moment; 60%% of those finished first (2026-11-23 run)")
     parser.add_argument("--burst", type=int, default=50)
     parser.add_argument("--host-cache-gb", type=float, default=8.0, help="small: the burst must queue")
     parser.add_argument("--layers", type=int, default=LLAMA3_8B_CONFIG["num_hidden_layers"],

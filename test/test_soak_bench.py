@@ -84,3 +84,33 @@ def test_the_client_sends_aborts_while_requests_run():
     for r in results:
         assert r["abort_sent"] == (r["abort_after"] is not None)
         assert r["finish"]["type"] == ("abort" if r["abort_after"] is not None else "length"), r["rid"]
+
+
+def test_summary_counts_aborts_by_finish_reason_and_where_they_landed():
+    from benchmark.soak import summarize
+
+    def request(abort_after, abort_sent, finish, status=200):
+        return {"abort_after": abort_after, "abort_sent": abort_sent, "finish": finish, "status": status}
+
+    idle = {"gpu_cache_slots_free": 10, "gpu_cache_rows_open": 0, "host_tokens_free": 640, "request_slots_free": 4,
+            "segmented_prefill": {"cancelled": 1}, "working_set_aborted_while_waiting": 2}  # fmt: skip
+    result = {
+        "mixed": [
+            request(None, False, {"type": "length", "length": 16}),
+            request(0.5, False, {"type": "length", "length": 16}),  # finished before its abort moment
+            request(0.1, True, {"type": "abort", "message": "Abort in waiting queue"}),
+            request(0.9, True, {"type": "abort", "message": "Aborted"}),
+            request(1.2, True, {"type": "length", "length": 16}),  # the abort crossed the finish
+            request(None, False, None, status=503),
+        ],
+        "bad": {"empty_prompt": {"status": 400, "healthy_after": True}},
+        "burst": [{"status": 200}],
+        "idle_before": idle, "idle_after": dict(idle), "probe_fresh": [1, 2], "probe_after": [1, 2],
+    }  # fmt: skip
+    summary = summarize(result)
+    assert summary["requests"] == 6 and summary["aborts_planned"] == 4
+    assert (summary["aborted"], summary["aborted_while_queued"], summary["aborted_while_running"]) == (2, 1, 1)
+    assert summary["abort_sent_after_completion"] == 1 and summary["completed"] == 3
+    assert summary["errors_5xx"] == 1 and summary["bad_requests_4xx"] == "1/1" and summary["burst_completed"] == "1/1"
+    assert summary["leaked_host_pages"] == 0 and summary["output_matches_fresh"] is True
+    assert summary["aborted_while_waiting_for_working_set"] == 2 and summary["segmented_prefill"] == {"cancelled": 1}
