@@ -53,6 +53,7 @@ def test_tracker_matches_set_reference_on_random_streams():
             history[gone].clear()
         want = [reference(r, step) for r in range(max_req)]
         assert ws.sizes().tolist() == want, step
+        assert ws.sizes(torch.arange(max_req), num_pages=pages).tolist() == want, step  # the bitmap count
         some = rng.sample(range(max_req), 3)
         assert ws.sizes(torch.tensor(some)).tolist() == [want[r] for r in some]
 
@@ -219,12 +220,12 @@ def test_gate_admits_while_working_sets_and_a_narrowest_row_per_new_request_fit_
     assert gate.admits([1, 2], starting=0) and not gate.admits([1, 2], starting=1)
     use_whole_rows([1, 2])  # both use their whole rows: nothing more fits
     assert not gate.admits([1, 2], starting=0)
-    gate.note_queued_aborts(2)  # the queue waits for room: aborts of queued requests count
+    gate.note_queued_aborts(["a", "b"])  # the queue waits for room: aborts of queued requests count
     for _ in range(3):  # the window passes without use: the working sets drain
         cache.next_step()
     assert cache.working_set_pages_of([1, 2], 3) == [0, 0] and gate.admits([1, 2], starting=0)
     assert (gate.admitted, gate.deferred) == (5, 3)
-    gate.note_queued_aborts(1)  # the last answer admitted: the queue is not held
+    gate.note_queued_aborts(["c"])  # the last answer admitted: the queue is not held
     assert gate.aborted_while_holding == 2
 
 
@@ -236,8 +237,8 @@ def test_queued_aborts_follow_sglangs_rid_prefix_rule():
     from sparse_sglang.integration.admission import queued_aborts
 
     queue = [SimpleNamespace(rid=rid) for rid in ("a-1", "a-2", "b-1")]
-    assert queued_aborts(queue, AbortReq(rid="a-")) == 2 and queued_aborts(queue, AbortReq(rid="b-1")) == 1
-    assert queued_aborts(queue, AbortReq(rid="c")) == 0 and queued_aborts(queue, AbortReq(abort_all=True)) == 3
+    assert queued_aborts(queue, AbortReq(rid="a-")) == ["a-1", "a-2"] and queued_aborts(queue, AbortReq(rid="b-1")) == ["b-1"]
+    assert queued_aborts(queue, AbortReq(rid="c")) == [] and len(queued_aborts(queue, AbortReq(abort_all=True))) == 3
 
 
 def test_prefill_adder_defers_a_request_the_gate_does_not_admit():
@@ -249,8 +250,8 @@ def test_prefill_adder_defers_a_request_the_gate_does_not_admit():
     from sparse_sglang.scheduler import WorkingSetGate
 
     class Refusing:
-        def admits(self, running_slots, starting):
-            self.asked = (running_slots, starting)
+        def admits(self, running_slots, starting, rid=None):
+            self.asked = (running_slots, starting, rid)
             return False
 
     patch_prefill_adder()
@@ -258,7 +259,112 @@ def test_prefill_adder_defers_a_request_the_gate_does_not_admit():
     WorkingSetGate.current = gate
     try:
         adder = SimpleNamespace(running_batch=SimpleNamespace(reqs=[SimpleNamespace(req_pool_idx=3)]), can_run_list=[object()])
-        assert PrefillAdder.add_one_req(adder, object(), False, None) == AddReqResult.OTHER
-        assert gate.asked == ([3], 1)
+        assert PrefillAdder.add_one_req(adder, SimpleNamespace(rid="r7"), False, None) == AddReqResult.OTHER
+        assert gate.asked == ([3], 1, "r7")
     finally:
         WorkingSetGate.current = saved
+
+
+def test_record_step_is_the_per_layer_record_of_a_whole_step():
+    by_layer, by_step = WorkingSetTracker(4, 3, 2, 5, window=2), WorkingSetTracker(4, 3, 2, 5, window=2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        slots = torch.tensor([2, -1, 0])
+        step = torch.randint(-1, 9, (3, 3, 2, 4), generator=gen)
+        by_layer.next_step()
+        for layer in range(3):
+            by_layer.record(slots, layer, step[:, layer])
+        by_step.record_step(slots, step)
+        by_step.publish([0, 2])
+        assert by_step.published() == dict(zip([0, 2], by_step.sizes(torch.tensor([0, 2])).tolist()))
+    assert by_layer.sizes().tolist() == by_step.sizes().tolist()
+    assert by_step.sizes(num_pages=4).tolist() == [
+        sum(len({p for p in by_step.ring[r, :, layer, head].flatten().tolist() if 0 <= p < 4})
+            for layer in range(3) for head in range(2)) for r in range(4)]  # ids past num_pages count as none
+
+
+def _gate_with_tracker(num_slots=32):
+    """A cache of ``num_slots`` slots on 2 layers x 2 heads (narrowest row 2 pages = 8 slots) and a
+    tracker whose working sets the test sets by recording selections of ``n`` distinct pages."""
+    from sparse_sglang.mem_cache import GPUPageCache
+    from sparse_sglang.scheduler import WorkingSetGate
+
+    cache = GPUPageCache(num_slots, 2, 2, 4, 16, torch.bfloat16, max_requests=6, row_width=4, max_pages=16,
+                         total_pages=32, min_row_width=2)  # fmt: skip
+    tracker = WorkingSetTracker(6, 2, 2, 4, window=3)
+    return cache, tracker, WorkingSetGate(cache, window=3, tracker=tracker)
+
+
+def _select(tracker, pages_per_slot: dict[int, int]) -> None:
+    """One decode step: request slot s selects pages [0, n) in every layer and head (n <= 4)."""
+    slots = list(pages_per_slot)
+    sel = torch.full((len(slots), 2, 2, 4), -1, dtype=torch.int32)
+    for i, s in enumerate(slots):
+        sel[i, ..., : pages_per_slot[s]] = torch.arange(pages_per_slot[s], dtype=torch.int32)
+    tracker.record_step(torch.tensor(slots), sel)
+    tracker.publish(slots)
+
+
+def test_gate_with_tracker_retracts_while_true_working_sets_overflow_and_readmits_by_the_remembered_set():
+    cache, tracker, gate = _gate_with_tracker(num_slots=32)
+    _select(tracker, {1: 2, 2: 2, 3: 2})  # 8 slots each (a narrowest row): 24 of 32
+    assert gate.demand([1, 2, 3]) == [8, 8, 8] and gate.keeps([1, 2, 3]) and gate.keeps([1])
+    _select(tracker, {1: 4, 2: 4, 3: 4})  # each now selects 4 pages per (layer, head): 16 slots
+    assert gate.demand([1, 2, 3]) == [16, 16, 16]
+    assert not gate.keeps([1, 2, 3]) and gate.keeps([1, 2]) and gate.keeps([3])  # one alone always stays
+    assert gate.retracted == 1
+    gate.note_retracted("r3", 3)  # SGLang retracts request slot 3 (rid "r3")
+    assert gate.resume_pages == {"r3": 16}
+    # Back in the queue it asks for its 16 slots, not a narrowest row: no room next to 32 used.
+    assert not gate.admits([1, 2], starting=0, rid="r3") and gate.admits([1], starting=0, rid="r3")
+    assert gate.resume_pages == {}  # admitted: forgotten
+    gate.note_retracted("r4", 4)
+    gate.note_queued_aborts(["r4"])  # aborted while waiting: forgotten too
+    assert gate.resume_pages == {}
+
+
+def test_gate_without_tracker_never_asks_for_retraction():
+    from sparse_sglang.mem_cache import GPUPageCache
+    from sparse_sglang.scheduler import WorkingSetGate
+
+    cache = GPUPageCache(16, 2, 2, 4, 16, torch.bfloat16, max_requests=6, row_width=4, max_pages=16, total_pages=32,
+                         min_row_width=2)  # fmt: skip
+    assert WorkingSetGate(cache, window=3).keeps([1, 2, 3, 4, 5])
+
+
+def test_sglangs_retraction_loop_retracts_until_the_working_sets_fit():
+    """SGLang's own ``ScheduleBatch.retract_decode`` (its order: fewest output tokens kept last),
+    with the patched ``check_decode_mem`` and a KV pool that has room: it retracts the requests the
+    working-set rule cannot keep, one at a time, and keeps the rest."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    from sparse_sglang.integration.admission import patch_check_decode_mem
+    from sparse_sglang.scheduler import WorkingSetGate
+
+    patch_check_decode_mem()
+    cache, tracker, gate = _gate_with_tracker(num_slots=40)
+    _select(tracker, {1: 4, 2: 4, 3: 4, 4: 2})  # 16 + 16 + 16 + 8 = 56 > 40
+    reqs = [SimpleNamespace(rid=f"r{slot}", req_pool_idx=slot, output_ids=[0] * out, origin_input_ids=[0] * 100,
+                            kv_committed_len=100 + out, sampling_params=SimpleNamespace(max_new_tokens=64))
+            for slot, out in ((1, 9), (2, 5), (3, 3), (4, 1))]  # fmt: skip
+    released = []
+    batch = SimpleNamespace(
+        reqs=reqs, tree_cache=None, spec_algorithm=SimpleNamespace(is_none=lambda: True),
+        token_to_kv_pool_allocator=SimpleNamespace(page_size=32, available_size=lambda: 10_000),
+        _get_decode_retraction_order=ScheduleBatch._get_decode_retraction_order,
+        release_req=lambda idx, remaining, args: released.append(reqs[idx].rid),
+        filter_batch=lambda keep_indices: batch.__setattr__("reqs", [reqs[i] for i in keep_indices]),
+    )  # fmt: skip
+    batch.new_tokens_required_next_decode = lambda selected_indices=None: ScheduleBatch.new_tokens_required_next_decode(batch, selected_indices)
+    batch.check_decode_mem = lambda selected_indices=None: ScheduleBatch.check_decode_mem(batch, selected_indices)
+    saved, WorkingSetGate.current = WorkingSetGate.current, gate
+    try:
+        assert not batch.check_decode_mem()  # what makes update_running_batch retract
+        retracted, _, aborted = ScheduleBatch.retract_decode(batch, SimpleNamespace(retraction_policy="length"))
+    finally:
+        WorkingSetGate.current = saved
+    # SGLang retracts the request with the fewest output tokens first: r4 (8 slots), then r3 (16).
+    assert [r.rid for r in retracted] == released == ["r4", "r3"] and aborted == []
+    assert [r.rid for r in batch.reqs] == ["r1", "r2"] and gate.retracted == 2

@@ -97,6 +97,7 @@ def test_freeing_a_request_slot_returns_its_page_cache_row():
 
     from sparse_sglang.integration.memory_pool import release_rows_on_free
     from sparse_sglang.mem_cache import GPUPageCache
+    from sparse_sglang.scheduler import WorkingSetTracker
 
     pool = ReqToTokenPool(3, 64, "cpu", False)
     cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)
@@ -131,12 +132,14 @@ def test_a_slot_reused_after_a_cache_flush_gets_a_new_row():
     from sparse_sglang.integration.attention_backend import SparseAttnBackend
     from sparse_sglang.integration.memory_pool import release_rows_on_free
     from sparse_sglang.mem_cache import GPUPageCache
+    from sparse_sglang.scheduler import WorkingSetTracker
 
     pool = ReqToTokenPool(3, 64, "cpu", False)
     cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)
     release_rows_on_free(pool, cache)
+    tracker = WorkingSetTracker(4, 2, 2, 4, window=3)
     backend = types.SimpleNamespace(store=types.SimpleNamespace(cache=cache), req_generation=pool.req_generation,
-                                    row_generation={})  # fmt: skip
+                                    row_generation={}, tracker=tracker)  # fmt: skip
     first = Req("first", "", [1, 2, 3], SamplingParams())
     (slot,) = pool.alloc([first])
     SparseAttnBackend._open_rows(backend, [slot])
@@ -146,8 +149,10 @@ def test_a_slot_reused_after_a_cache_flush_gets_a_new_row():
     pool.clear()  # what /flush_cache does
     second = Req("second", "", [4, 5], SamplingParams())
     assert pool.alloc([second]) == [slot] and int(pool.req_generation[slot]) == backend.row_generation[slot]
+    tracker.record_step(torch.tensor([slot]), torch.ones(1, 2, 2, 4, dtype=torch.int32))  # the first one's selections
     SparseAttnBackend._open_rows(backend, [slot])
     assert cache.is_open(slot) and cache.num_open == 1
+    assert tracker.sizes(torch.tensor([slot])).tolist() == [0]  # the new request inherits no working set
     cache.write_allocate(slot, 0, 1)  # what failed with KeyError on the server
     SparseAttnBackend._open_rows(backend, [slot])  # its own row: kept
     assert cache.num_open == 1

@@ -22,7 +22,7 @@ import pytest
 from benchmark.soak import settled, sparse_state
 from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import save_gpu_test_record
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, generate_ids, greedy_comparison
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, generate_ids, greedy_comparison, warm_then_each_alone
 
 pytestmark = pytest.mark.gpu
 
@@ -39,13 +39,8 @@ def test_retracted_requests_resume_from_host_kv_with_the_same_tokens(tmp_path):
     run = lambda url, ids: generate_ids(url, ids, NEW_TOKENS, logprobs=True, logprob_start_len=-1)  # noqa: E731
     with ServerProcess(SPARSE_MODULE, model, ARGS, env=ENV, log_path=tmp_path / "server.log") as server:
         url = server.url
-        generate_ids(url, prompts[0][:300], 4)  # first-request costs out of the way
-        assert flush_cache(url)
-        idle = sparse_state(url)
-        alone = []
-        for ids in prompts:
-            alone.append(run(url, ids))
-            assert flush_cache(url)
+        alone = warm_then_each_alone(url, prompts, run)
+        idle = sparse_state(url)  # flushed: what an idle server holds
         with ThreadPoolExecutor(PROMPTS) as pool:
             together = list(pool.map(lambda ids: run(url, ids), prompts))
         leaked = settled(server, idle)

@@ -38,3 +38,17 @@ def test_reports_set_the_gauges_from_the_second_snapshot_on():
     for name in GAUGES:
         value = registry.get_sample_value(f"sglang:sparse_{name}", {"model_name": "m"})
         assert value == pytest.approx(stats[name]), name
+
+
+def test_working_set_admission_adds_demand_deferrals_and_retractions():
+    admission = {"working_set_demand_pages": 380, "working_set_deferrals": 7, "working_set_retractions": 2}
+    before, now = snapshot(0, 0, 0, 0) | admission, snapshot(100, 10, 0, 0) | admission
+    stats = interval_stats(before, now, steps=10, seconds=1.0)
+    assert (stats["working_set_demand_pages"], stats["working_set_deferrals"], stats["working_set_retractions"]) == (380, 7, 2)
+    assert "working set: 250/400 slots, demand: 380 pages, deferred: 7, retracted: 2, host KV" in log_line(stats, now)
+    registry = CollectorRegistry()
+    SparseMetrics({"model_name": "m"}).publish(stats, registry=registry)
+    assert registry.get_sample_value("sglang:sparse_working_set_retractions", {"model_name": "m"}) == 2
+    # Admission off: no demand, and the log line says nothing of it.
+    off = interval_stats(snapshot(0, 0, 0, 0), snapshot(100, 10, 0, 0), steps=10, seconds=1.0)
+    assert off["working_set_demand_pages"] is None and "demand" not in log_line(off, snapshot(100, 10, 0, 0))

@@ -116,6 +116,16 @@ class SparseDecoder:
         self.batch = 0
         self.exact = False
         self.graph = None  # static buffers of CUDA-graph mode (init_cuda_graph)
+        # [max_batch, num_layers, Hkv, K] each layer's selection of the current step, -1 = none
+        # (allocated by log_selections: the working-set tracker reads it after the step).
+        self.selection_log: torch.Tensor | None = None
+
+    def log_selections(self, max_batch: int) -> torch.Tensor:
+        """Keep each step's selections (every layer's) in :attr:`selection_log`, a static buffer
+        that CUDA-graph steps write too."""
+        shape = (max_batch, self.store.shape.num_layers, self.num_kv_heads, self.width)
+        self.selection_log = torch.full(shape, -1, dtype=torch.int32, device=self.store.device)
+        return self.selection_log
 
     def init_cuda_graph(self, max_batch: int) -> None:
         """Static buffers for decode steps captured in CUDA graphs, batches of up to ``max_batch``.
@@ -264,6 +274,8 @@ class SparseDecoder:
         """
         page_ids = self.select_raw(layer, q)
         store = self.store
+        if self.selection_log is not None:  # -1 for none (the fused top-k's picks past a request's end)
+            self.selection_log[: self.batch, layer] = torch.where(page_ids < self.num_pages.view(-1, 1, 1), page_ids, -1)
         if self.fused:
             if not self.exact:
                 # Ascending pages (the top-k's order is arbitrary): FlashInfer then sums each row's

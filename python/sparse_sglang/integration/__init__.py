@@ -30,7 +30,7 @@ def install() -> None:
         register_sparse_attention_backend,
     )
 
-    from sparse_sglang.integration.admission import patch_abort_request, patch_prefill_adder
+    from sparse_sglang.integration.admission import patch_abort_request, patch_check_decode_mem, patch_prefill_adder
     from sparse_sglang.integration.input_length import patch_validate_input_length
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
     from sparse_sglang.integration.metrics import patch_report_decode_stats
@@ -46,6 +46,7 @@ def install() -> None:
     patch_validate_input_length()
     patch_prefill_adder()
     patch_abort_request()
+    patch_check_decode_mem()
     patch_event_loop_normal()
     patch_release_req()
     _installed = True

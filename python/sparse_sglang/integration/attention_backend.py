@@ -28,7 +28,7 @@ from sparse_sglang.attention.prefix import PrefixAttention
 from sparse_sglang.attention.sparse_decode import SparseDecoder, host_page_table
 from sparse_sglang.integration.registry import relies_on
 from sparse_sglang.mem_cache.kernels import SaveRuns
-from sparse_sglang.scheduler import WorkingSetGate
+from sparse_sglang.scheduler import WorkingSetGate, WorkingSetTracker
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -61,7 +61,15 @@ class SparseAttnBackend(FlashInferAttnBackend):
         self.extend_runs: SaveRuns | None = None  # the tokens the current prefill saves
         self.prefix = PrefixAttention(self.store, self.num_q_heads, self.workspace_buffer, model_runner.model_config.context_len)
         config = self.sparse_config
-        WorkingSetGate.current = WorkingSetGate(self.store.cache, config.working_set_window) if config.working_set_admission else None
+        # Working-set admission: the decoder logs each step's selections, the tracker keeps the
+        # last window of them per request and counts each one's distinct pages once per step.
+        self.tracker, self.tracked_slots = None, None  # tracked_slots: the last decode step's batch
+        if config.working_set_admission:
+            shape = self.store.shape
+            self.tracker = WorkingSetTracker(max_batch, shape.num_layers, shape.num_kv_heads, self.decoder.width,
+                                             config.working_set_window, self.store.device)  # fmt: skip
+            self.decoder.log_selections(max_batch)
+        WorkingSetGate.current = WorkingSetGate(self.store.cache, config.working_set_window, self.tracker) if config.working_set_admission else None
         logger.info("sparse attention backend: %s", self.sparse_config)
 
     @staticmethod
@@ -77,6 +85,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         if mode.is_idle():
             return super().init_forward_metadata(forward_batch)
         self.store.wait_saves()  # earlier prefill saves land before any host read below
+        self._record_last_decode_step()
         if mode.is_decode():
             self._begin_decode(forward_batch)
         elif mode.is_extend() and not mode.is_target_verify() and not mode.is_mixed():
@@ -104,6 +113,8 @@ class SparseAttnBackend(FlashInferAttnBackend):
             if cache.is_open(slot):  # left by an earlier request of this slot
                 cache.close_request(slot)
             cache.open_request(slot)
+            if self.tracker is not None:
+                self.tracker.forget(slot)
             self.row_generation[slot] = generation
 
     def _begin_extend(self, fb: ForwardBatch) -> None:
@@ -147,8 +158,18 @@ class SparseAttnBackend(FlashInferAttnBackend):
         num_pages = self.store.shape.max_pages if graph else math.ceil(max(seq_lens) / page)
         host_pages = host_page_table(self.req_to_token_pool.req_to_token, req_slots, num_pages, page)
         self.decoder.plan(req_slots, seq_lens_cpu, host_pages, graph=graph)
+        if self.tracker is not None:  # counts up to the last step; this step's selection is recorded at the next forward
+            self.tracker.publish([slot for slot, _ in real], math.ceil(max(seq_lens) / page))
+            self.tracked_slots = req_slots.clone()
         if not graph:  # a captured step binds its runs inside the graph (init_forward_metadata_in_graph)
             self.store.bind_runs(SaveRuns.for_decode(req_slots, fb.seq_lens[:bs], page))
+
+    def _record_last_decode_step(self) -> None:
+        """Hand the last decode step's selections to the working-set tracker, before this forward
+        opens any row (a slot reused by a new request must not inherit them)."""
+        if self.tracked_slots is not None:
+            self.tracker.record_step(self.tracked_slots, self.decoder.selection_log[: len(self.tracked_slots)])
+            self.tracked_slots = None
 
     # CUDA-graph decode (--sparse-decode-cuda-graph): SGLang's decode graph runner calls these.
 
@@ -162,6 +183,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         if not forward_batch.forward_mode.is_decode():
             raise NotImplementedError(f"the sparse backend captures decode steps only, not {forward_batch.forward_mode}")
         self.store.wait_saves()
+        self._record_last_decode_step()
         self._begin_decode(forward_batch, graph=True)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):

@@ -4,7 +4,8 @@ Every ``--decode-log-interval`` decode steps SGLang logs a "Decode batch" line (
 ``--enable-metrics``, updates its gauges); right after it the hook logs one "Sparse KV" line for
 the same interval (GPU page-cache hit ratio, pages and bytes loaded per step host-to-GPU, tokens
 saved GPU-to-host, page-cache rows in use, the running requests' working sets against the cache,
-host KV in use) and sets ``sglang:sparse_*`` gauges.
+with working-set admission their selected pages and the rule's deferrals and retractions, host KV
+in use) and sets ``sglang:sparse_*`` gauges.
 Reading the GPU counters is a sync, once per interval, never per step.
 """
 
@@ -27,6 +28,10 @@ GAUGES = {  # name suffix -> documentation; values from interval_stats()
     "gpu_cache_rows_open": "Requests holding a GPU page-cache row.",
     "gpu_cache_slots_free": "Free GPU page-cache slots.",
     "working_set_pages": "GPU page-cache slots the running requests used in the last --sparse-working-set-window steps.",
+    "working_set_demand_pages": "Distinct pages the running requests selected in the last --sparse-working-set-window steps "
+                                "(summed over layers and kv heads; with --sparse-working-set-admission).",
+    "working_set_deferrals": "Admission answers 'wait' of the working-set rule since start.",
+    "working_set_retractions": "Running requests the working-set rule retracted since start.",
     "host_tokens_used": "Host KV tokens in use (running requests and the radix cache).",
     "host_tokens_in_radix_cache": "Host KV tokens of prefixes the radix cache holds (radix hit tokens: SGLang's sglang:cached_tokens_total).",
     "host_pages_shared": "Host KV pages of cached prefixes that running requests use now (shared by the radix cache and a request).",
@@ -47,6 +52,9 @@ def interval_stats(before: dict, now: dict, steps: int, seconds: float) -> dict:
         "gpu_cache_rows_open": now["gpu_cache_rows_open"],
         "gpu_cache_slots_free": now["gpu_cache_slots_free"],
         "working_set_pages": now["working_set_pages"],
+        "working_set_demand_pages": now.get("working_set_demand_pages"),
+        "working_set_deferrals": now.get("working_set_deferrals"),
+        "working_set_retractions": now.get("working_set_retractions"),
         "host_tokens_used": now["host_tokens"] - now["host_tokens_free"],
         "host_tokens_in_radix_cache": now["host_tokens_in_radix_cache"],
         "host_pages_shared": now["host_pages_shared"],
@@ -58,6 +66,13 @@ def row_width(now: dict) -> str:
     return "" if width is None else f" ({width:.0f} pages wide)"
 
 
+def admission(stats: dict) -> str:
+    if stats["working_set_demand_pages"] is None:
+        return ""
+    return (f", demand: {stats['working_set_demand_pages']} pages, deferred: {stats['working_set_deferrals']}, "
+            f"retracted: {stats['working_set_retractions']}")
+
+
 def log_line(stats: dict, now: dict) -> str:
     hit = stats["gpu_cache_hit_ratio"]
     return (
@@ -65,7 +80,7 @@ def log_line(stats: dict, now: dict) -> str:
         f"H2D pages/step: {stats['h2d_pages_per_step']:.1f}, H2D GB/s: {stats['h2d_bytes_per_s'] / 1e9:.2f}, "
         f"D2H GB/s: {stats['d2h_bytes_per_s'] / 1e9:.2f}, "
         f"cache rows: {now['gpu_cache_rows_open']}/{now['request_slots']}{row_width(now)}, "
-        f"working set: {now['working_set_pages']}/{now['gpu_cache_slots']} slots, "
+        f"working set: {now['working_set_pages']}/{now['gpu_cache_slots']} slots{admission(stats)}, "
         f"host KV tokens: {stats['host_tokens_used']}/{now['host_tokens']}"
     )
 

@@ -8,11 +8,14 @@ already in host pages, with their summaries, so :func:`patch_release_req` insert
 full pages into the radix tree instead, unlocked: coming back is a prefix hit that prefills only
 its last partial page, and under pressure the tree evicts those pages like any cached prefix
 (least recently used first), so the retraction still frees what the running requests need.
+The working-set rule retracts through the same path (``admission.py``); the gate remembers the
+retracted request's working set, which it asks for again when it comes back.
 """
 
 from __future__ import annotations
 
 from sparse_sglang.integration.registry import relies_on, wrap_once
+from sparse_sglang.scheduler import WorkingSetGate
 
 
 @relies_on("sglang.srt.managers.schedule_batch:release_req", at="sglang/srt/managers/schedule_batch.py:1834")
@@ -32,6 +35,9 @@ def patch_release_req() -> None:
                 return original(req=req, remaing_req_count=remaing_req_count, server_args=server_args,
                                 req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
                                 tree_cache=tree_cache, hisparse_coordinator=hisparse_coordinator, offload_kv=offload_kv)  # fmt: skip
+            gate = WorkingSetGate.current
+            if gate is not None and req.req_pool_idx is not None:
+                gate.note_retracted(req.rid, req.req_pool_idx)
             release_kv_cache(req, tree_cache, is_insert=True)
             # As SGLang does after a retraction: make room for the remaining requests' next steps
             # (the pages just inserted are the most recently used, so older prefixes go first).

@@ -12,7 +12,8 @@ admitting waiting ones only while they fit.
 - :func:`prefill_pages` is a prefill's working set, which is exact: every KV page it attends.
 - :class:`AdmissionPolicy` is the pure-Python decision: keep / retract / admit / defer / refuse.
 - :class:`WorkingSetGate` asks it, for SGLang's prefill admission, whether one more request fits
-  next to the running ones, with working sets read from the GPU page cache's LRU stamps.
+  next to the running ones, and for SGLang's decode memory check whether the running ones still
+  fit (else SGLang retracts one), with working sets the tracker reads back once per step.
 
 Fairness rule: strict FCFS on the waiting queue. Requests are considered in arrival order and the
 first one that does not fit (GPU working-set budget or free host pages) stops admission: every
@@ -70,6 +71,12 @@ class WorkingSetTracker:
         shape = (max_requests + 1, window, num_layers, num_kv_heads, max_selected)
         self.ring = torch.full(shape, -1, dtype=torch.int32, device=device)
         self.column = 0  # ring column of the current step (host-known: no sync to advance)
+        # publish(): counts on their way to the host (pinned double buffer), the newest landed.
+        self._in_flight: list = []
+        self._published: dict[int, int] = {}
+        self._next_buffer = 0
+        self._buffers = [torch.zeros(max_requests, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+                         for _ in range(2)]  # fmt: skip
 
     def next_step(self) -> None:
         """Start a decode step: its column forgets the step ``window`` steps ago."""
@@ -88,14 +95,62 @@ class WorkingSetTracker:
         self.ring[rows, self.column, layer, :, :k] = page_ids.to(torch.int32)
         self.ring[rows, self.column, layer, :, k:] = -1
 
-    def sizes(self, req_slots: torch.Tensor | None = None) -> torch.Tensor:
+    def record_step(self, req_slots: torch.Tensor, selections: torch.Tensor) -> None:
+        """Note a whole decode step's selection (a step of its own: :meth:`next_step` first).
+
+        req_slots : ``[B]`` request slots, ``-1`` = padding row.
+        selections : ``[B, num_layers, Hkv, K]`` selected logical pages, ``-1`` = none.
+        """
+        k = selections.shape[-1]
+        assert k <= self.max_selected, f"{k} selected pages exceed max_selected ({self.max_selected})"
+        self.next_step()
+        rows = torch.where(req_slots < 0, self.max_requests, req_slots).long()
+        self.ring[rows, self.column, :, :, :k] = selections.to(torch.int32)
+
+    def sizes(self, req_slots: torch.Tensor | None = None, num_pages: int | None = None) -> torch.Tensor:
         """Working-set pages (distinct pages, summed over layers and heads): ``[max_requests]``
-        int64, or ``[len(req_slots)]`` for those slots only (cheaper: one sort per row)."""
+        int64, or ``[len(req_slots)]`` for those slots only.
+
+        ``num_pages``: a bound on the page ids in the ring (the longest request's pages). With it
+        the count is a scatter into a page bitmap (one pass, no sort); without, a sort per row."""
         ring = self.ring[: self.max_requests] if req_slots is None else self.ring[req_slots.long()]
+        if num_pages is not None:
+            ids = ring.permute(0, 2, 3, 1, 4).flatten(3).long()  # [R, L, H, window * K]
+            seen = torch.zeros(*ids.shape[:3], num_pages + 1, dtype=torch.uint8, device=ids.device)
+            seen.scatter_(-1, torch.where((ids < 0) | (ids >= num_pages), num_pages, ids), 1)  # none: column num_pages
+            return seen[..., :num_pages].sum((1, 2, 3), dtype=torch.int64)
         pages = ring.permute(0, 2, 3, 1, 4).flatten(3).sort(-1).values  # [R, L, H, window * K]
         first = torch.ones_like(pages[..., :1], dtype=torch.bool)
         distinct = (pages >= 0) & torch.cat([first, pages[..., 1:] != pages[..., :-1]], -1)
         return distinct.sum((1, 2, 3))
+
+    def publish(self, req_slots: list[int], num_pages: int | None = None) -> None:
+        """Count the working sets of ``req_slots`` and start copying them to the host without
+        waiting (a pinned buffer and an event on CUDA); :meth:`published` returns the newest
+        counts whose copy has landed. Two copies may be in flight; a third publish is skipped."""
+        if not req_slots:
+            self._published = {}
+            return
+        sizes = self.sizes(torch.tensor(req_slots, device=self.ring.device), num_pages)
+        if self.ring.device.type != "cuda":
+            self._published = dict(zip(req_slots, sizes.tolist()))
+            return
+        if len(self._in_flight) == 2:
+            return
+        buffer = self._buffers[self._next_buffer]
+        self._next_buffer ^= 1
+        buffer[: len(req_slots)].copy_(sizes, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._in_flight.append((list(req_slots), buffer, event))
+
+    def published(self) -> dict[int, int]:
+        """Request slot -> working-set pages, as of the newest :meth:`publish` that has landed
+        (never blocks; a slot not running then is absent)."""
+        while self._in_flight and self._in_flight[0][2].query():
+            slots, buffer, _ = self._in_flight.pop(0)
+            self._published = dict(zip(slots, buffer[: len(slots)].tolist()))
+        return self._published
 
     def forget(self, req_slot: int | torch.Tensor) -> None:
         """Drop a finished, aborted or retracted request's history (its slot may be reused)."""
@@ -238,41 +293,80 @@ class AdmissionPolicy:
 
 
 class WorkingSetGate:
-    """Whether SGLang may start one more request now (the admission half of Algorithm 1).
+    """Algorithm 1 inside SGLang's scheduler: whether one more request may start, and whether the
+    running ones may all stay.
 
-    A running request's working set is what its cache rows used in the last ``window`` steps
-    (:meth:`GPUPageCache.working_set_pages_of`), counted as at least a narrowest row: that much it
-    keeps whatever happens. Each request starting (those admitted earlier in this scheduling
-    round, and the candidate) needs a narrowest row. :class:`AdmissionPolicy` decides; a deferred
-    request stops the round (strict FCFS) and is asked about again in the next one.
+    A running request's working set is the distinct pages it selected over the last ``window``
+    decode steps (:class:`WorkingSetTracker`, fed by the sparse decoder and read back without a
+    sync), counted as at least a narrowest cache row: that much it holds whatever happens. Without
+    a tracker it is what its cache rows used in the window (:meth:`GPUPageCache.working_set_pages_of`),
+    which a row's width bounds, so it can never ask for retraction. A request starting needs a
+    narrowest row, or a retracted one the working set it had.
+
+    - :meth:`admits` (SGLang's prefill admission): :class:`AdmissionPolicy` decides; a deferred
+      request stops the round (strict FCFS) and is asked about again in the next one.
+    - :meth:`keeps` (SGLang's decode memory check): False while the running working sets exceed
+      the cache, so SGLang retracts one more (its retraction order; the request keeps its host KV
+      as a radix-cached prefix, ``integration/retraction.py``); the last request always stays.
 
     ``current`` is the gate of this process's sparse backend (``None``: admission is SGLang's alone).
     """
 
     current: ClassVar[WorkingSetGate | None] = None
 
-    def __init__(self, cache, window: int):
-        self.cache, self.window = cache, window
+    def __init__(self, cache, window: int, tracker: WorkingSetTracker | None = None):
+        self.cache, self.window, self.tracker = cache, window, tracker
         self.policy = AdmissionPolicy(cache.num_slots, host_total_pages=1)  # host memory is SGLang's to check
         self.admitted = self.deferred = 0  # answers since start (metrics)
+        self.retracted = 0  # running requests the working-set rule retracted (metrics)
         self.holding = False  # the last answer deferred: the waiting queue waits for working-set room
         self.aborted_while_holding = 0  # queued requests aborted while it held the queue (metrics)
+        self.resume_pages: dict = {}  # rid of a retracted request -> its working set then
 
-    def admits(self, running_slots: list[int], starting: int) -> bool:
-        """``running_slots``: request slots of the running batch; ``starting``: requests already
-        admitted in this round (slots not yet assigned). True when one more fits."""
+    def demand(self, running_slots: list[int]) -> list[int]:
+        """Working-set pages of each running request (at least a narrowest row)."""
         row = self.cache.row_slots
-        sets = self.cache.working_set_pages_of(running_slots, self.window)
-        running = [Running(i, i, max(pages, row)) for i, pages in enumerate(sets)]
-        waiting = [Waiting(("new", j), len(running) + j, row, 0) for j in range(starting + 1)]
+        if self.tracker is None:
+            sets = self.cache.working_set_pages_of(running_slots, self.window)
+        else:
+            published = self.tracker.published()
+            sets = [published.get(slot, 0) for slot in running_slots]
+        return [max(pages, row) for pages in sets]
+
+    def admits(self, running_slots: list[int], starting: int, rid=None) -> bool:
+        """``running_slots``: request slots of the running batch; ``starting``: requests already
+        admitted in this round (slots not yet assigned); ``rid``: the candidate's. True when one
+        more fits."""
+        row = self.cache.row_slots
+        running = [Running(i, i, pages) for i, pages in enumerate(self.demand(running_slots))]
+        waiting = [Waiting(("new", j), len(running) + j, row, 0) for j in range(starting)]
+        waiting.append(Waiting(("new", starting), len(running) + starting, self.resume_pages.get(rid, row), 0))
         fits = waiting[-1].rid in self.policy.decide(running, waiting, host_free_pages=0).admit
         self.admitted += fits
         self.deferred += not fits
         self.holding = not fits
+        if fits:
+            self.resume_pages.pop(rid, None)
         return fits
 
-    def note_queued_aborts(self, count: int) -> None:
-        """``count`` waiting requests are being aborted; counted when the working-set rule holds
+    def keeps(self, running_slots: list[int]) -> bool:
+        """True when the running requests' working sets fit the cache together (one always does);
+        a False answer makes SGLang retract one request, so it counts a retraction."""
+        if self.tracker is None or len(running_slots) <= 1:
+            return True
+        fits = sum(self.demand(running_slots)) <= self.cache.num_slots
+        self.retracted += not fits
+        return fits
+
+    def note_retracted(self, rid, req_slot: int) -> None:
+        """A running request is being retracted: remember its working set, which it asks for again
+        when it comes back (so it does not return the moment a narrowest row is free)."""
+        self.resume_pages[rid] = self.demand([req_slot])[0]
+
+    def note_queued_aborts(self, rids: list) -> None:
+        """Waiting requests ``rids`` are being aborted; counted when the working-set rule holds
         the queue (strict FCFS: every waiting request then waits for room, not only the head)."""
         if self.holding:
-            self.aborted_while_holding += count
+            self.aborted_while_holding += len(rids)
+        for rid in rids:
+            self.resume_pages.pop(rid, None)

@@ -46,6 +46,18 @@ def greedy_comparison(reference: list[dict], other: list[dict]) -> dict:
     }
 
 
+def warm_then_each_alone(url: str, prompts: list[list[int]], run) -> list[dict]:
+    """A GPU test's reference: one short request takes the first-request costs, then each prompt
+    runs alone (``run(url, ids)``) on an emptied radix cache."""
+    generate_ids(url, prompts[0][:300], 4)
+    assert flush_cache(url)
+    alone = []
+    for ids in prompts:
+        alone.append(run(url, ids))
+        assert flush_cache(url)
+    return alone
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
