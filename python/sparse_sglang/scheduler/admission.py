@@ -131,11 +131,12 @@ class WorkingSetTracker:
         if not req_slots:
             self._published = {}
             return
-        sizes = self.sizes(torch.tensor(req_slots, device=self.ring.device), num_pages)
-        if self.ring.device.type != "cuda":
-            self._published = dict(zip(req_slots, sizes.tolist()))
+        on_cuda = self.ring.device.type == "cuda"
+        if on_cuda and len(self._in_flight) == 2:
             return
-        if len(self._in_flight) == 2:
+        sizes = self.sizes(torch.tensor(req_slots, device=self.ring.device), num_pages)
+        if not on_cuda:
+            self._published = dict(zip(req_slots, sizes.tolist()))
             return
         buffer = self._buffers[self._next_buffer]
         self._next_buffer ^= 1
