@@ -491,14 +491,23 @@ def kv_budget_args(system: str, args: argparse.Namespace) -> list[str]:
     of host memory."""
     if system == "vanilla":
         return ["--max-total-tokens", str(int(args.kv_hbm_gb * GIB // KV_BYTES_PER_TOKEN))]
-    cache_gb = sparse_gpu_cache_gb(args.kv_hbm_gb, args.sparse_host_cache_gb)
+    cache_gb = sparse_gpu_cache_gb(args.kv_hbm_gb, args.sparse_host_cache_gb, kv_dtype=kv_cache_dtype(args.extra_server_args))
     return ["--sparse-gpu-cache-gb", f"{cache_gb:.3f}", "--sparse-host-cache-gb", f"{args.sparse_host_cache_gb:g}"]
 
 
-def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int | None = None) -> float:
+def kv_cache_dtype(extra_server_args: str):
+    """The KV dtype ``--kv-cache-dtype`` in the extra server args asks for (bf16 without it)."""
+    import torch
+
+    words = shlex.split(extra_server_args)
+    name = words[words.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in words[:-1] else "auto"
+    return {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(name, torch.bfloat16)
+
+
+def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int | None = None, kv_dtype=None) -> float:
     """Page-cache GiB that, with the summaries, staging and table of ``host_cache_gb`` of host KV
-    (:func:`~sparse_sglang.mem_cache.plan.plan_memory`'s sizes; staging for ``context_len``, the
-    8B shape's by default), fills ``kv_hbm_gb``."""
+    of ``kv_dtype`` (bf16 by default; :func:`~sparse_sglang.mem_cache.plan.plan_memory`'s sizes;
+    staging for ``context_len``, the 8B shape's by default), fills ``kv_hbm_gb``."""
     import torch
 
     from sparse_sglang.attention.selectors import kept_summaries
@@ -506,12 +515,12 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int
     from sparse_sglang.mem_cache.host_pool import pages_for_budget
     from sparse_sglang.mem_cache.plan import fixed_gpu_bytes
 
-    c, bf16 = LLAMA3_8B_CONFIG, torch.bfloat16
+    c, dtype = LLAMA3_8B_CONFIG, kv_dtype or torch.bfloat16
     shape = (c["num_hidden_layers"], c["num_key_value_heads"])
     page = SparseConfig(host_cache_gb=1.0).page_size  # the default page
-    host_pages = pages_for_budget(host_cache_gb, *shape, page, c["head_dim"], bf16)
+    host_pages = pages_for_budget(host_cache_gb, *shape, page, c["head_dim"], dtype)
     kept = kept_summaries(SparseConfig(host_cache_gb=1.0).selector)  # the default selector's summaries
-    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], bf16, context_len or c["max_position_embeddings"], **kept))
+    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], dtype, context_len or c["max_position_embeddings"], **kept))
     cache_gb = kv_hbm_gb - other / GIB
     if cache_gb <= 0:
         raise SystemExit(f"--kv-hbm-gb {kv_hbm_gb:g}: the summaries and staging of {host_cache_gb:g} GiB of host KV "

@@ -111,6 +111,26 @@ def test_sparse_gets_the_same_hbm_for_kv_as_vanilla():
         sparse_gpu_cache_gb(1.0, 80.0)
 
 
+def test_sparse_kv_budget_follows_the_kv_cache_dtype_of_the_extra_server_args():
+    """fp8 KV: the same host GiB hold twice the pages, whose summaries (bf16 bounds) take twice the
+    GPU memory, so the page cache gets less of the same budget (the 2026-11-23 fp8 run did not)."""
+    import torch
+
+    from benchmark.serving import kv_cache_dtype, sparse_gpu_cache_gb
+    from sparse_sglang.attention import kept_summaries
+    from sparse_sglang.config import GIB, SparseConfig
+    from sparse_sglang.mem_cache.plan import plan_memory
+
+    assert kv_cache_dtype("--cuda-graph-max-bs 64 --kv-cache-dtype fp8_e4m3") == torch.float8_e4m3fn
+    assert kv_cache_dtype("--kv-cache-dtype auto") == kv_cache_dtype("") == torch.bfloat16
+    fp8 = sparse_gpu_cache_gb(20.0, 16.0, kv_dtype=torch.float8_e4m3fn)
+    assert fp8 < sparse_gpu_cache_gb(20.0, 16.0)
+    plan = plan_memory(SparseConfig(host_cache_gb=16.0, gpu_cache_gb=fp8), num_layers=32, num_kv_heads=8,
+                       head_dim=128, dtype=torch.float8_e4m3fn, context_len=131072, gpu_kv_bytes=0,
+                       **kept_summaries("quest"))  # fmt: skip
+    assert 19.99 * GIB < plan.cache_bytes + plan.summary_bytes + plan.staging_bytes + plan.table_bytes <= 20 * GIB
+
+
 # ---------------------------------------------------------------- metrics
 
 
