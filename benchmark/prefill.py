@@ -47,7 +47,7 @@ from sparse_sglang.testing.models import (
     write_llama3_8b_dummy,
 )
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, streamed_meta
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sparse_state, streamed_meta
 
 SYSTEMS = {
     "chunked": ["--chunked-prefill-size", "2048"],
@@ -116,17 +116,13 @@ async def prefill_next_to_decodes(url: str, args) -> dict:
     }
 
 
-def sparse_info(url: str) -> dict:
-    return requests.get(url + "/get_server_info", timeout=60).json()["internal_states"][0]["sparse"]
-
-
 def peak_of(url: str, ids: list[int]) -> dict:
     """GPU memory peak over what was allocated before, while one prompt prefills alone."""
     flush_cache(url, 60)
-    before = sparse_info(url)  # resets the peak
+    before = sparse_state(url)  # resets the peak
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     requests.post(url + "/generate", json=body, timeout=1800).raise_for_status()
-    after = sparse_info(url)
+    after = sparse_state(url)
     return {"tokens": len(ids), "allocated_before_bytes": before["hbm_allocated_bytes"],
             "peak_over_before_bytes": after["hbm_peak_bytes_since_last_report"] - before["hbm_allocated_bytes"],
             "prefix_staging_bytes": after.get("prefix_staging_bytes")}  # fmt: skip
@@ -179,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
             if name == "segmented":
                 run["peaks"] = {"chunk": peak_of(url, prompt("chunk", args.chunk)),
                                 "long": peak_of(url, prompt("peak", args.peak_prompt_tokens))}  # fmt: skip
-            run["segmented_prefill"] = sparse_info(url).get("segmented_prefill")
+            run["segmented_prefill"] = sparse_state(url).get("segmented_prefill")
             systems[name] = run
     summary = summarize(systems, args.peak_prompt_tokens) if {"chunked", "segmented"} <= systems.keys() else {}
     body = {"flags": flags, "systems_flags": SYSTEMS, "args": vars(args) | {"out_dir": str(args.out_dir)},

@@ -39,12 +39,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
-import requests
 
 from sparse_sglang.config import GIB
 from sparse_sglang.testing.models import LLAMA3_8B_KV_BYTES_PER_TOKEN, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, streamed_meta
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sparse_state, streamed_meta
 
 
 
@@ -68,7 +67,7 @@ class Workload:
 
 
 def host_tokens_used(url: str) -> int:
-    sparse = requests.get(url + "/get_server_info", timeout=60).json()["internal_states"][0]["sparse"]
+    sparse = sparse_state(url)
     return sparse["host_tokens"] - sparse["host_tokens_free"]
 
 

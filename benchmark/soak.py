@@ -50,7 +50,7 @@ from sparse_sglang.testing.models import (
     write_llama3_8b_dummy,
 )
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sparse_state
 
 TOKEN_IDS = LLAMA3_8B_TOKEN_IDS
 PAGE_SIZE = 32
@@ -175,11 +175,6 @@ async def run_burst(url: str, n: int, prompt_tokens: int, timeout: float) -> lis
                     "error": None if status == 200 else text[:300]}  # fmt: skip
 
         return await asyncio.gather(*(one(i) for i in range(n)))
-
-
-def sparse_state(url: str) -> dict:
-    info = requests.get(url + "/get_server_info", timeout=60).json()
-    return info["internal_states"][0]["sparse"]
 
 
 def settled(server: ServerProcess, idle: dict) -> dict:

@@ -97,7 +97,6 @@ def test_freeing_a_request_slot_returns_its_page_cache_row():
 
     from sparse_sglang.integration.memory_pool import release_rows_on_free
     from sparse_sglang.mem_cache import GPUPageCache
-    from sparse_sglang.scheduler import WorkingSetTracker
 
     pool = ReqToTokenPool(3, 64, "cpu", False)
     cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)

@@ -71,6 +71,6 @@ def plan_segments(prompt_tokens: int, num_layers: int, max_inject_tokens: int,
 def segment_hbm_pages(segment: Segment, page_size: int, num_kv_heads: int) -> int:
     """KV pages (per kv head counted separately) the GPU holds while ``segment`` runs: one layer's
     KV of every token up to the segment's end (the chunk's own and the earlier chunks' staged from
-    the host), since each layer's KV leaves for the host before the next layer runs. The working-set
-    admission counts a layer-segmented prefill as this, not as the whole prompt's KV."""
+    the host), since each layer's KV leaves for the host before the next layer runs (the bound the
+    tests check a plan against)."""
     return prefill_pages(segment.tokens.stop, 1, num_kv_heads, page_size)

@@ -4,8 +4,8 @@
   ``window`` decode steps), measured on the device.
 - :class:`AdmissionPolicy`: keep / retract / admit / defer / refuse so the summed working sets fit
   the GPU page cache, strict FCFS on the waiting queue.
-- :class:`WorkingSetGate`: the policy asked by SGLang's prefill admission
-  (``integration/admission.py``), with working sets from the GPU page cache.
+- :class:`WorkingSetGate`: the policy asked by SGLang's prefill admission and its decode memory
+  check (``integration/admission.py``), with working sets the tracker counts.
 """
 
 from sparse_sglang.scheduler.admission import (

@@ -46,6 +46,11 @@ def greedy_comparison(reference: list[dict], other: list[dict]) -> dict:
     }
 
 
+def sparse_state(url: str) -> dict:
+    """The sparse server's pools and counters: ``GET /get_server_info``'s ``internal_states[0]["sparse"]``."""
+    return requests.get(url + "/get_server_info", timeout=60).json()["internal_states"][0]["sparse"]
+
+
 def warm_then_each_alone(url: str, prompts: list[list[int]], run) -> list[dict]:
     """A GPU test's reference: one short request takes the first-request costs, then each prompt
     runs alone (``run(url, ids)``) on an emptied radix cache."""
