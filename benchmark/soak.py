@@ -219,6 +219,7 @@ def summarize(result: dict) -> dict:
         # with --sparse-working-set-admission: requests admitted / rounds a request waited for room
         "working_set_admissions": now.get("working_set_admissions"),
         "working_set_deferrals": now.get("working_set_deferrals"),
+        "working_set_retractions": now.get("working_set_retractions"),
         "aborted_while_waiting_for_working_set": now.get("working_set_aborted_while_waiting"),
     }
 
