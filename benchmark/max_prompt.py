@@ -2,8 +2,8 @@
 
 Vanilla SGLang prefills in chunks into a KV pool that holds every layer of every token, so the
 longest prompt it can start is its pool (``--max-total-tokens``, what ``--kv-hbm-gb`` of KV holds
-for the 8B shape). sparse-sglang keeps all KV in host memory and holds one layer of a prefill on
-the GPU (the prefix staging buffer, sized for the longest context), so at the same GPU memory
+for the 8B shape). sparse-sglang keeps all KV in host memory and holds at most a fixed piece of one
+layer of a prefill's cached prefix on the GPU (the prefix staging buffer), so at the same GPU memory
 (page cache + page summaries of the whole host store + staging) its longest prompt is the model's
 context, as far as the host store holds it.
 

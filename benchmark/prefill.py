@@ -5,23 +5,25 @@ The 8B shape with dummy weights, ``input_ids`` in. Two sparse servers, one per s
 - ``chunked``: SGLang's chunked prefill, ``--chunked-prefill-size 2048`` (each chunk runs through
   every layer in one iteration; the running decodes wait for the whole prompt);
 - ``segmented``: ``--sparse-segmented-prefill true`` at the default injection budget (2048 tokens
-  x the layers per iteration), SGLang's default chunk size as the in-layer chunk.
+  x the layers per iteration) and the default in-layer chunk (4096 tokens).
 
 On each: ``--decodes`` requests start and decode (streamed; every token's arrival time kept); once
 they all decode, a ``--prompt-tokens`` prompt arrives. Its TTFT, and the gaps between the running
-decodes' tokens while it prefills (mean, p99, max), are the TTFT and TBT numbers. Then, with nothing
-running, one ``--peak-prompt-tokens`` prompt alone and one ``--chunk`` -token prompt alone, each
-between two reads of the server's GPU memory peak (``/get_server_info``): the long prompt's peak
-over what was allocated before it, against one layer's KV of that prompt, is
-``peak_hbm_over_one_layer``; the short one's peak (the chunk's activations and its own KV) shows
-how much of that is activations rather than KV. ``peak_kv_hbm_over_one_layer`` counts the KV
-alone: the prefix staging buffer (one layer of the longest context, allocated at start-up, so in
-no peak; the server reports its size), what the long prompt's peak adds, and the chunk's own KV.
+decodes' tokens while it prefills (mean, p99, max), are the TTFT and TBT numbers. On the segmented
+server the same runs again with a ``--peak-prompt-tokens`` (128K) prompt: the hybrid's TBT for the
+longest prompts. Then, with nothing running, one ``--peak-prompt-tokens`` prompt alone and one
+prompt of the server's chunk size alone, each between two reads of the server's GPU memory peak
+(``/get_server_info``). The GPU memory one long prefill uses is its peak over what was allocated
+before it plus the prefix staging buffer (allocated at start-up, so in no peak; the server reports
+its size): against one layer's KV of that prompt, ``peak_hbm_over_one_layer``. The chunk-long
+prompt's peak (the chunk's activations and its own KV) shows how much of that is activations;
+``peak_kv_hbm_over_one_layer`` counts the KV alone: the staging buffer, what the long prompt's peak
+adds to the chunk-long one's, and the chunk's own KV.
 
 Summary: ``ttft_ratio_vs_chunked`` (segmented / chunked), ``tbt_ratio_vs_chunked`` (p99 of the
-decode gaps during the prefill, segmented / chunked), ``peak_hbm_over_one_layer`` and
-``peak_kv_hbm_over_one_layer`` (segmented server), ``max_prompt_ratio`` (not measured here:
-``null``).
+decode gaps during the prefill, segmented / chunked), ``tbt_p99_long_prompt_s`` (segmented, the
+128K prompt), ``peak_hbm_over_one_layer`` and ``peak_kv_hbm_over_one_layer`` (segmented server),
+``max_prompt_ratio`` (not measured here: ``null``).
 
     python benchmark/prefill.py      # two server starts + about a minute each
 
@@ -89,13 +91,13 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def prefill_next_to_decodes(url: str, args) -> dict:
+async def prefill_next_to_decodes(url: str, args, prompt_tokens: int) -> dict:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=1800)) as session:  # fmt: skip
         decodes = [asyncio.create_task(stream(session, url, f"decode-{i}", prompt(f"decode-{i}", args.decode_prompt_tokens),
                                               args.decode_new_tokens)) for i in range(args.decodes)]  # fmt: skip
         await asyncio.sleep(args.settle_s)  # every decode past its prefill
-        long = await stream(session, url, "long", prompt("long", args.prompt_tokens), 1)
+        long = await stream(session, url, "long", prompt("long", prompt_tokens), 1)
         first = long["arrivals"][0][0] if long["arrivals"] else float("nan")
         for i in range(args.decodes):  # done measuring: stop them
             async with session.post(url + "/abort_request", json={"rid": f"decode-{i}"}) as resp:
@@ -104,6 +106,7 @@ async def prefill_next_to_decodes(url: str, args) -> dict:
     gaps = [g for d in decoded for g in gaps_within(d["arrivals"], long["sent"], first)]
     before = [g for d in decoded for g in gaps_within(d["arrivals"], long["sent"] - args.settle_s / 2, long["sent"])]
     return {
+        "prompt_tokens": prompt_tokens,
         "ttft_s": first - long["sent"],
         "decode_gaps_during_prefill": len(gaps),
         "tbt_mean_s": statistics.fmean(gaps) if gaps else float("nan"),
@@ -132,14 +135,18 @@ def summarize(systems: dict, peak_tokens: int) -> dict:
     c, s = systems["chunked"], systems["segmented"]
     layer = one_layer_kv_bytes(peak_tokens)
     peaks = s["peaks"]
+    staging = peaks["long"]["prefix_staging_bytes"]  # allocated at start-up, so in no peak
+    long_prompt = s.get("next_to_decodes_long") or {}
     return {
         "ttft_ratio_vs_chunked": s["next_to_decodes"]["ttft_s"] / c["next_to_decodes"]["ttft_s"],
         "tbt_ratio_vs_chunked": s["next_to_decodes"]["tbt_p99_s"] / c["next_to_decodes"]["tbt_p99_s"],
-        "peak_hbm_over_one_layer": peaks["long"]["peak_over_before_bytes"] / layer,
-        # KV in HBM: the prefix staging buffer (allocated at start-up, so not in the peak), what
-        # the long prompt's peak adds to a chunk-long prompt's, and the chunk's own new KV
-        "peak_kv_hbm_over_one_layer": ((peaks["long"].get("prefix_staging_bytes") or 0)
-                                       + peaks["long"]["peak_over_before_bytes"] - peaks["chunk"]["peak_over_before_bytes"]
+        "tbt_p99_long_prompt_s": long_prompt.get("tbt_p99_s"),
+        "long_prompt_tokens": long_prompt.get("prompt_tokens"),
+        "peak_hbm_over_one_layer": (staging + peaks["long"]["peak_over_before_bytes"]) / layer,
+        # KV in HBM: the staging buffer, what the long prompt's peak adds to a chunk-long
+        # prompt's, and the chunk's own new KV
+        "peak_kv_hbm_over_one_layer": (staging + peaks["long"]["peak_over_before_bytes"]
+                                       - peaks["chunk"]["peak_over_before_bytes"]
                                        + one_layer_kv_bytes(peaks["chunk"]["tokens"])) / layer,  # fmt: skip
         "chunked_prefill_all_layers_over_one_layer": LLAMA3_8B_CONFIG["num_hidden_layers"],
         "max_prompt_ratio": None,
@@ -155,7 +162,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--decode-new-tokens", type=int, default=4000, help="more than they decode while measured")
     parser.add_argument("--settle-s", type=float, default=3.0)
     parser.add_argument("--peak-prompt-tokens", type=int, default=131072 - 64)
-    parser.add_argument("--chunk", type=int, default=8192, help="SGLang's default chunk on an H100/H200")
     parser.add_argument("--host-cache-gb", type=float, default=32.0)
     parser.add_argument("--extra-server-args", default="")
     add_server_run_args(parser, "prefill")
@@ -170,10 +176,13 @@ def main(argv: list[str] | None = None) -> dict:
             requests.post(url + "/generate", json={"input_ids": prompt("warm", 4096), "sampling_params": {"max_new_tokens": 8}},
                           timeout=600).raise_for_status()  # fmt: skip
             flush_cache(url, 60)
-            run = {"next_to_decodes": asyncio.run(prefill_next_to_decodes(url, args))}
+            run = {"next_to_decodes": asyncio.run(prefill_next_to_decodes(url, args, args.prompt_tokens))}
             flush_cache(url, 60)
             if name == "segmented":
-                run["peaks"] = {"chunk": peak_of(url, prompt("chunk", args.chunk)),
+                run["next_to_decodes_long"] = asyncio.run(prefill_next_to_decodes(url, args, args.peak_prompt_tokens))
+                flush_cache(url, 60)
+                chunk = requests.get(url + "/get_server_info", timeout=60).json()["chunked_prefill_size"]
+                run["peaks"] = {"chunk": peak_of(url, prompt("chunk", chunk)),
                                 "long": peak_of(url, prompt("peak", args.peak_prompt_tokens))}  # fmt: skip
             run["segmented_prefill"] = sparse_state(url).get("segmented_prefill")
             systems[name] = run

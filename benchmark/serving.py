@@ -507,20 +507,23 @@ def kv_cache_dtype(extra_server_args: str):
 def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int | None = None, kv_dtype=None) -> float:
     """Page-cache GiB that, with the summaries, staging and table of ``host_cache_gb`` of host KV
     of ``kv_dtype`` (bf16 by default; :func:`~sparse_sglang.mem_cache.plan.plan_memory`'s sizes;
-    staging for ``context_len``, the 8B shape's by default), fills ``kv_hbm_gb``."""
+    the default staging buffer, no longer than ``context_len``, the 8B shape's by default), fills
+    ``kv_hbm_gb``."""
     import torch
 
     from sparse_sglang.attention.selectors import kept_summaries
     from sparse_sglang.config import SparseConfig
     from sparse_sglang.mem_cache.host_pool import pages_for_budget
-    from sparse_sglang.mem_cache.plan import fixed_gpu_bytes
+    from sparse_sglang.mem_cache.plan import fixed_gpu_bytes, prefix_staging_pages
 
     c, dtype = LLAMA3_8B_CONFIG, kv_dtype or torch.bfloat16
     shape = (c["num_hidden_layers"], c["num_key_value_heads"])
     page = SparseConfig(host_cache_gb=1.0).page_size  # the default page
     host_pages = pages_for_budget(host_cache_gb, *shape, page, c["head_dim"], dtype)
-    kept = kept_summaries(SparseConfig(host_cache_gb=1.0).selector)  # the default selector's summaries
-    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], dtype, context_len or c["max_position_embeddings"], **kept))
+    config = SparseConfig(host_cache_gb=1.0)  # the defaults
+    kept = kept_summaries(config.selector)  # the default selector's summaries
+    staging = prefix_staging_pages(config, context_len or c["max_position_embeddings"]) * page
+    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], dtype, staging, **kept))
     cache_gb = kv_hbm_gb - other / GIB
     if cache_gb <= 0:
         raise SystemExit(f"--kv-hbm-gb {kv_hbm_gb:g}: the summaries and staging of {host_cache_gb:g} GiB of host KV "

@@ -53,6 +53,21 @@ def test_sparse_sets_the_sglang_modes_it_needs(model_dir):
     assert eager.disable_prefill_cuda_graph and eager.disable_decode_cuda_graph
 
 
+def test_segmented_prefill_bounds_the_in_layer_chunk_unless_given(model_dir, monkeypatch):
+    import sglang.srt.server_args as sglang_server_args
+
+    from sparse_sglang.config import SEGMENTED_CHUNK_TOKENS
+
+    # An 80 GB GPU, where SGLang's own default chunk is 8192 tokens.
+    monkeypatch.setattr(sglang_server_args, "get_device_memory_capacity", lambda device=None: 80 * 1024)
+    plain = prepare_server_args(["--model-path", model_dir, *CPU])
+    segmented = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-segmented-prefill", "true"])
+    assert plain.chunked_prefill_size == 8192 and segmented.chunked_prefill_size == SEGMENTED_CHUNK_TOKENS == 4096
+    given = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-segmented-prefill", "true",
+                                 "--chunked-prefill-size", "8192"])  # fmt: skip
+    assert given.chunked_prefill_size == 8192
+
+
 def test_a_budget_too_wide_for_graph_decode_decodes_eagerly_and_says_so(model_dir, capfd):
     args = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-token-budget", "32768"])
     assert args.disable_decode_cuda_graph

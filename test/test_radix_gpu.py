@@ -5,7 +5,8 @@ whole number of pages: the hit shares its 187 full pages and recomputes the part
 followed by each of three 500-token questions. Cold: each request alone on an empty radix cache
 (``/flush_cache`` first), its prompt prefilled in chunks of 4,096 tokens. Hit: one other request
 with the same prefix fills the cache, then each request alone reuses the prefix's host pages and
-summaries and prefills only its question, which attends to the prefix staged from the host. The
+summaries and prefills only its question, which attends to the prefix staged from the host (in
+pieces of 1,024 tokens, merged by their log-sum-exp, as the cold runs' second chunks do). The
 contexts are longer than the 2,048-token budget, so both decode sparsely, selecting from the
 summaries each path built. Each hit request gives the same 32 greedy tokens as its cold run, with
 the same output log-probabilities; afterwards nothing leaked.
@@ -28,8 +29,11 @@ from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cac
 pytestmark = pytest.mark.gpu
 
 PREFIX_TOKENS, QUESTION_TOKENS, QUESTIONS, NEW_TOKENS = 6000, 500, 3, 32
+# A 1,024-token staging buffer: the cold runs' second chunks attend their 4,096-token prefix in 4
+# pieces, the hits their 5,984-token prefix in 6 (more than the planned wrappers: re-planned per layer).
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.7",
-        "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs", "8", "--chunked-prefill-size", "4096"]  # fmt: skip
+        "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs", "8", "--chunked-prefill-size", "4096",
+        "--sparse-prefix-staging-tokens", "1024"]  # fmt: skip
 
 
 def test_prefix_hit_decodes_like_a_cold_request(tmp_path):

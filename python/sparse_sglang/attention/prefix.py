@@ -3,17 +3,69 @@
 Prefill stays dense: new tokens attend to each other with FlashInfer's ragged kernel, and to
 their prefix (an earlier chunk of a chunked prefill, or a prefix the radix cache shares) with
 FlashInfer's paged kernel. Here the prefix is on the host, so per layer FlashH2D first stages
-the prefix pages of every kv head into a GPU buffer laid out ``[pages, Hkv, P, D]`` (HND), then
-the paged kernel reads them. The caller merges both halves by their log-sum-exp.
+prefix pages of every kv head into a fixed GPU buffer laid out ``[pages, Hkv, P, D]`` (HND), then
+the paged kernel reads them. The buffer holds ``--sparse-prefix-staging-tokens``: a batch whose
+prefixes are longer is attended in *pieces* (:func:`prefix_pieces`), each merged into the
+output by its log-sum-exp, so a prefill's KV in GPU memory is bounded whatever its length.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
+
+# FlashInfer prefill wrappers planned once per forward. A forward with more pieces re-plans them
+# per layer in turn (each wrapper owns an 8 MiB GPU plan buffer, so their number is bounded).
+PLANNED_PIECES = 4
+
+
+@dataclass(frozen=True)
+class PrefixPiece:
+    """One staging-buffer load: pages ``pages`` of the batch's prefix pages (request by request),
+    which belong to requests ``reqs`` (their query rows ``rows``). The lists are FlashInfer's plan
+    inputs for those requests: query and page offsets, and tokens in each one's last page (0 for
+    a request with no page here)."""
+
+    reqs: range
+    rows: slice
+    pages: slice
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    last_page_len: list[int]
+
+
+def prefix_pieces(prefix_lens: list[int], extend_lens: list[int], page_size: int, capacity_pages: int) -> list[PrefixPiece]:
+    """Cut the batch's prefix pages, request by request, into pieces of at most ``capacity_pages``.
+
+    A piece spans the consecutive requests its pages belong to, so their query rows are one
+    slice; a request with no prefix between two that have one rides along with no pages.
+    """
+    if capacity_pages < 1:
+        raise ValueError(f"capacity_pages must be positive, got {capacity_pages}")
+    pages = [math.ceil(n / page_size) for n in prefix_lens]
+    first = [sum(pages[:i]) for i in range(len(pages))]
+    qo = [sum(extend_lens[:i]) for i in range(len(extend_lens) + 1)]
+    total = sum(pages)
+    pieces = []
+    for start in range(0, total, capacity_pages):
+        end = min(total, start + capacity_pages)
+        inside = [r for r in range(len(pages)) if pages[r] and first[r] < end and first[r] + pages[r] > start]
+        reqs = range(inside[0], inside[-1] + 1)
+        kv_indptr, last_page_len = [0], []
+        for r in reqs:
+            lo, hi = max(start, first[r]), min(end, first[r] + pages[r])
+            n = max(0, hi - lo)
+            kv_indptr.append(kv_indptr[-1] + n)
+            ends_here = n and hi == first[r] + pages[r]  # the request's last prefix page is in this piece
+            last_page_len.append(prefix_lens[r] - (pages[r] - 1) * page_size if ends_here else page_size if n else 0)
+        qo_indptr = [qo[r] - qo[reqs.start] for r in range(reqs.start, reqs.stop + 1)]
+        pieces.append(PrefixPiece(reqs, slice(qo[reqs.start], qo[reqs.stop]), slice(start, end), qo_indptr,
+                                  kv_indptr, last_page_len))  # fmt: skip
+    return pieces
 
 
 class PrefixAttention:
@@ -26,27 +78,33 @@ class PrefixAttention:
     workspace : torch.Tensor
         FlashInfer float workspace (GPU, uint8).
     staging_tokens : int
-        Prefix tokens one forward may stage without growing the buffer (e.g. the context length).
+        Prefix tokens staged at once (the fixed buffer; ``--sparse-prefix-staging-tokens``).
     """
 
     def __init__(self, store: SparseKVStore, num_q_heads: int, workspace: torch.Tensor, staging_tokens: int):
         import flashinfer
 
-        shape = store.shape
-        self.store, self.num_q_heads = store, num_q_heads
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
-        self._allocate(math.ceil(staging_tokens / shape.page_size))
-        self.active = False
-
-    def _allocate(self, pages: int) -> None:
         from sparse_sglang.transfer import FlashH2D
 
-        s = self.store.shape
-        self.k = torch.empty(pages * s.num_kv_heads, s.page_size, s.head_dim, dtype=s.dtype, device=self.store.device)
+        s = store.shape
+        self.store, self.num_q_heads = store, num_q_heads
+        self.capacity = math.ceil(staging_tokens / s.page_size)  # pages
+        self.k = torch.empty(self.capacity * s.num_kv_heads, s.page_size, s.head_dim, dtype=s.dtype, device=store.device)
         self.v = torch.empty_like(self.k)
-        self.load = FlashH2D(self.store.host.k, self.store.host.v, self.k, self.v)
-        self.kv = tuple(t.view(pages, s.num_kv_heads, s.page_size, s.head_dim) for t in (self.k, self.v))
-        self.capacity = pages
+        self.load = FlashH2D(store.host.k, store.host.v, self.k, self.v)
+        self.kv = tuple(t.view(self.capacity, s.num_kv_heads, s.page_size, s.head_dim) for t in (self.k, self.v))
+        self.wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND") for _ in range(PLANNED_PIECES)]
+        # Re-planning a wrapper rewrites the pinned buffer its last plan's copy reads: wait for its last run first.
+        self.last_run = [torch.cuda.Event() for _ in self.wrappers]
+        self.slots = torch.arange(self.capacity * s.num_kv_heads, device=store.device)
+        self.page_index = torch.arange(self.capacity, dtype=torch.int32, device=store.device)
+        self.pieces: list[PrefixPiece] = []
+        self.active = False
+
+    @property
+    def replans(self) -> bool:
+        """More pieces than planned wrappers: each run re-plans them in turn."""
+        return len(self.pieces) > len(self.wrappers)
 
     def plan(self, req_to_token: torch.Tensor, req_slots: torch.Tensor, prefix_lens_cpu: list[int],
              extend_lens_cpu: list[int]) -> None:  # fmt: skip
@@ -55,34 +113,53 @@ class PrefixAttention:
         page, heads = s.page_size, s.num_kv_heads
         self.active = any(prefix_lens_cpu)
         if not self.active:
+            self.pieces = []
             return
-        prefix = torch.tensor(prefix_lens_cpu, dtype=torch.int64)
-        pages = (prefix + page - 1) // page
+        self.pieces = prefix_pieces(prefix_lens_cpu, extend_lens_cpu, page, self.capacity)
+        pages = (torch.tensor(prefix_lens_cpu, dtype=torch.int64) + page - 1) // page
         total = int(pages.sum())
-        if total > self.capacity:  # a batch of long cached prefixes: grow once, keep the size
-            self._allocate(total)
         device = req_slots.device
         # Host page of every prefix page, request by request.
-        owner = torch.repeat_interleave(torch.arange(len(prefix)), pages).to(device)
+        owner = torch.repeat_interleave(torch.arange(len(pages)), pages).to(device)
         first = torch.cumsum(pages, 0) - pages
         column = (torch.arange(total) - torch.repeat_interleave(first, pages)).to(device) * page
         host_page = req_to_token[req_slots.long()[owner], column].long() // page  # [total]
         head = torch.arange(heads, device=device)
-        self.src_base = (head.view(1, -1) * s.num_host_pages + host_page.view(-1, 1)).reshape(-1)  # + layer * H * N
-        self.dst = torch.arange(total * heads, device=device)
-        qo_indptr = torch.zeros(len(prefix) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(extend_lens_cpu, dtype=torch.int32), 0, out=qo_indptr[1:])
-        kv_indptr = torch.zeros(len(prefix) + 1, dtype=torch.int32)
-        torch.cumsum(pages.to(torch.int32), 0, out=kv_indptr[1:])
-        last_page_len = torch.where(pages > 0, prefix - (pages - 1) * page, 0).to(torch.int32)
-        indices = torch.arange(total, dtype=torch.int32, device=device)
-        q_dtype = s.dtype if s.dtype.itemsize > 1 else torch.bfloat16
-        self.wrapper.plan(qo_indptr, kv_indptr, indices, last_page_len, self.num_q_heads, heads, s.head_dim, page,
-                          causal=False, q_data_type=q_dtype, kv_data_type=s.dtype)  # fmt: skip
+        # Host block of every (prefix page, kv head), + layer * H * N at run time.
+        self.src_base = (head.view(1, -1) * s.num_host_pages + host_page.view(-1, 1)).reshape(-1)
+        if not self.replans:
+            for wrapper, piece in zip(self.wrappers, self.pieces):
+                self._plan(wrapper, piece)
 
-    def run(self, layer: int, q: torch.Tensor, sm_scale: float, logits_soft_cap: float | None = None):
-        """``(out, lse)`` of ``q`` ``[T, Hq, D]`` over the prefixes of one layer."""
+    def _plan(self, wrapper, piece: PrefixPiece) -> None:
         s = self.store.shape
-        self.load(self.src_base + layer * s.num_kv_heads * s.num_host_pages, self.dst)
-        return self.wrapper.forward_return_lse(q, self.kv, causal=False, sm_scale=sm_scale,
-                                               logits_soft_cap=logits_soft_cap or None)  # fmt: skip
+        num_pages = piece.kv_indptr[-1]
+        q_dtype = s.dtype if s.dtype.itemsize > 1 else torch.bfloat16
+        wrapper.plan(torch.tensor(piece.qo_indptr, dtype=torch.int32), torch.tensor(piece.kv_indptr, dtype=torch.int32),
+                     self.page_index[:num_pages], torch.tensor(piece.last_page_len, dtype=torch.int32), self.num_q_heads,
+                     s.num_kv_heads, s.head_dim, s.page_size, causal=False, q_data_type=q_dtype,
+                     kv_data_type=s.dtype)  # fmt: skip
+
+    def run(self, layer: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sm_scale: float,
+            logits_soft_cap: float | None = None) -> None:  # fmt: skip
+        """Merge the attention of ``q`` ``[T, Hq, D]`` over the prefixes of one layer into ``out``
+        ``[T, Hq, D]`` and ``lse`` ``[T, Hq]`` (float32), in place: those hold the attention over
+        the other keys (the new tokens')."""
+        import flashinfer
+
+        s = self.store.shape
+        heads = s.num_kv_heads
+        layer_base = layer * heads * s.num_host_pages
+        for i, piece in enumerate(self.pieces):
+            k = i % len(self.wrappers)
+            wrapper = self.wrappers[k]
+            if self.replans:
+                self.last_run[k].synchronize()
+                self._plan(wrapper, piece)
+            units = (piece.pages.stop - piece.pages.start) * heads
+            self.load(self.src_base[piece.pages.start * heads : piece.pages.stop * heads] + layer_base, self.slots[:units])
+            o, s_piece = wrapper.forward_return_lse(q[piece.rows], self.kv, causal=False, sm_scale=sm_scale,
+                                                    logits_soft_cap=logits_soft_cap or None)  # fmt: skip
+            flashinfer.merge_state_in_place(out[piece.rows], lse[piece.rows], o, s_piece)
+            if self.replans:
+                self.last_run[k].record()

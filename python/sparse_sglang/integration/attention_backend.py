@@ -28,6 +28,7 @@ from sparse_sglang.attention.prefix import PrefixAttention
 from sparse_sglang.attention.sparse_decode import SparseDecoder, host_page_table
 from sparse_sglang.integration.registry import relies_on
 from sparse_sglang.mem_cache.kernels import SaveRuns
+from sparse_sglang.mem_cache.plan import prefix_staging_pages
 from sparse_sglang.scheduler import WorkingSetGate, WorkingSetTracker
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ class SparseAttnBackend(FlashInferAttnBackend):
         max_batch = model_runner.req_to_token_pool.size + 1
         self.decoder = SparseDecoder(self.store, self.sparse_config, self.num_q_heads, self.workspace_buffer, max_batch)
         self.extend_runs: SaveRuns | None = None  # the tokens the current prefill saves
-        self.prefix = PrefixAttention(self.store, self.num_q_heads, self.workspace_buffer, model_runner.model_config.context_len)
+        staging = prefix_staging_pages(self.sparse_config, model_runner.model_config.context_len) * self.store.shape.page_size
+        self.prefix = PrefixAttention(self.store, self.num_q_heads, self.workspace_buffer, staging)
         config = self.sparse_config
         # Working-set admission: the decoder logs each step's selections, the tracker keeps the
         # last window of them per request and counts each one's distinct pages once per step.
@@ -200,11 +202,10 @@ class SparseAttnBackend(FlashInferAttnBackend):
         if not self.prefix.active:
             o = self.prefill_wrapper_ragged.forward(q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap)
         else:
-            o_new, lse_new = self.prefill_wrapper_ragged.forward_return_lse(
+            o, lse = self.prefill_wrapper_ragged.forward_return_lse(
                 q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap
             )
-            o_prefix, lse_prefix = self.prefix.run(layer.layer_id - self.kv_pool.start_layer, q3, layer.scaling, cap)
-            o = merge_attention_states(o_new, lse_new, o_prefix, lse_prefix)
+            self.prefix.run(layer.layer_id - self.kv_pool.start_layer, q3, o, lse, layer.scaling, cap)
         if save_kv_cache:
             self.kv_pool.save(layer.layer_id, forward_batch.out_cache_loc, k3, v3, staged=True,
                               k_scale=layer.k_scale_float, v_scale=layer.v_scale_float)  # fmt: skip
@@ -218,14 +219,6 @@ class SparseAttnBackend(FlashInferAttnBackend):
         o = self.decoder.run(layer.layer_id - self.kv_pool.start_layer, q.contiguous().view(-1, heads, dim),
                              layer.scaling, layer.logit_cap)  # fmt: skip
         return o.view(-1, heads * dim)
-
-
-def merge_attention_states(o_a, lse_a, o_b, lse_b) -> torch.Tensor:
-    """Attention over two disjoint key sets, from each half's output ``[T, H, D]`` and
-    log-sum-exp ``[T, H]`` (FlashInfer's merge; a half with no keys has ``lse = -inf``)."""
-    import flashinfer
-
-    return flashinfer.merge_state(o_a, lse_a, o_b, lse_b)[0]
 
 
 @relies_on(

@@ -46,8 +46,9 @@ def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
 
 
 def staging_bytes(backend) -> int | None:
-    """GPU bytes of the buffer a prefill stages one layer of its cached prefix into (allocated at
-    start-up for one layer of the longest context): the KV a prefill holds in HBM besides its own."""
+    """GPU bytes of the buffer a prefill stages its cached prefix into, a piece of one layer at a
+    time (allocated at start-up, ``--sparse-prefix-staging-tokens``): the KV a prefill holds in
+    HBM besides its own."""
     prefix = getattr(backend, "prefix", None)
     return None if prefix is None else 2 * prefix.k.numel() * prefix.k.element_size()
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from sglang.srt.server_args import ServerArgs
 
-from sparse_sglang.config import SparseConfig, SparseConfigError, field_type, flag_name
+from sparse_sglang.config import SEGMENTED_CHUNK_TOKENS, SparseConfig, SparseConfigError, field_type, flag_name
 from sparse_sglang.integration.attention_backend import BACKEND_NAME, add_sparse_backend_choice
 from sparse_sglang.integration.registry import relies_on
 
@@ -54,6 +54,16 @@ class SparseServerArgs(ServerArgs):
                 self.attention_backend = BACKEND_NAME
             self._sparse_overrides()
         super().__post_init__()
+
+    def _handle_gpu_memory_settings(self, gpu_mem):
+        """SGLang's GPU-memory defaults (``server_args.py:4607``; its chunk size among them), then,
+        with layer-segmented prefill and no ``--chunked-prefill-size`` given, an in-layer chunk of
+        at most :data:`SEGMENTED_CHUNK_TOKENS`: it bounds a long prefill's activations."""
+        chunk_given = self.chunked_prefill_size is not None
+        super()._handle_gpu_memory_settings(gpu_mem)
+        segmented = self.sparse.enabled and self.sparse.segmented_prefill
+        if segmented and not chunk_given and self.chunked_prefill_size > SEGMENTED_CHUNK_TOKENS:
+            self.chunked_prefill_size = SEGMENTED_CHUNK_TOKENS
 
     def _sparse_overrides(self) -> None:
         """SGLang settings the sparse path needs, set before SGLang resolves its own defaults."""

@@ -38,7 +38,7 @@ class MemoryPlan:
     selection_pages: int  # pages one decode step attends per (request, kv head)
     summary_bytes: int
     cache_bytes: int
-    staging_bytes: int  # one layer of prefix KV for chunked prefill / cached prefixes
+    staging_bytes: int  # the buffer cached-prefix KV is staged into, one piece at a time (--sparse-prefix-staging-tokens)
     table_bytes: int  # the page table's directory and segments (an upper estimate)
 
     @property
@@ -73,15 +73,21 @@ def widest_row_width(row_width: int, selection_pages: int, max_pages: int) -> in
     return max(row_width, width)
 
 
+def prefix_staging_pages(config: SparseConfig, context_len: int) -> int:
+    """Pages of the buffer a prefill stages cached-prefix KV into, per kv head: the configured
+    tokens, no more than one context holds."""
+    return math.ceil(min(config.prefix_staging_tokens, context_len) / config.page_size)
+
+
 def fixed_gpu_bytes(
-    host_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, context_len: int,
+    host_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, staging_tokens: int,
     with_radius: bool = False, with_mean: bool = True,
 ) -> tuple[int, int, int]:
     """GPU bytes besides the page cache: ``(summaries, prefix staging, page table)`` for a host
     store of ``host_pages`` pages (summaries of every host page stay resident)."""
     per_channel = 2 * bound_dtype(dtype).itemsize + (4 if with_mean else 0) + (4 if with_radius else 0)
     summary = num_layers * num_kv_heads * (host_pages + 1) * head_dim * per_channel + num_layers * (host_pages + 1) * 4
-    staging = 2 * context_len * num_kv_heads * head_dim * dtype.itemsize
+    staging = 2 * staging_tokens * num_kv_heads * head_dim * dtype.itemsize
     table = num_layers * num_kv_heads * (host_pages + 64) * 4 * 2  # segments + directory, roughly
     return summary, staging, table
 
@@ -120,8 +126,9 @@ def plan_memory(
     selection = min(config.budget_pages, max_pages)
     min_row_width = row_width_for(selection, max_pages, config.cache_row_ratio)
 
+    staging_tokens = prefix_staging_pages(config, context_len) * page
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
-                                                                context_len, with_radius, with_mean)  # fmt: skip
+                                                                staging_tokens, with_radius, with_mean)  # fmt: skip
     if config.gpu_cache_gb is not None:
         cache_bytes = int(config.gpu_cache_gb * GIB)
     else:

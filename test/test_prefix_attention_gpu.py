@@ -1,0 +1,85 @@
+"""Prefill attention over cached prefixes staged from the host in pieces (GPU).
+
+A batch of four requests (one without a prefix, between two with one) extends its cached prefixes;
+per layer, FlashInfer's ragged kernel attends the new tokens causally and
+:class:`~sparse_sglang.attention.prefix.PrefixAttention` merges in the prefixes, staged through a
+buffer of one piece (all prefixes at once), two planned pieces, or ten pieces re-planned per run.
+Each must equal float32 attention over prefix + new keys.
+
+Run on the GPU host: ``pytest -m gpu test/test_prefix_attention_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_sglang.attention.prefix import PLANNED_PIECES, PrefixAttention
+from sparse_sglang.config import SparseConfig
+from sparse_sglang.testing.decode_setup import Llama8BShape, make_store
+
+pytestmark = pytest.mark.gpu
+SHAPE = Llama8BShape(num_layers=2)
+PREFIX, NEW = [300, 0, 517, 64], [5, 3, 7, 2]  # 10 + 0 + 17 + 2 pages of 32 tokens
+
+
+def reference(q, new_k, new_v, host_k, host_v, token_rows, scale):
+    """Float32 attention of each request's new tokens over its prefix and, causally, its new tokens."""
+    group = SHAPE.num_q_heads // SHAPE.num_kv_heads
+    out, start = [], 0
+    for tokens, n in zip(token_rows, NEW):
+        k = torch.cat([host_k[:, tokens].transpose(0, 1), new_k[start : start + n]]).float()  # [S, Hkv, D]
+        v = torch.cat([host_v[:, tokens].transpose(0, 1), new_v[start : start + n]]).float()
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("thd,shd->hts", q[start : start + n].float(), k) * scale
+        p = len(tokens)
+        causal = torch.arange(p + n, device="cuda").view(1, -1) <= p + torch.arange(n, device="cuda").view(-1, 1)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out.append(torch.einsum("hts,shd->thd", scores.softmax(-1), v))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("staging_tokens", [4096, 512, 96], ids=["one-piece", "two-pieces", "ten-pieces-replanned"])
+def test_prefix_attention_in_pieces_equals_attention_over_the_whole_prefix(staging_tokens):
+    import flashinfer
+
+    config = SparseConfig(host_cache_gb=1.0)
+    page = config.page_size
+    store = make_store(SHAPE, config, max_batch=len(PREFIX), max_context=40 * page)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    host = store.host
+    for t in (host.k, host.v):
+        t.copy_(torch.randn(t.shape, device="cuda", generator=gen).to(t.dtype).cpu())
+    # Request r (slot r + 1) holds host pages 1 + 40 r, 2 + 40 r, ... in reverse order (not contiguous).
+    max_tokens = 40 * page
+    req_to_token = torch.zeros(len(PREFIX) + 1, max_tokens, dtype=torch.int32, device="cuda")
+    token_rows = []
+    for r, n in enumerate(PREFIX):
+        t = torch.arange(max_tokens, device="cuda")
+        pages = 1 + 40 * r + (39 - t // page)
+        req_to_token[r + 1] = (pages * page + t % page).to(torch.int32)
+        token_rows.append(req_to_token[r + 1, :n].long().cpu())
+    req_slots = torch.arange(1, len(PREFIX) + 1, device="cuda")
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    prefix = PrefixAttention(store, SHAPE.num_q_heads, workspace, staging_tokens)
+    prefix.plan(req_to_token, req_slots, PREFIX, NEW)
+    assert len(prefix.pieces) == -(-29 // (staging_tokens // page))
+    assert prefix.replans == (len(prefix.pieces) > PLANNED_PIECES)
+
+    ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+    indptr = torch.tensor([0, *torch.tensor(NEW).cumsum(0).tolist()], dtype=torch.int32)
+    ragged.plan(indptr, indptr, SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.head_dim, causal=True,
+                q_data_type=torch.bfloat16)  # fmt: skip
+    total, scale = sum(NEW), SHAPE.head_dim**-0.5
+    for layer in range(SHAPE.num_layers):
+        q = torch.randn(total, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).bfloat16()
+        new_k, new_v = (torch.randn(total, SHAPE.num_kv_heads, SHAPE.head_dim, device="cuda", generator=gen).bfloat16()
+                        for _ in range(2))  # fmt: skip
+        out, lse = ragged.forward_return_lse(q, new_k, new_v, causal=True, sm_scale=scale)
+        prefix.run(layer, q, out, lse, scale)
+        host_k = host.k[layer].flatten(1, 2).cuda()  # [Hkv, host tokens, D]
+        host_v = host.v[layer].flatten(1, 2).cuda()
+        want = reference(q, new_k, new_v, host_k, host_v, token_rows, scale)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    store.close()
