@@ -94,19 +94,25 @@ def percentile(xs: list[float], q: float) -> float:
 async def prefill_next_to_decodes(url: str, args, prompt_tokens: int) -> dict:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=1800)) as session:  # fmt: skip
-        decodes = [asyncio.create_task(stream(session, url, f"decode-{i}", prompt(f"decode-{i}", args.decode_prompt_tokens),
-                                              args.decode_new_tokens)) for i in range(args.decodes)]  # fmt: skip
+        # Request ids unique per run and none a prefix of another: SGLang aborts every request
+        # whose rid starts with the aborted one's, and a second run reusing the first run's rids
+        # had its decodes cut off before its prompt arrived (2026-11-24).
+        rids = [f"decode-{i}-of-{prompt_tokens}" for i in range(args.decodes)]
+        decodes = [asyncio.create_task(stream(session, url, rid, prompt(f"decode-{i}", args.decode_prompt_tokens),
+                                              args.decode_new_tokens)) for i, rid in enumerate(rids)]  # fmt: skip
         await asyncio.sleep(args.settle_s)  # every decode past its prefill
-        long = await stream(session, url, "long", prompt("long", prompt_tokens), 1)
+        long = await stream(session, url, f"long-{prompt_tokens}", prompt("long", prompt_tokens), 1)
         first = long["arrivals"][0][0] if long["arrivals"] else float("nan")
         for i in range(args.decodes):  # done measuring: stop them
-            async with session.post(url + "/abort_request", json={"rid": f"decode-{i}"}) as resp:
+            async with session.post(url + "/abort_request", json={"rid": rids[i]}) as resp:
                 resp.raise_for_status()
         decoded = await asyncio.gather(*decodes)
     gaps = [g for d in decoded for g in gaps_within(d["arrivals"], long["sent"], first)]
     before = [g for d in decoded for g in gaps_within(d["arrivals"], long["sent"] - args.settle_s / 2, long["sent"])]
     return {
         "prompt_tokens": prompt_tokens,
+        # decodes that got a token while the prompt prefilled (all of them, or the gaps mean little)
+        "decodes_alive_during_prefill": sum(any(long["sent"] < t <= first for t, _ in d["arrivals"]) for d in decoded),
         "ttft_s": first - long["sent"],
         "decode_gaps_during_prefill": len(gaps),
         "tbt_mean_s": statistics.fmean(gaps) if gaps else float("nan"),
