@@ -76,7 +76,10 @@ def test_hbm_need_is_about_one_layer_of_the_prompt_not_all_layers():
     for _ in range(200):
         tokens, inject, chunk = rng.randrange(1, 200_000), rng.randrange(1, 200_000), rng.randrange(1, 70_000)
         for s in plan_segments(tokens, layers, inject, chunk):
-            assert segment_hbm_pages(s, page, heads) <= -(-tokens // page) * heads
+            assert segment_hbm_pages(s, page, heads) <= (-(-tokens // page) + 1) * heads  # + a partial page
+    # the staging buffer bounds the staged part: a 128K prompt in 4096-token chunks, 16K staged
+    plan = plan_segments(131072, layers, INJECT_32, 4096)
+    assert max(segment_hbm_pages(s, page, heads, staging_tokens=16384) for s in plan) == (16384 + 4096) // page * heads
 
 
 def test_bad_sizes_are_refused():

@@ -68,9 +68,11 @@ def plan_segments(prompt_tokens: int, num_layers: int, max_inject_tokens: int,
     return plan
 
 
-def segment_hbm_pages(segment: Segment, page_size: int, num_kv_heads: int) -> int:
+def segment_hbm_pages(segment: Segment, page_size: int, num_kv_heads: int, staging_tokens: int | None = None) -> int:
     """KV pages (per kv head counted separately) the GPU holds while ``segment`` runs: one layer's
-    KV of every token up to the segment's end (the chunk's own and the earlier chunks' staged from
-    the host), since each layer's KV leaves for the host before the next layer runs (the bound the
-    tests check a plan against)."""
-    return prefill_pages(segment.tokens.stop, 1, num_kv_heads, page_size)
+    KV of the chunk's own tokens and of the earlier chunks' tokens staged from the host, at most
+    ``staging_tokens`` of those at once (``--sparse-prefix-staging-tokens``; ``None``: all), since
+    each layer's KV leaves for the host before the next layer runs (the bound the tests check a
+    plan against)."""
+    staged = segment.tokens.start if staging_tokens is None else min(segment.tokens.start, staging_tokens)
+    return prefill_pages(staged, 1, num_kv_heads, page_size) + prefill_pages(len(segment.tokens), 1, num_kv_heads, page_size)
