@@ -216,20 +216,25 @@ def test_sparse_attention_reference_dense_and_masked():
 
 @pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])
 @pytest.mark.parametrize("group_reduce", ["sum", "max"])
-def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, group_reduce):
+@pytest.mark.parametrize("programs", [2048, 1], ids=["a-column-per-block", "one-column-loops-over-blocks"])
+def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, group_reduce, programs, monkeypatch):
     """The Triton scoring kernel (in Triton's interpreter here, compiled on the GPU host) against
     the torch selectors; with ``forced`` its output is a priority that a plain top-k turns into
-    ``select_pages``'s selection."""
+    ``select_pages``'s selection. Each (request, kv head) row's blocks of pages are split among
+    the grid's columns, one block each or all in one column."""
+    from sparse_sglang.attention import scoring
     from sparse_sglang.attention.scoring import score_pages, score_pages_reference
     from sparse_sglang.attention.selection import force_pages
+
+    monkeypatch.setattr(scoring, "SCORE_PROGRAMS", programs)
 
     gen = torch.Generator().manual_seed(2)
     heads, pool, dim, group = 2, 60, 16, 3
     lo = torch.randn(heads, pool, dim, generator=gen)
     summ = {"kmin": lo.bfloat16(), "kmax": (lo + torch.rand(heads, pool, dim, generator=gen)).bfloat16(),
             "mean": lo + 0.5, "radius": torch.rand(heads, pool, dim, generator=gen)}  # fmt: skip
-    host_pages = torch.randint(0, pool, (3, 40), generator=gen, dtype=torch.int32)
-    num_pages = torch.tensor([40, 17, 2], dtype=torch.int32)
+    host_pages = torch.randint(0, pool, (3, 100), generator=gen, dtype=torch.int32)
+    num_pages = torch.tensor([100, 17, 2], dtype=torch.int32)
     q = torch.randn(3, heads, group, dim, generator=gen).bfloat16()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernel runs in Triton's interpreter
     summ, host_pages, num_pages, q = ({k: t.to(device) for k, t in summ.items()}, host_pages.to(device),

@@ -70,38 +70,53 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
         FORCE: tl.constexpr,
     ):  # fmt: skip
-        # One program: BLOCK_N pages of one (request, kv head). KIND 0 quest, 1 arkvale, 2 mean.
+        # One (request, kv head) per grid row, its pages split among the grid's columns: column c
+        # scores blocks c, c + columns, ... of BLOCK_N pages up to the request's own page count,
+        # then writes -inf over its share of the rest of the row. A CUDA-graph step sizes the row
+        # for the longest context a request may reach, so the pages past a request's end cost a
+        # store, not a program each. KIND 0 quest, 1 arkvale, 2 mean.
         bh = tl.program_id(0)
+        column, columns = tl.program_id(1), tl.num_programs(1)
         b = bh // num_kv_heads
         h = bh % num_kv_heads
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_row = offs_n < max_pages
         n = tl.load(num_pages_ptr + b)
-        held = offs_n < n
-        page = tl.load(pages_ptr + b * max_pages + offs_n, mask=held, other=0).to(tl.int64)
         offs_d = tl.arange(0, D)
-        rows = h.to(tl.int64) * head_stride + page[:, None] * D + offs_d[None, :]
-        mask = held[:, None]
-        if KIND == 2:
-            centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-            radius = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-        else:
-            lo = tl.load(kmin_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-            hi = tl.load(kmax_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-            centre = (hi + lo) * 0.5
-            if KIND == 1:
-                radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        blocks_held = tl.cdiv(n, BLOCK_N)
+        for blk in range(column, blocks_held, columns):
+            offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            held = offs_n < n
+            page = tl.load(pages_ptr + b * max_pages + offs_n, mask=held, other=0).to(tl.int64)
+            rows = h.to(tl.int64) * head_stride + page[:, None] * D + offs_d[None, :]
+            mask = held[:, None]
+            if KIND == 2:
+                centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+                radius = tl.zeros([BLOCK_N, D], dtype=tl.float32)
             else:
-                radius = (hi - lo) * 0.5
-        acc = tl.full([BLOCK_N], float("-inf") if GROUP_MAX else 0.0, dtype=tl.float32)
-        for g in tl.static_range(G):
-            qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
-            # q . c + |q| . r: the max of q . k over the cuboid (selectors.cuboid_score).
-            s = tl.sum(centre * qg[None, :] + radius * tl.abs(qg)[None, :], axis=1)
-            acc = tl.maximum(acc, s) if GROUP_MAX else acc + s
-        if FORCE:  # selection priority: sink and recent pages above every score
-            acc = tl.where((offs_n < sink_pages) | (offs_n >= n - recent_pages), float("inf"), acc)
-        tl.store(out_ptr + bh * max_pages + offs_n, tl.where(held, acc, float("-inf")), mask=in_row)
+                lo = tl.load(kmin_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+                hi = tl.load(kmax_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+                centre = (hi + lo) * 0.5
+                if KIND == 1:
+                    radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    radius = (hi - lo) * 0.5
+            acc = tl.full([BLOCK_N], float("-inf") if GROUP_MAX else 0.0, dtype=tl.float32)
+            for g in tl.static_range(G):
+                qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
+                # q . c + |q| . r: the max of q . k over the cuboid (selectors.cuboid_score).
+                s = tl.sum(centre * qg[None, :] + radius * tl.abs(qg)[None, :], axis=1)
+                acc = tl.maximum(acc, s) if GROUP_MAX else acc + s
+            if FORCE:  # selection priority: sink and recent pages above every score
+                acc = tl.where((offs_n < sink_pages) | (offs_n >= n - recent_pages), float("inf"), acc)
+            tl.store(out_ptr + bh * max_pages + offs_n, tl.where(held, acc, float("-inf")), mask=offs_n < max_pages)
+        for blk in range(blocks_held + column, tl.cdiv(max_pages, BLOCK_N), columns):
+            offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + bh * max_pages + offs_n, tl.full([BLOCK_N], float("-inf"), dtype=tl.float32),
+                     mask=offs_n < max_pages)  # fmt: skip
+
+
+# Programs one score launch aims for (grid rows x columns): ~16 per SM of an H100's 132, enough to
+# keep the memory system busy; a batch with fewer (request, kv head) rows splits each row wider.
+SCORE_PROGRAMS = 2048
 
 
 def score_pages(
@@ -130,7 +145,8 @@ def score_pages(
     dummy = ref
     kind = KERNEL_SELECTORS.index(selector)
     block_n = 32 if dim <= 64 else 16
-    grid = (batch * heads, triton.cdiv(max_pages, block_n))
+    columns = max(1, min(triton.cdiv(max_pages, block_n), triton.cdiv(SCORE_PROGRAMS, batch * heads)))
+    grid = (batch * heads, columns)
     _score_kernel[grid](
         q.contiguous(), layer_summaries.get("kmin", dummy), layer_summaries.get("kmax", dummy),
         layer_summaries.get("mean", dummy), layer_summaries.get("radius", dummy),
