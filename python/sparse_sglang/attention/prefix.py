@@ -151,10 +151,10 @@ class PrefixAttention:
         heads = s.num_kv_heads
         layer_base = layer * heads * s.num_host_pages
         for i, piece in enumerate(self.pieces):
-            k = i % len(self.wrappers)
-            wrapper = self.wrappers[k]
+            w = i % len(self.wrappers)
+            wrapper = self.wrappers[w]
             if self.replans:
-                self.last_run[k].synchronize()
+                self.last_run[w].synchronize()
                 self._plan(wrapper, piece)
             units = (piece.pages.stop - piece.pages.start) * heads
             self.load(self.src_base[piece.pages.start * heads : piece.pages.stop * heads] + layer_base, self.slots[:units])
@@ -162,4 +162,4 @@ class PrefixAttention:
                                                     logits_soft_cap=logits_soft_cap or None)  # fmt: skip
             flashinfer.merge_state_in_place(out[piece.rows], lse[piece.rows], o, s_piece)
             if self.replans:
-                self.last_run[k].record()
+                self.last_run[w].record()

@@ -55,8 +55,10 @@ class SparseServerArgs(ServerArgs):
             self._sparse_overrides()
         super().__post_init__()
 
+    @relies_on("sglang.srt.server_args:ServerArgs._handle_gpu_memory_settings", at="sglang/srt/server_args.py:4607")
     def _handle_gpu_memory_settings(self, gpu_mem):
-        """SGLang's GPU-memory defaults (``server_args.py:4607``; its chunk size among them), then,
+        """SGLang's GPU-memory defaults (its chunk size among them; an override because SGLang's
+        resolved arguments are read-only afterwards), then,
         with layer-segmented prefill and no ``--chunked-prefill-size`` given, an in-layer chunk of
         at most :data:`SEGMENTED_CHUNK_TOKENS`: it bounds a long prefill's activations."""
         chunk_given = self.chunked_prefill_size is not None
