@@ -99,14 +99,16 @@ def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius,
     assert torch.equal(cache.v.view(torch.uint8), ref_cache.v.view(torch.uint8))
 
 
+@pytest.mark.parametrize("k_sel", [4, 3], ids=["k4", "k3-a-padded-lane"])
 @pytest.mark.parametrize("elastic", [False, True])
-def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indices(elastic):
-    """Random selections over many steps (some rows partly padded, pages past a request's end
-    ignored): the kernel's hits, victims, table updates and copies equal the reference's, and
-    each row's FlashInfer indices are its slots with the newest page last. Elastic: the rows are
+def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indices(elastic, k_sel):
+    """Random selections over many steps, each row shuffled (some rows partly padded, pages past a
+    request's end ignored): the kernel's hits, victims, table updates and copies equal the
+    reference's given the rows in ascending page order, and each row's FlashInfer indices are its
+    slots in ascending page order (the newest page last). Elastic: the rows are
     5 of 6 columns wide (the second request's opening narrowed the first), the last one -1."""
     rng = random.Random(11)
-    layers, heads, width, k_sel, page, dim = 2, 3, 6, 4, 8, 16
+    layers, heads, width, page, dim = 2, 3, 6, 8, 16
     if elastic:
         ref = make_cache(layers * heads * (width + 4), layers, heads, page, dim, width=width, max_pages=16, min_width=k_sel)
     else:
@@ -135,7 +137,9 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
                     if len(chosen) < k_sel and rng.random() < 0.5:
                         page_ids[b, h, len(chosen)] = n + rng.randrange(3)  # past the end: ignored
             page_ids = page_ids.to(DEVICE)
-            ref_ids = torch.where(page_ids < num_pages.view(-1, 1, 1), page_ids, -1)
+            # The kernel takes each row in ascending page order: the reference gets the rows sorted.
+            ascending = page_ids.sort(dim=-1).values
+            ref_ids = torch.where(ascending < num_pages.view(-1, 1, 1), ascending, -1)
             loads = []
             slots = ref.retrieve(layer, req_slots, ref_ids, host_pages, lambda s, d: loads.append((s, d)), 50)
             indices = torch.full((int(indptr[-1]),), -7, dtype=torch.int32, device=DEVICE)
@@ -154,7 +158,7 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
                 for h in range(heads):
                     row = indices[indptr[b * heads + h] : indptr[b * heads + h + 1]].tolist()
                     valid = ref_ids[b, h] >= 0
-                    assert sorted(row) == sorted(slots[b, h][valid].tolist())
+                    assert row == slots[b, h][valid].tolist()  # ascending pages, so the newest last
                     assert row[-1] == int(slots[b, h][ref_ids[b, h] == n - 1])
 
 

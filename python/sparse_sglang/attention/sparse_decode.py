@@ -276,11 +276,7 @@ class SparseDecoder:
         store = self.store
         if self.selection_log is not None:  # -1 for none (the fused top-k's picks past a request's end)
             self.selection_log[: self.batch, layer] = torch.where(page_ids < self.num_pages.view(-1, 1, 1), page_ids, -1)
-        if self.fused:
-            if not self.exact:
-                # Ascending pages (the top-k's order is arbitrary): FlashInfer then sums each row's
-                # pages in one fixed order, so a step's output does not depend on the top-k's order.
-                page_ids = page_ids.sort(dim=-1).values
+        if self.fused:  # retrieve_pages takes each row's pages in ascending order (a fixed FlashInfer sum order)
             n = self.batch * self.num_kv_heads * self.width
             src, dst = self.miss_src[:n], self.miss_dst[:n]
             retrieve_pages(store.cache, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,

@@ -172,7 +172,11 @@ if triton is not None:
         n = tl.load(num_pages_ptr + b).to(tl.int64)
         step = tl.load(step_ptr)
         j = tl.arange(0, KP)
-        page = tl.load(pages_ptr + bh * K + j, mask=j < K, other=-1).to(tl.int64)
+        # Ascending pages (the top-k's order is arbitrary): FlashInfer then sums the row's pages in
+        # one fixed order, so a step's output does not depend on the top-k's order. The lanes past
+        # K load a page past every request's end, so they sort last and the K entries stay in
+        # lanes 0..K-1 (the miss list's).
+        page = tl.sort(tl.load(pages_ptr + bh * K + j, mask=j < K, other=2147483647).to(tl.int64))
         row_base = ((req * num_layers + layer) * num_heads + h) * W
         # A request without a cache row (slot 0: SGLang's CUDA-graph padding) selects nothing.
         has_row = tl.load(rows_ptr + row_base) >= 0
@@ -314,7 +318,10 @@ def retrieve_pages(
     -----
     Same choices as :meth:`GPUPageCache.retrieve` (its reference): hits are stamped used now, the
     row's other slots sorted by last use (stable) are the victims, the ``i``-th miss of a row (in
-    ``page_ids`` order) takes the ``i``-th victim.
+    ascending page order: the kernel sorts each row of ``page_ids`` first, so the reference gives
+    the same choices for rows passed in ascending order) takes the ``i``-th victim. The row's
+    FlashInfer indices follow ascending page order too, and ``miss_src``/``miss_dst`` entry ``j``
+    is the row's ``j``-th smallest entry of ``page_ids``.
     """
     batch, heads, width = page_ids.shape
     assert width <= cache.row_width, f"{width} selected pages exceed the cache row ({cache.row_width})"
