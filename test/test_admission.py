@@ -192,38 +192,46 @@ def test_a_long_request_behind_a_stream_of_short_ones(policy_name):
 # The gate SGLang's prefill admission asks (integration/admission.py), over a real page cache.
 
 
-def test_gate_admits_while_working_sets_and_a_narrowest_row_per_new_request_fit_the_cache():
+def _gate_with_tracker(num_slots=32):
+    """A cache of ``num_slots`` slots on 2 layers x 2 heads (narrowest row 2 pages = 8 slots) and a
+    tracker whose working sets the test sets by recording selections of ``n`` distinct pages."""
     from sparse_sglang.mem_cache import GPUPageCache
     from sparse_sglang.scheduler import WorkingSetGate
 
-    lh = 2 * 2  # layers x kv heads; narrowest row 2 pages (8 slots), widest 4, room for 4 narrow rows
-    cache = GPUPageCache(lh * 8, 2, 2, 4, 16, torch.bfloat16, max_requests=6, row_width=4, max_pages=16,
+    cache = GPUPageCache(num_slots, 2, 2, 4, 16, torch.bfloat16, max_requests=6, row_width=4, max_pages=16,
                          total_pages=32, min_row_width=2)  # fmt: skip
-    gate = WorkingSetGate(cache, window=3)
+    tracker = WorkingSetTracker(6, 2, 2, 4, window=3)
+    return cache, tracker, WorkingSetGate(cache, window=3, tracker=tracker)
+
+
+def _select(tracker, pages_per_slot: dict[int, int]) -> None:
+    """One decode step: request slot s selects pages [0, n) in every layer and head (n <= 4)."""
+    slots = list(pages_per_slot)
+    sel = torch.full((len(slots), 2, 2, 4), -1, dtype=torch.int32)
+    for i, s in enumerate(slots):
+        sel[i, ..., : pages_per_slot[s]] = torch.arange(pages_per_slot[s], dtype=torch.int32)
+    tracker.record_step(torch.tensor(slots), sel)
+    tracker.publish(slots)
+
+
+def test_gate_admits_while_working_sets_and_a_narrowest_row_per_new_request_fit_the_cache():
+    cache, tracker, gate = _gate_with_tracker(num_slots=32)  # narrowest row 8 slots: room for 4
     assert gate.admits([], starting=0)
     for r in (1, 2):
         cache.open_request(r, 16)
-    # Idle rows count as narrowest rows (8 slots each): 16 + 8 per starting request fits 32 twice.
+    # Requests with no step yet count as narrowest rows (8 slots each): 16 + 8 per starting request fits 32 twice.
     assert gate.admits([1, 2], starting=0) and gate.admits([1, 2], starting=1)
     assert not gate.admits([1, 2], starting=2)
-
-    def use_whole_rows(req_slots):
-        """One step in which the requests select every page their rows can hold (4 per row)."""
-        cache.next_step()
-        slots = torch.tensor(req_slots)
-        for layer in range(2):
-            pages = torch.arange(4).view(1, 1, 4).expand(len(req_slots), 2, 4)
-            cache.retrieve(layer, slots, pages, torch.arange(16).repeat(len(req_slots), 1), lambda src, dst: None, 16)
-
-    use_whole_rows([1])  # request 1 uses 16 slots: 16 + 8 + a new narrow row = 32 still fits
-    assert cache.working_set_pages_of([1, 2], 3) == [16, 0]
+    _select(tracker, {1: 4, 2: 1})  # request 1 selects 16 slots' worth, request 2 less than a row
+    assert gate.demand([1, 2]) == [16, 8]  # 16 + 8 + a new narrow row = 32 still fits
     assert gate.admits([1, 2], starting=0) and not gate.admits([1, 2], starting=1)
-    use_whole_rows([1, 2])  # both use their whole rows: nothing more fits
+    _select(tracker, {1: 4, 2: 4})  # both use whole rows: nothing more fits
     assert not gate.admits([1, 2], starting=0)
     gate.note_queued_aborts(["a", "b"])  # the queue waits for room: aborts of queued requests count
-    for _ in range(3):  # the window passes without use: the working sets drain
-        cache.next_step()
-    assert cache.working_set_pages_of([1, 2], 3) == [0, 0] and gate.admits([1, 2], starting=0)
+    for _ in range(3):  # the window passes without selections: the working sets drain
+        tracker.next_step()
+    tracker.publish([1, 2])
+    assert gate.demand([1, 2]) == [8, 8] and gate.admits([1, 2], starting=0)
     assert (gate.admitted, gate.deferred) == (5, 3)
     gate.note_queued_aborts(["c"])  # the last answer admitted: the queue is not held
     assert gate.aborted_while_holding == 2
@@ -283,28 +291,6 @@ def test_record_step_is_the_per_layer_record_of_a_whole_step():
             for layer in range(3) for head in range(2)) for r in range(4)]  # ids past num_pages count as none
 
 
-def _gate_with_tracker(num_slots=32):
-    """A cache of ``num_slots`` slots on 2 layers x 2 heads (narrowest row 2 pages = 8 slots) and a
-    tracker whose working sets the test sets by recording selections of ``n`` distinct pages."""
-    from sparse_sglang.mem_cache import GPUPageCache
-    from sparse_sglang.scheduler import WorkingSetGate
-
-    cache = GPUPageCache(num_slots, 2, 2, 4, 16, torch.bfloat16, max_requests=6, row_width=4, max_pages=16,
-                         total_pages=32, min_row_width=2)  # fmt: skip
-    tracker = WorkingSetTracker(6, 2, 2, 4, window=3)
-    return cache, tracker, WorkingSetGate(cache, window=3, tracker=tracker)
-
-
-def _select(tracker, pages_per_slot: dict[int, int]) -> None:
-    """One decode step: request slot s selects pages [0, n) in every layer and head (n <= 4)."""
-    slots = list(pages_per_slot)
-    sel = torch.full((len(slots), 2, 2, 4), -1, dtype=torch.int32)
-    for i, s in enumerate(slots):
-        sel[i, ..., : pages_per_slot[s]] = torch.arange(pages_per_slot[s], dtype=torch.int32)
-    tracker.record_step(torch.tensor(slots), sel)
-    tracker.publish(slots)
-
-
 def test_gate_with_tracker_retracts_while_true_working_sets_overflow_and_readmits_by_the_remembered_set():
     cache, tracker, gate = _gate_with_tracker(num_slots=32)
     _select(tracker, {1: 2, 2: 2, 3: 2})  # 8 slots each (a narrowest row): 24 of 32
@@ -321,15 +307,6 @@ def test_gate_with_tracker_retracts_while_true_working_sets_overflow_and_readmit
     gate.note_retracted("r4", 4)
     gate.note_queued_aborts(["r4"])  # aborted while waiting: forgotten too
     assert gate.resume_pages == {}
-
-
-def test_gate_without_tracker_never_asks_for_retraction():
-    from sparse_sglang.mem_cache import GPUPageCache
-    from sparse_sglang.scheduler import WorkingSetGate
-
-    cache = GPUPageCache(16, 2, 2, 4, 16, torch.bfloat16, max_requests=6, row_width=4, max_pages=16, total_pages=32,
-                         min_row_width=2)  # fmt: skip
-    assert WorkingSetGate(cache, window=3).keeps([1, 2, 3, 4, 5])
 
 
 def test_sglangs_retraction_loop_retracts_until_the_working_sets_fit():

@@ -30,7 +30,7 @@ def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
         "working_set_aborted_while_waiting": None if gate is None else gate.aborted_while_holding,
         "working_set_retractions": None if gate is None else gate.retracted,
         # the running requests' distinct selected pages over the window (the tracker's last count)
-        "working_set_demand_pages": None if gate is None or gate.tracker is None else sum(gate.tracker.published().values()),
+        "working_set_demand_pages": None if gate is None else sum(gate.tracker.published().values()),
         **store.stats(scheduler.server_args.sparse.working_set_window),
         "host_tokens": scheduler.max_total_num_tokens,
         "host_tokens_free": allocator.available_size(),

@@ -299,10 +299,8 @@ class WorkingSetGate:
 
     A running request's working set is the distinct pages it selected over the last ``window``
     decode steps (:class:`WorkingSetTracker`, fed by the sparse decoder and read back without a
-    sync), counted as at least a narrowest cache row: that much it holds whatever happens. Without
-    a tracker it is what its cache rows used in the window (:meth:`GPUPageCache.working_set_pages_of`),
-    which a row's width bounds, so it can never ask for retraction. A request starting needs a
-    narrowest row, or a retracted one the working set it had.
+    sync), counted as at least a narrowest cache row: that much it holds whatever happens. A
+    request starting needs a narrowest row, or a retracted one the working set it had.
 
     - :meth:`admits` (SGLang's prefill admission): :class:`AdmissionPolicy` decides; a deferred
       request stops the round (strict FCFS) and is asked about again in the next one.
@@ -315,7 +313,7 @@ class WorkingSetGate:
 
     current: ClassVar[WorkingSetGate | None] = None
 
-    def __init__(self, cache, window: int, tracker: WorkingSetTracker | None = None):
+    def __init__(self, cache, window: int, tracker: WorkingSetTracker):
         self.cache, self.window, self.tracker = cache, window, tracker
         self.policy = AdmissionPolicy(cache.num_slots, host_total_pages=1)  # host memory is SGLang's to check
         self.admitted = self.deferred = 0  # answers since start (metrics)
@@ -327,12 +325,8 @@ class WorkingSetGate:
     def demand(self, running_slots: list[int]) -> list[int]:
         """Working-set pages of each running request (at least a narrowest row)."""
         row = self.cache.row_slots
-        if self.tracker is None:
-            sets = self.cache.working_set_pages_of(running_slots, self.window)
-        else:
-            published = self.tracker.published()
-            sets = [published.get(slot, 0) for slot in running_slots]
-        return [max(pages, row) for pages in sets]
+        published = self.tracker.published()
+        return [max(published.get(slot, 0), row) for slot in running_slots]
 
     def admits(self, running_slots: list[int], starting: int, rid=None) -> bool:
         """``running_slots``: request slots of the running batch; ``starting``: requests already
@@ -353,7 +347,7 @@ class WorkingSetGate:
     def keeps(self, running_slots: list[int]) -> bool:
         """True when the running requests' working sets fit the cache together (one always does);
         a False answer makes SGLang retract one request, so it counts a retraction."""
-        if self.tracker is None or len(running_slots) <= 1:
+        if len(running_slots) <= 1:
             return True
         fits = sum(self.demand(running_slots)) <= self.cache.num_slots
         self.retracted += not fits
