@@ -30,7 +30,7 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.serving import sparse_gpu_cache_gb  # noqa: E402
+from benchmark.serving import server_args  # noqa: E402
 from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy  # noqa: E402
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, sparse_state  # noqa: E402
@@ -86,17 +86,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=16384)
     parser.add_argument("--new-tokens", type=int, default=3000, help="each request's (they are stopped after the profile)")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--host-cache-gb", type=float, default=80.0)
+    # The serving benchmark's sparse server (benchmark/serving.py's flags and budgets).
+    parser.add_argument("--sparse-host-cache-gb", type=float, default=80.0)
     parser.add_argument("--kv-hbm-gb", type=float, default=20.0)
-    parser.add_argument("--extra-server-args", default="")
+    parser.add_argument("--extra-server-args", default="--cuda-graph-max-bs 64")
     add_server_run_args(parser, "decode-profile")
     args = parser.parse_args(argv)
     log_dir = Path(args.log_dir)
     model = write_llama3_8b_dummy(log_dir / "llama3-8b-dummy")
-    flags = ["--load-format", "dummy", "--skip-tokenizer-init", "--cuda-graph-max-bs", "64",
-             "--sparse-host-cache-gb", str(args.host_cache_gb),
-             "--sparse-gpu-cache-gb", f"{sparse_gpu_cache_gb(args.kv_hbm_gb, args.host_cache_gb):.3f}",
-             *args.extra_server_args.split()]  # fmt: skip
+    flags = server_args("sparse", args)
     rng = random.Random(0)
     prompts = [[rng.randrange(*LLAMA3_8B_TOKEN_IDS) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     trace_dir = log_dir / "trace"
