@@ -201,7 +201,7 @@ def _gate_with_tracker(num_slots=32):
     cache = GPUPageCache(num_slots, 2, 2, 4, 16, torch.bfloat16, max_requests=6, row_width=4, max_pages=16,
                          total_pages=32, min_row_width=2)  # fmt: skip
     tracker = WorkingSetTracker(6, 2, 2, 4, window=3)
-    return cache, tracker, WorkingSetGate(cache, window=3, tracker=tracker)
+    return cache, tracker, WorkingSetGate(cache, tracker)
 
 
 def _select(tracker, pages_per_slot: dict[int, int]) -> None:

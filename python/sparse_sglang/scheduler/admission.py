@@ -297,7 +297,7 @@ class WorkingSetGate:
     """Algorithm 1 inside SGLang's scheduler: whether one more request may start, and whether the
     running ones may all stay.
 
-    A running request's working set is the distinct pages it selected over the last ``window``
+    A running request's working set is the distinct pages it selected over the tracker's ``window``
     decode steps (:class:`WorkingSetTracker`, fed by the sparse decoder and read back without a
     sync), counted as at least a narrowest cache row: that much it holds whatever happens. A
     request starting needs a narrowest row, or a retracted one the working set it had.
@@ -313,8 +313,8 @@ class WorkingSetGate:
 
     current: ClassVar[WorkingSetGate | None] = None
 
-    def __init__(self, cache, window: int, tracker: WorkingSetTracker):
-        self.cache, self.window, self.tracker = cache, window, tracker
+    def __init__(self, cache, tracker: WorkingSetTracker):
+        self.cache, self.tracker = cache, tracker  # the tracker's window is the rule's w
         self.policy = AdmissionPolicy(cache.num_slots, host_total_pages=1)  # host memory is SGLang's to check
         self.admitted = self.deferred = 0  # answers since start (metrics)
         self.retracted = 0  # running requests the working-set rule retracted (metrics)
