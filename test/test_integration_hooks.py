@@ -178,3 +178,23 @@ def test_a_prompt_over_the_host_store_is_refused_naming_the_flag():
     assert scheduler.validate_input_length(Req("short", "", array("q", [7] * 100), SamplingParams()), 98266, False) is None
     input_length.note_host_store(1_000_000, 80.0, 131072)  # the context is the limit
     assert "sparse" not in scheduler.validate_input_length(Req("ctx", "", array("q", [7] * 131100), SamplingParams()), 131066, False)
+
+
+def test_fp8_kv_scales_come_from_a_checkpoint_or_quantization_param_path():
+    """SGLang keeps an fp8 checkpoint's KV scales in ``k_scale_float`` and sets a plain float
+    ``k_scale`` from ``--quantization-param-path`` (``LlamaModel.load_kv_cache_scales``); a 16-bit
+    store takes no scale."""
+    import torch
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from sparse_sglang.integration.attention_backend import fp8_kv_scales
+
+    layer = RadixAttention(num_heads=4, head_dim=8, scaling=1.0, num_kv_heads=2, layer_id=0)
+    fp8 = torch.float8_e4m3fn
+    assert fp8_kv_scales(layer, fp8) == (None, None)  # no scales given: FlashInfer's 1.0
+    layer.k_scale, layer.v_scale = 0.5, 0.25  # as load_kv_cache_scales sets them
+    assert fp8_kv_scales(layer, fp8) == (0.5, 0.25)
+    assert fp8_kv_scales(layer, torch.bfloat16) == (None, None)
+    layer.k_scale, layer.v_scale = torch.tensor(9.0), torch.tensor(9.0)  # a checkpoint's: the floats win
+    layer.k_scale_float, layer.v_scale_float = 2.0, 4.0
+    assert fp8_kv_scales(layer, fp8) == (2.0, 4.0)

@@ -80,6 +80,19 @@ def test_store_save_updates_host_summaries_and_cached_pages(fused):
     assert (cache.page_table.lookup(1, 1, torch.arange(2), 1) == -1).all()
 
 
+def test_fp8_saves_saturate_instead_of_turning_into_nan():
+    plan = plan_memory(SparseConfig(host_cache_gb=0.01, gpu_cache_gb=0.01), gpu_kv_bytes=GIB, num_layers=1,
+                       num_kv_heads=1, head_dim=16, dtype=torch.float8_e4m3fn, context_len=256)  # fmt: skip
+    store = SparseKVStore(plan.shape, "cpu", fused=False)
+    store.cache.open_request(1, 1)
+    k = torch.tensor([500.0, -1e5, 3.0, 0.0] * 4).view(1, 1, 16).bfloat16()  # beyond e4m3's 448 both ways
+    store.bind_runs(SaveRuns.for_extend([1], [0], [1], page_size=32, device="cpu"))
+    store.save(0, torch.tensor([2 * 32]), k, k, staged=True)
+    saved = store.host.k[0, 0, 2, 0].float()
+    assert torch.equal(saved, torch.tensor([448.0, -448.0, 3.0, 0.0] * 4))
+    assert torch.equal(store.summaries.kmax[0, 0, 2].float(), saved)
+
+
 def test_summaries_kept_are_the_selectors():
     from sparse_sglang.attention import kept_summaries
 

@@ -4,7 +4,8 @@ A batch of four requests (one without a prefix, between two with one) extends it
 per layer, FlashInfer's ragged kernel attends the new tokens causally and
 :class:`~sparse_sglang.attention.prefix.PrefixAttention` merges in the prefixes, staged through a
 buffer of one piece (all prefixes at once), two planned pieces, or ten pieces re-planned per run.
-Each must equal float32 attention over prefix + new keys.
+Each must equal float32 attention over prefix + new keys; an fp8 store's prefix is attended as its
+stored values times the KV scales.
 
 Run on the GPU host: ``pytest -m gpu test/test_prefix_attention_gpu.py``.
 """
@@ -42,11 +43,21 @@ def reference(q, new_k, new_v, host_k, host_v, token_rows, scale):
 
 @pytest.mark.parametrize("staging_tokens", [4096, 512, 96], ids=["one-piece", "two-pieces", "ten-pieces-replanned"])
 def test_prefix_attention_in_pieces_equals_attention_over_the_whole_prefix(staging_tokens):
+    check_prefix_attention(staging_tokens, torch.bfloat16)
+
+
+@pytest.mark.parametrize("staging_tokens", [4096, 96], ids=["one-piece", "ten-pieces-replanned"])
+def test_fp8_prefixes_are_attended_with_their_kv_scales(staging_tokens):
+    """fp8 KV stores value / scale: the staged prefix is attended as stored x (k_scale, v_scale)."""
+    check_prefix_attention(staging_tokens, torch.float8_e4m3fn, k_scale=0.5, v_scale=0.25)
+
+
+def check_prefix_attention(staging_tokens, dtype, k_scale=None, v_scale=None):
     import flashinfer
 
     config = SparseConfig(host_cache_gb=1.0)
     page = config.page_size
-    store = make_store(SHAPE, config, max_batch=len(PREFIX), max_context=40 * page)
+    store = make_store(SHAPE, config, max_batch=len(PREFIX), max_context=40 * page, dtype=dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     host = store.host
     for t in (host.k, host.v):
@@ -77,9 +88,9 @@ def test_prefix_attention_in_pieces_equals_attention_over_the_whole_prefix(stagi
         new_k, new_v = (torch.randn(total, SHAPE.num_kv_heads, SHAPE.head_dim, device="cuda", generator=gen).bfloat16()
                         for _ in range(2))  # fmt: skip
         out, lse = ragged.forward_return_lse(q, new_k, new_v, causal=True, sm_scale=scale)
-        prefix.run(layer, q, out, lse, scale)
-        host_k = host.k[layer].flatten(1, 2).cuda()  # [Hkv, host tokens, D]
-        host_v = host.v[layer].flatten(1, 2).cuda()
+        prefix.run(layer, q, out, lse, scale, k_scale=k_scale, v_scale=v_scale)
+        host_k = host.k[layer].flatten(1, 2).cuda().float() * (k_scale or 1.0)  # [Hkv, host tokens, D]
+        host_v = host.v[layer].flatten(1, 2).cuda().float() * (v_scale or 1.0)
         want = reference(q, new_k, new_v, host_k, host_v, token_rows, scale)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
     store.close()

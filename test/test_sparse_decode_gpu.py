@@ -100,6 +100,32 @@ def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_con
         Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], "q1.json").write_text(json.dumps({"q1_max_abs_err": worst}))
 
 
+def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
+    """Keys and values as small as a dummy-weight model's (~1e-5, all 0 in e4m3 at scale 1) are
+    stored as value / scale (what the KV pool saves) and attended with the scales: the output is
+    dense attention over the dequantized KV."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    config = SparseConfig(token_budget=2048 + 32, exact_shortcut=False, host_cache_gb=1.0)
+    store = make_store(SHAPE, config, 2, 2048, dtype=torch.float8_e4m3fn)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    b = DecodeBench(store, config, SHAPE.num_q_heads, 2, 2048, workspace)
+    k_scale, v_scale = 1e-6, 2e-6
+    kv = []
+    for layer in range(SHAPE.num_layers):
+        k, v = (x.float() * 1e-5 for x in random_kv(2, b.seq_len, gen))
+        assert (k.to(torch.float8_e4m3fn).float() == 0).all()  # why the scales are needed
+        b.write_kv(layer, store.to_store_dtype(k / k_scale), store.to_store_dtype(v / v_scale))
+        kv.append((store.to_store_dtype(k / k_scale).float() * k_scale, store.to_store_dtype(v / v_scale).float() * v_scale))
+    b.plan()
+    for layer, (k, v) in enumerate(kv):
+        q = (torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen) * 1e5).to(torch.bfloat16)
+        out = b.decoder.run(layer, q, k_scale=k_scale, v_scale=v_scale).float() / 1e-5
+        want = sparse_attention_reference(q.float(), k.transpose(1, 2), v.transpose(1, 2), None, config.page_size,
+                                          torch.full((2,), b.seq_len, device="cuda")) / 1e-5  # every page: dense
+        torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+    store.close()
+
+
 @pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])
 @pytest.mark.parametrize("path", ["fused", "reference"])
 def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector, path):

@@ -141,10 +141,10 @@ class PrefixAttention:
                      kv_data_type=s.dtype)  # fmt: skip
 
     def run(self, layer: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sm_scale: float,
-            logits_soft_cap: float | None = None) -> None:  # fmt: skip
+            logits_soft_cap: float | None = None, k_scale: float | None = None, v_scale: float | None = None) -> None:  # fmt: skip
         """Merge the attention of ``q`` ``[T, Hq, D]`` over the prefixes of one layer into ``out``
         ``[T, Hq, D]`` and ``lse`` ``[T, Hq]`` (float32), in place: those hold the attention over
-        the other keys (the new tokens')."""
+        the other keys (the new tokens'). ``k_scale``/``v_scale``: per-tensor scales of fp8 KV."""
         import flashinfer
 
         s = self.store.shape
@@ -159,7 +159,8 @@ class PrefixAttention:
             units = (piece.pages.stop - piece.pages.start) * heads
             self.load(self.src_base[piece.pages.start * heads : piece.pages.stop * heads] + layer_base, self.slots[:units])
             o, s_piece = wrapper.forward_return_lse(q[piece.rows], self.kv, causal=False, sm_scale=sm_scale,
-                                                    logits_soft_cap=logits_soft_cap or None)  # fmt: skip
+                                                    logits_soft_cap=logits_soft_cap or None, k_scale=k_scale,
+                                                    v_scale=v_scale)  # fmt: skip
             flashinfer.merge_state_in_place(out[piece.rows], lse[piece.rows], o, s_piece)
             if self.replans:
                 self.last_run[w].record()

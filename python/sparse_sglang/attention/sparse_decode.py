@@ -258,7 +258,8 @@ class SparseDecoder:
             return scores
         return keep_cached(scores, self.store.cache.cached_pages(layer, self.req_slots, scores.shape[-1]), self.reselect)
 
-    def run(self, layer: int, q: torch.Tensor, sm_scale: float | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    def run(self, layer: int, q: torch.Tensor, sm_scale: float | None = None, logits_soft_cap: float | None = None,
+            k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:  # fmt: skip
         """Sparse decode attention of one layer.
 
         Parameters
@@ -266,6 +267,8 @@ class SparseDecoder:
         layer : int
         q : torch.Tensor
             ``[B, Hq, D]`` decode queries (post-RoPE).
+        k_scale, v_scale : float, optional
+            Per-tensor scales of fp8 KV (stored = value / scale), as FlashInfer takes them.
 
         Returns
         -------
@@ -287,7 +290,8 @@ class SparseDecoder:
             self.indices[self.dest] = slots.view(-1).to(torch.int32)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
-        out = self.wrapper.forward(qs, self.kv, sm_scale=scale, logits_soft_cap=logits_soft_cap or None)
+        out = self.wrapper.forward(qs, self.kv, sm_scale=scale, logits_soft_cap=logits_soft_cap or None,
+                                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return out.view(q.shape)
 
 

@@ -199,26 +199,47 @@ class SparseAttnBackend(FlashInferAttnBackend):
         q3 = q.contiguous().view(-1, heads, dim)
         k3, v3 = k.view(-1, layer.tp_k_head_num, dim), v.view(-1, layer.tp_v_head_num, dim)
         cap = layer.logit_cap or None
-        if not self.prefix.active:
+        k_scale, v_scale = fp8_kv_scales(layer, self.store.shape.dtype)
+        if not self.prefix.active:  # the new tokens' own K/V, unquantized
             o = self.prefill_wrapper_ragged.forward(q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap)
         else:
             o, lse = self.prefill_wrapper_ragged.forward_return_lse(
                 q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap
             )
-            self.prefix.run(layer.layer_id - self.kv_pool.start_layer, q3, o, lse, layer.scaling, cap)
+            self.prefix.run(layer.layer_id - self.kv_pool.start_layer, q3, o, lse, layer.scaling, cap, k_scale, v_scale)
         if save_kv_cache:
             self.kv_pool.save(layer.layer_id, forward_batch.out_cache_loc, k3, v3, staged=True,
-                              k_scale=layer.k_scale_float, v_scale=layer.v_scale_float)  # fmt: skip
+                              k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return o.view(-1, heads * dim)
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
         heads, dim = layer.tp_q_head_num, layer.head_dim
+        k_scale, v_scale = fp8_kv_scales(layer, self.store.shape.dtype)
         if save_kv_cache and k is not None:
             self.kv_pool.save(layer.layer_id, forward_batch.out_cache_loc, k, v, staged=False,
-                              k_scale=layer.k_scale_float, v_scale=layer.v_scale_float)  # fmt: skip
+                              k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         o = self.decoder.run(layer.layer_id - self.kv_pool.start_layer, q.contiguous().view(-1, heads, dim),
-                             layer.scaling, layer.logit_cap)  # fmt: skip
+                             layer.scaling, layer.logit_cap, k_scale, v_scale)  # fmt: skip
         return o.view(-1, heads * dim)
+
+
+@relies_on(
+    "sglang.srt.models.llama:LlamaModel.load_kv_cache_scales",
+    at="sglang/srt/models/llama.py:464",
+)
+def fp8_kv_scales(layer: RadixAttention, kv_dtype: torch.dtype) -> tuple[float | None, float | None]:
+    """The per-tensor (K, V) scales of an fp8 KV store (stored = value / scale), ``(None, None)``
+    for a 16-bit store. SGLang keeps them in ``k_scale_float`` when an fp8 checkpoint carries them
+    and as a plain float ``k_scale`` when ``--quantization-param-path`` gives them."""
+    if kv_dtype.itemsize > 1:
+        return None, None
+
+    def scale(as_float, as_set) -> float | None:
+        if as_float is not None:
+            return float(as_float)
+        return float(as_set) if isinstance(as_set, (int, float)) else None
+
+    return scale(layer.k_scale_float, layer.k_scale), scale(layer.v_scale_float, layer.v_scale)
 
 
 @relies_on(

@@ -119,7 +119,7 @@ class SparseKVStore:
         :meth:`wait_saves` before reading those pages from the host) and through the direct-write
         kernel otherwise (decode: a few rows, stream-ordered, capturable in a CUDA graph).
         """
-        k, v = k.to(self.shape.dtype).contiguous(), v.to(self.shape.dtype).contiguous()
+        k, v = self.to_store_dtype(k), self.to_store_dtype(v)
         if staged and layer == 0:
             self.saved_tokens += k.shape[0]
         self.index(layer, loc, k, v)
@@ -131,6 +131,16 @@ class SparseKVStore:
                 self.flash_d2h.submit(layer, k[start : start + step], v[start : start + step], loc[start : start + step])
         else:
             self.direct_d2h(layer, k, v, loc)
+
+    def to_store_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the store's dtype, contiguous. Into fp8 the cast saturates at the format's
+        largest value: torch turns anything beyond it into NaN, which one token would spread
+        through every later attention over its page."""
+        dtype = self.shape.dtype
+        if dtype.itemsize == 1 and x.dtype != dtype:
+            top = torch.finfo(dtype).max
+            x = x.clamp(-top, top)
+        return x.to(dtype).contiguous()
 
     def stats(self, window: int = 12) -> dict:
         """Counters for metrics: the GPU page cache's (slots, rows, pages selected and loaded, hit
