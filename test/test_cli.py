@@ -47,8 +47,11 @@ def test_sparse_defaults_when_no_sparse_flag(model_dir):
 
 def test_sparse_sets_the_sglang_modes_it_needs(model_dir):
     args = prepare_server_args(["--model-path", model_dir, *CPU])
-    assert args.page_size == args.sparse.page_size and args.disable_overlap_schedule
+    assert args.page_size == args.sparse.page_size
+    assert not args.disable_overlap_schedule  # SGLang's overlap scheduler, as vanilla runs
     assert args.disable_prefill_cuda_graph and not args.disable_decode_cuda_graph  # graph decode by default
+    segmented = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-segmented-prefill", "true"])
+    assert segmented.disable_overlap_schedule  # its loop is SGLang's normal one
     eager = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-decode-cuda-graph", "false"])
     assert eager.disable_prefill_cuda_graph and eager.disable_decode_cuda_graph
 

@@ -87,6 +87,14 @@ def test_scheduler_entry_wraps_sglangs_signature():
     assert params[:4] == ["server_args", "port_args", "gpu_id", "tp_rank"]
 
 
+def store_of(cache):
+    """The part of a SparseKVStore that row release uses, around ``cache`` (on CPU: no streams)."""
+    import contextlib
+    import types
+
+    return types.SimpleNamespace(cache=cache, on_forward_stream=contextlib.nullcontext)
+
+
 def test_freeing_a_request_slot_returns_its_page_cache_row():
     """SGLang's own ReqToTokenPool and Req (on CPU): finishing, aborting or retracting a request
     frees its slot, and with it the request's GPU page-cache row, so an idle server holds none."""
@@ -100,7 +108,7 @@ def test_freeing_a_request_slot_returns_its_page_cache_row():
 
     pool = ReqToTokenPool(3, 64, "cpu", False)
     cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)
-    release_rows_on_free(pool, cache)
+    release_rows_on_free(pool, store_of(cache))
     reqs = [Req(f"r{i}", "", [1, 2, 3], SamplingParams()) for i in range(3)]
     for slot in pool.alloc(reqs):
         cache.open_request(slot, 1)  # what the attention backend does at the first forward
@@ -135,7 +143,7 @@ def test_a_slot_reused_after_a_cache_flush_gets_a_new_row():
 
     pool = ReqToTokenPool(3, 64, "cpu", False)
     cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)
-    release_rows_on_free(pool, cache)
+    release_rows_on_free(pool, store_of(cache))
     tracker = WorkingSetTracker(4, 2, 2, 4, window=3)
     backend = types.SimpleNamespace(store=types.SimpleNamespace(cache=cache), req_generation=pool.req_generation,
                                     row_generation={}, tracker=tracker)  # fmt: skip
@@ -198,3 +206,23 @@ def test_fp8_kv_scales_come_from_a_checkpoint_or_quantization_param_path():
     layer.k_scale, layer.v_scale = torch.tensor(9.0), torch.tensor(9.0)  # a checkpoint's: the floats win
     layer.k_scale_float, layer.v_scale_float = 2.0, 4.0
     assert fp8_kv_scales(layer, fp8) == (2.0, 4.0)
+
+
+def test_the_backend_reads_request_slots_from_the_host_mirror():
+    """Under overlap scheduling a read of the GPU slots waits for the forward before; the backend
+    takes the mirror ``ForwardBatch.init_new`` handed it (once), padded with slot 0 for a CUDA-graph
+    batch, and reads the GPU only when it has none that fits."""
+    import types
+
+    import torch
+
+    from sparse_sglang.integration.attention_backend import PADDING_REQ_SLOT, SparseAttnBackend
+
+    backend = types.SimpleNamespace(next_req_slots=None)
+    SparseAttnBackend.note_req_slots(backend, torch.tensor([7, 3]))
+    gpu = torch.tensor([7, 3, PADDING_REQ_SLOT, PADDING_REQ_SLOT])  # a graph batch of 4: 2 real, 2 padding
+    assert SparseAttnBackend._req_slots_cpu(backend, gpu) == [7, 3, 0, 0]
+    assert backend.next_req_slots is None  # used once
+    assert SparseAttnBackend._req_slots_cpu(backend, torch.tensor([5, 6])) == [5, 6]  # no mirror: the GPU's
+    SparseAttnBackend.note_req_slots(backend, torch.tensor([1, 2, 3]))
+    assert SparseAttnBackend._req_slots_cpu(backend, torch.tensor([1, 2])) == [1, 2]  # longer: not this batch's

@@ -168,7 +168,7 @@ class SparseDecoder:
         return self.graph_wrappers[batch]
 
     def plan(self, req_slots: torch.Tensor, seq_lens_cpu: torch.Tensor, host_pages: torch.Tensor,
-             graph: bool = False) -> None:  # fmt: skip
+             graph: bool = False, seq_lens: torch.Tensor | None = None) -> None:  # fmt: skip
         """Prepare one decode step.
 
         Parameters
@@ -181,10 +181,18 @@ class SparseDecoder:
             ``[B, N]`` host page id of each logical page (GPU), ``N >= max pages``.
         graph : bool
             A step of a CUDA graph (captured or replayed; see :meth:`init_cuda_graph`).
+        seq_lens : torch.Tensor, optional
+            ``seq_lens_cpu`` on the device, when the caller has it: the page counts are then
+            computed there, with no copy from the host (a host-to-device copy of pageable memory may
+            wait for the forward before, which the overlap scheduler runs while this plans).
         """
         batch, heads, width, page = req_slots.shape[0], self.num_kv_heads, self.width, self.page_size
         device = req_slots.device
         num_pages_cpu = (seq_lens_cpu + page - 1) // page
+        if seq_lens is not None:
+            num_pages_dev = ((seq_lens + page - 1) // page).to(torch.int32)
+        else:
+            num_pages_dev = num_pages_cpu.to(torch.int32).to(device, non_blocking=True)
         selected_cpu = num_pages_cpu.clamp(max=width).to(torch.int32)  # pages per (request, head)
         per_row = selected_cpu.repeat_interleave(heads)
         indptr = torch.zeros(batch * heads + 1, dtype=torch.int32)
@@ -211,7 +219,7 @@ class SparseDecoder:
                 self.reselect.copy_(reselect)
             self.indptr = g["indptr"][: batch * heads + 1]  # the graph wrapper's: plan() filled it
             self.num_pages = g["num_pages"][:batch]
-            self.num_pages.copy_(num_pages_cpu.to(torch.int32))
+            self.num_pages.copy_(num_pages_dev)
             self.host_pages = g["host_pages"][:batch]
             self.host_pages[:, : host_pages.shape[1]].copy_(host_pages)
             self.max_pages = self.host_pages.shape[1]
@@ -220,7 +228,7 @@ class SparseDecoder:
         self.reselect = reselect
         self.indptr = indptr.to(device, non_blocking=True)
         self.host_pages = host_pages
-        self.num_pages = num_pages_cpu.to(torch.int32).to(device, non_blocking=True)
+        self.num_pages = num_pages_dev
         self.max_pages = int(num_pages_cpu.max())
         self.exact = self.config.exact_shortcut and self.max_pages <= width
         if self.exact:

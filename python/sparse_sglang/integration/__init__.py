@@ -31,6 +31,7 @@ def install() -> None:
     )
 
     from sparse_sglang.integration.admission import patch_abort_request, patch_check_decode_mem, patch_prefill_adder
+    from sparse_sglang.integration.forward_batch import patch_forward_batch_init_new
     from sparse_sglang.integration.input_length import patch_validate_input_length
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
     from sparse_sglang.integration.metrics import patch_report_decode_stats
@@ -41,6 +42,7 @@ def install() -> None:
     add_sparse_backend_choice()
     register_sparse_attention_backend()
     patch_alloc_memory_pool()
+    patch_forward_batch_init_new()
     patch_get_internal_state()
     patch_report_decode_stats()
     patch_validate_input_length()

@@ -60,6 +60,9 @@ class SparseAttnBackend(FlashInferAttnBackend):
         max_batch = model_runner.req_to_token_pool.size + 1
         self.decoder = SparseDecoder(self.store, self.sparse_config, self.num_q_heads, self.workspace_buffer, max_batch)
         self.extend_runs: SaveRuns | None = None  # the tokens the current prefill saves
+        # The next forward's request slots on the host (``ForwardBatch.init_new`` hands them over):
+        # reading the GPU copy back would wait for the forward before it (overlap scheduling).
+        self.next_req_slots: list[int] | None = None
         staging = prefix_staging_pages(self.sparse_config, model_runner.model_config.context_len) * self.store.shape.page_size
         self.prefix = PrefixAttention(self.store, self.num_q_heads, self.workspace_buffer, staging)
         config = self.sparse_config
@@ -82,10 +85,24 @@ class SparseAttnBackend(FlashInferAttnBackend):
 
     # Per forward, on the host.
 
+    def note_req_slots(self, req_slots_cpu: torch.Tensor | None) -> None:
+        """The next forward's request slots, from the host mirror SGLang keeps (None: unknown)."""
+        self.next_req_slots = None if req_slots_cpu is None else req_slots_cpu.tolist()
+
+    def _req_slots_cpu(self, req_slots: torch.Tensor) -> list[int]:
+        """``req_slots`` (GPU, ``[B]``; a CUDA-graph batch padded with slot 0) as a list, from the
+        mirror when it matches and by reading the GPU (a sync) when it does not."""
+        mirror, self.next_req_slots = self.next_req_slots, None
+        batch = req_slots.shape[0]
+        if mirror is None or len(mirror) > batch:
+            return req_slots.tolist()
+        return mirror + [PADDING_REQ_SLOT] * (batch - len(mirror))
+
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         mode = forward_batch.forward_mode
         if mode.is_idle():
             return super().init_forward_metadata(forward_batch)
+        self.store.note_forward_stream()
         self.store.wait_saves()  # earlier prefill saves land before any host read below
         self._record_last_decode_step()
         if mode.is_decode():
@@ -122,7 +139,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
     def _begin_extend(self, fb: ForwardBatch) -> None:
         page = self.store.shape.page_size
         cache = self.store.cache
-        slots = fb.req_pool_indices.tolist()
+        slots = self._req_slots_cpu(fb.req_pool_indices)
         self._open_rows(slots)
         for slot, prefix, new in zip(slots, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
             first, end = math.ceil(prefix / page), math.ceil((prefix + new) / page)
@@ -148,7 +165,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         req_slots, seq_lens_cpu = fb.req_pool_indices[:bs], fb.seq_lens_cpu[:bs]
         seq_lens = seq_lens_cpu.tolist()
         # Slot 0 pads CUDA-graph batches: it has no cache row, and the kernels skip it.
-        real = [(slot, n) for slot, n in zip(req_slots.tolist(), seq_lens) if slot != PADDING_REQ_SLOT]
+        real = [(slot, n) for slot, n in zip(self._req_slots_cpu(req_slots), seq_lens) if slot != PADDING_REQ_SLOT]
         self._open_rows([slot for slot, _ in real])  # normally open since their prefill; a no-op then
         cache.next_step()
         self.store.saved_tokens += len(real)  # each real request saves its new token (metrics)
@@ -159,7 +176,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
                 cache.write_allocate(slot, pages - 1, 1)
         num_pages = self.store.shape.max_pages if graph else math.ceil(max(seq_lens) / page)
         host_pages = host_page_table(self.req_to_token_pool.req_to_token, req_slots, num_pages, page)
-        self.decoder.plan(req_slots, seq_lens_cpu, host_pages, graph=graph)
+        self.decoder.plan(req_slots, seq_lens_cpu, host_pages, graph=graph, seq_lens=fb.seq_lens[:bs])
         if self.tracker is not None:  # counts up to the last step; this step's selection is recorded at the next forward
             self.tracker.publish([slot for slot, _ in real], math.ceil(max(seq_lens) / page))
             self.tracked_slots = req_slots.clone()
@@ -184,6 +201,9 @@ class SparseAttnBackend(FlashInferAttnBackend):
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
         if not forward_batch.forward_mode.is_decode():
             raise NotImplementedError(f"the sparse backend captures decode steps only, not {forward_batch.forward_mode}")
+        if in_capture:  # a batch the graph runner made up, not one init_new built
+            self.next_req_slots = None
+        self.store.note_forward_stream()
         self.store.wait_saves()
         self._record_last_decode_step()
         self._begin_decode(forward_batch, graph=True)

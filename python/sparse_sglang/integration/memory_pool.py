@@ -88,15 +88,18 @@ class SparseTokenToKVPool(KVCache):
 
 
 @relies_on("sglang.srt.mem_cache.memory_pool:ReqToTokenPool.free", at="sglang/srt/mem_cache/memory_pool.py:319")
-def release_rows_on_free(req_to_token_pool, cache) -> None:
+def release_rows_on_free(req_to_token_pool, store: SparseKVStore) -> None:
     """Return a request's GPU page-cache row when SGLang frees its request slot (it finished, was
-    aborted or retracted), so an idle server holds no rows (its host pages SGLang frees itself)."""
+    aborted or retracted), so an idle server holds no rows (its host pages SGLang frees itself).
+    The row's GPU state is reset behind the forwards already queued (``on_forward_stream``)."""
     original = req_to_token_pool.free
+    cache = store.cache
 
     def free(req):
         slot = req.req_pool_idx
         if slot is not None and cache.is_open(slot):
-            cache.close_request(slot)
+            with store.on_forward_stream():
+                cache.close_request(slot)
         original(req)
 
     req_to_token_pool.free = free
@@ -153,7 +156,7 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     pool = SparseTokenToKVPool(store, plan.max_total_tokens, runner.device,
                                conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip
     runner.req_to_token_pool = conf._build_req_to_token_pool(max_num_reqs=plan.max_running_requests)
-    release_rows_on_free(runner.req_to_token_pool, store.cache)
+    release_rows_on_free(runner.req_to_token_pool, store)
     runner.token_to_kv_pool = pool
     runner.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
         plan.max_total_tokens, page_size=plan.shape.page_size, dtype=dtype, device=runner.device, kvcache=pool,

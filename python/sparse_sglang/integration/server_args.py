@@ -81,9 +81,12 @@ class SparseServerArgs(ServerArgs):
             raise ValueError("--sparse-segmented-prefill runs in SGLang's normal scheduler loop, which pipeline "
                              "parallelism (--pp-size > 1) replaces; leave one of them out")  # fmt: skip
         self.page_size = page
-        # One batch at a time: the backend's host-side bookkeeping (cache rows, plans) and the
-        # waits for saved prefill KV follow the forwards in order.
-        self.disable_overlap_schedule = True
+        # SGLang's overlap scheduler plans step N+1 while step N runs: the backend reads request
+        # slots from the host mirror, queues row changes behind the forwards, and waits for saved
+        # prefill KV before a forward that may read it. Layer-segmented prefill drives SGLang's
+        # normal (one batch at a time) loop, so it runs without overlap.
+        if self.sparse.segmented_prefill:
+            self.disable_overlap_schedule = True
         # Prefill saves KV through host threads (FlashD2H), which a CUDA graph cannot replay. Decode
         # steps are graph-safe (no host syncs, fixed shapes in graph mode); capturing them is a knob.
         self.disable_prefill_cuda_graph = True

@@ -18,6 +18,7 @@ index kernel by ``PageSummaries.update`` + ``GPUPageCache.store``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,9 @@ class SparseKVStore:
             self.flash_d2h = self.direct_d2h = None
         self.fused = on_gpu if fused is None else fused
         self.runs: SaveRuns | None = None  # the current forward's tokens (bind_runs)
+        # The stream the forwards run on (note_forward_stream): SGLang's overlap scheduler runs
+        # them on a stream of their own, and what changes the cache between them goes there too.
+        self.forward_stream: torch.cuda.Stream | None = None
         # Tokens whose KV went to the host (every layer): prefill saves count here, decode steps are
         # counted by the attention backend (a CUDA-graph replay runs no Python).
         self.saved_tokens = 0
@@ -96,6 +100,18 @@ class SparseKVStore:
     def gpu_bytes(self) -> int:
         cache = (self.cache.k.numel() + self.cache.v.numel()) * self.shape.dtype.itemsize
         return self.summaries.nbytes + cache
+
+    def note_forward_stream(self) -> None:
+        """Remember the current stream as the one forwards run on (the backend calls this as each
+        forward begins)."""
+        if self.device.type == "cuda":
+            self.forward_stream = torch.cuda.current_stream(self.device)
+
+    def on_forward_stream(self):
+        """A context that queues GPU work behind the forwards queued so far: the scheduler frees a
+        finished request's row while, under overlap, the next forward (which still decodes it) may
+        be running, and it must not change that forward's rows and tables under it."""
+        return contextlib.nullcontext() if self.forward_stream is None else torch.cuda.stream(self.forward_stream)
 
     def bind_runs(self, runs: SaveRuns) -> None:
         """The tokens the next forward saves (their request slots and positions, as runs)."""
