@@ -8,6 +8,7 @@ throughput and mean TTFT versus request rate. One GPU command may run at most
 
     python benchmark/serving.py --dry-run
     python benchmark/serving.py --traces long-prompt --systems vanilla --time-budget 480
+    python benchmark/serving.py --combine OUT.json A.json [B.json ...]   # one file from several calls
 """
 
 from __future__ import annotations
@@ -337,11 +338,31 @@ def summarize(results: dict) -> dict:
             "p99_tbt_ratio": _ratio(s, v, "p99_tbt_ms"),
         }
     by_trace = {t: d["throughput_ratio"] for t, d in at_rate.items() if d["throughput_ratio"] is not None}
+    overload = overload_ratios(results)
     return {
         "passthrough_throughput_ratio": min(by_trace.values(), default=None),
         "passthrough_throughput_ratio_by_trace": by_trace,
         "at_highest_common_complete_rate": at_rate,
-        "at_highest_common_rate": overload_ratios(results),
+        "at_highest_common_rate": overload,
+        **headline(overload),
+    }
+
+
+def headline(overload: dict) -> dict:
+    """The issue's headline keys, read off :func:`overload_ratios` (a trace not run gives None):
+    P1 ``throughput_ratio`` (long-generation) and ``throughput_ratio_long_prompt`` (output tokens
+    in each run's window, sparse / vanilla), P2 ``ttft_ratio`` (long-prompt mean TTFT, vanilla /
+    sparse), P3 ``p99_tbt_ratio`` (sparse / vanilla, long-generation; ``_long_prompt`` beside it)
+    and P6 ``concurrency_ratio`` (most running requests, long-generation)."""
+    gen, prompt = overload.get("long-generation", {}), overload.get("long-prompt", {})
+    ttft = prompt.get("mean_ttft_ms_ratio")
+    return {
+        "throughput_ratio": gen.get("window_output_throughput_ratio"),
+        "throughput_ratio_long_prompt": prompt.get("window_output_throughput_ratio"),
+        "ttft_ratio": 1 / ttft if ttft else None,
+        "p99_tbt_ratio": gen.get("p99_tbt_ms_ratio"),
+        "p99_tbt_ratio_long_prompt": prompt.get("p99_tbt_ms_ratio"),
+        "concurrency_ratio": gen.get("max_running_req_ratio"),
     }
 
 
@@ -674,7 +695,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)  # fmt: skip
 
 
+def combine(out: Path, inputs: list[Path]) -> dict:
+    """One result file from several (each a whole invocation's file, e.g. one per GPU call): their
+    runs merged in order, a later file's (trace, system, rate) replacing an earlier one's; the
+    summary recomputed (one input: the same runs, summarized by this version)."""
+    documents = [json.loads(Path(f).read_text()) for f in inputs]
+    document = documents[0]
+    for newer in documents[1:]:
+        document = merge_documents(document, newer)
+    document["summary"] = {**summarize(document["results"]), "kv_hbm_budget_gb": document.get("kv_hbm_budget_gb")}
+    if len(inputs) > 1:
+        document["combined_from"] = [Path(f).name for f in inputs]
+    save_result(document, out)
+    plot(document["results"], out.with_suffix(".png"))
+    return document
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--combine"]:
+        if len(argv) < 3:
+            raise SystemExit("usage: serving.py --combine OUT.json IN.json [IN.json ...]")
+        document = combine(Path(argv[1]), [Path(f) for f in argv[2:]])
+        print_table(document["results"])
+        print(f"\nsummary: {json.dumps(document['summary'], indent=1)}\nwrote {argv[1]}")
+        return
     args = parse_args(argv)
     plan = make_plan(args)
     if args.dry_run:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import asdict
 
 import numpy as np
 import orjson
+
 import pytest
 
 from benchmark.serving import (
@@ -298,6 +300,45 @@ def test_summary_uses_highest_rate_both_completed():
     overload = summary["at_highest_common_rate"]
     assert overload["long-prompt"]["rate"] == 0.8 and overload["long-generation"]["rate"] == 0.2
     assert overload["long-generation"]["window_output_throughput_ratio"] == pytest.approx(300 / 500)
+
+
+def test_headline_keys_are_the_issues_ratios_at_the_highest_common_rate():
+    results = {
+        "long-prompt": {"vanilla": [_result(0.8, 150, complete=False)], "sparse": [_result(0.8, 300, complete=False)]},
+        "long-generation": {"vanilla": [_result(1.0, 500, complete=False)], "sparse": [_result(1.0, 2000, complete=False)]},
+    }  # fmt: skip
+    results["long-prompt"]["vanilla"][0].update(mean_ttft_ms=80_000.0, p99_tbt_ms=20.0)
+    results["long-prompt"]["sparse"][0].update(mean_ttft_ms=8_000.0, p99_tbt_ms=30.0)
+    results["long-generation"]["vanilla"][0].update(max_running_req=8, p99_tbt_ms=20.0)
+    results["long-generation"]["sparse"][0].update(max_running_req=72, p99_tbt_ms=22.0)
+    summary = summarize(results)
+    assert summary["throughput_ratio"] == pytest.approx(4.0)
+    assert summary["throughput_ratio_long_prompt"] == pytest.approx(2.0)
+    assert summary["ttft_ratio"] == pytest.approx(10.0)  # vanilla / sparse: higher is better
+    assert summary["p99_tbt_ratio"] == pytest.approx(1.1) and summary["p99_tbt_ratio_long_prompt"] == pytest.approx(1.5)
+    assert summary["concurrency_ratio"] == pytest.approx(9.0)
+    # A trace one system did not run leaves its keys None, not a ratio against nothing.
+    only_gen = summarize({"long-generation": results["long-generation"],
+                          "long-prompt": {"vanilla": results["long-prompt"]["vanilla"]}})  # fmt: skip
+    assert only_gen["throughput_ratio_long_prompt"] is None and only_gen["ttft_ratio"] is None
+    assert only_gen["throughput_ratio"] == pytest.approx(4.0)
+
+
+def test_combine_merges_files_from_several_calls_and_resummarizes(tmp_path):
+    from benchmark.serving import main
+
+    vanilla = _document("vanilla", {"long-generation": [_result(1.0, 500, complete=False)]})
+    sparse = _document("sparse", {"long-generation": [_result(1.0, 1500, complete=False)]})
+    (tmp_path / "v.json").write_text(json.dumps(vanilla))
+    (tmp_path / "s.json").write_text(json.dumps(sparse))
+    main(["--combine", str(tmp_path / "both.json"), str(tmp_path / "v.json"), str(tmp_path / "s.json")])
+    both = json.loads((tmp_path / "both.json").read_text())
+    assert set(both["results"]["long-generation"]) == {"vanilla", "sparse"}
+    assert both["combined_from"] == ["v.json", "s.json"]
+    assert both["summary"]["throughput_ratio"] == pytest.approx(3.0)
+    assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="usage"):
+        main(["--combine", str(tmp_path / "x.json")])
 
 
 def test_summary_without_a_common_complete_rate():
