@@ -146,3 +146,42 @@ def test_split_by_length_respects_caps():
     # A capped request's excess goes to the others by length.
     assert split_by_length(10, torch.tensor([100, 100, 200]), torch.tensor([1, 10, 10])).tolist() == [1, 3, 6]
     assert split_by_length(5, torch.tensor([], dtype=torch.int64)).tolist() == []
+
+
+def _cache_with_lru(num_buckets: int, steps_per_bucket: int, step: int):
+    from sparse_sglang.mem_cache import GPUPageCache
+
+    cache = GPUPageCache(16, 1, 1, 4, 16, torch.bfloat16, max_requests=2, row_width=8, max_pages=8, total_pages=16,
+                         lru_buckets=num_buckets, lru_steps_per_bucket=steps_per_bucket)  # fmt: skip
+    cache.step.fill_(step)
+    return cache
+
+
+def _victims_by_recency(recency: torch.Tensor, cand: torch.Tensor, n: int, mandatory: torch.Tensor) -> torch.Tensor:
+    """The page cache's choice (GPUPageCache.retrieve): a stable sort by recency, eligible first."""
+    excluded = (cand < 0) | mandatory
+    key = torch.where(excluded, torch.iinfo(torch.int64).max, recency)
+    take = key.argsort(stable=True)[: min(n, int((~excluded).sum()))]
+    return torch.zeros_like(excluded).index_fill_(0, take, True)
+
+
+def test_page_cache_bucketed_recency_takes_the_histograms_victims():
+    # The page cache orders its rows by GPUPageCache.recency and takes a stable sort's first
+    # victims; before any rebase that is exactly BucketedLRU.evict's histogram choice.
+    g = torch.Generator().manual_seed(3)
+    for seed in range(20):
+        lru, last = random_state(seed, 48, 45, 16, 3)  # 45 steps < 16 buckets x 3: no rebase
+        assert lru.origin == 0
+        cache = _cache_with_lru(16, 3, lru.step)
+        cand = torch.randperm(48, generator=g)[:32]
+        mandatory = torch.rand(32, generator=g) < 0.25
+        n = int(torch.randint(0, 32, (), generator=g))
+        mine = _victims_by_recency(cache.recency(last[cand]), cand, n, mandatory)
+        assert torch.equal(mine, lru.evict(cand, n, mandatory)), seed
+
+
+def test_page_cache_recency_is_exact_by_default_and_ties_what_left_the_bucket_range():
+    used = torch.tensor([-1, 0, 5, 9, 10, 11, 12, 40, 41])
+    assert torch.equal(_cache_with_lru(0, 1, 41).recency(used), used)  # exact LRU: the steps themselves
+    # 4 buckets of 3 steps at step 41: buckets 10..13 in order, everything before bucket 10 tied there.
+    assert _cache_with_lru(4, 3, 41).recency(used).tolist() == [-1, 10, 10, 10, 10, 10, 10, 13, 13]

@@ -14,6 +14,7 @@ def test_defaults_are_the_documented_ones():
     assert cfg.enabled is True
     assert (cfg.page_size, cfg.token_budget, cfg.selector) == (32, 2048, "quest")
     assert cfg.working_set_window == 12 and cfg.reselect_interval == 1
+    assert cfg.cache_lru_buckets == 0 and cfg.cache_lru_steps_per_bucket == 1  # exact LRU
     assert cfg.budget_pages == 64
     total, available = machine_ram_bytes()
     assert 0 < cfg.host_cache_gb * (1 << 30) <= available * 0.5 + (1 << 30) / 16
@@ -48,6 +49,8 @@ BAD_VALUES = [
     ({"token_budget": 64, "sink_pages": 1, "recent_pages": 2}, "--sparse-recent-pages", "exceed"),
     ({"working_set_window": 0}, "--sparse-working-set-window", ">= 1"),
     ({"reselect_interval": 0}, "--sparse-reselect-interval", ">= 1"),
+    ({"cache_lru_buckets": -1}, "--sparse-cache-lru-buckets", ">= 0"),
+    ({"cache_lru_steps_per_bucket": 0}, "--sparse-cache-lru-steps-per-bucket", ">= 1"),
     ({"gpu_cache_gb": 0.0}, "--sparse-gpu-cache-gb", "positive"),
     ({"gpu_cache_gb": -1.0}, "--sparse-gpu-cache-gb", "positive"),
     ({"host_cache_gb": 0.0}, "--sparse-host-cache-gb", "positive"),

@@ -20,9 +20,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_cache(num_slots, layers=2, heads=2, page_size=8, dim=16, dtype=torch.bfloat16, width=4, max_pages=24,
-               min_width=None):  # fmt: skip
+               min_width=None, lru=(0, 1)):  # fmt: skip
     return GPUPageCache(num_slots, layers, heads, page_size, dim, dtype, max_requests=4, row_width=width,
-                        max_pages=max_pages, total_pages=64, device=DEVICE, segment_pages=4, min_row_width=min_width)  # fmt: skip
+                        max_pages=max_pages, total_pages=64, device=DEVICE, segment_pages=4, min_row_width=min_width,
+                        lru_buckets=lru[0], lru_steps_per_bucket=lru[1])  # fmt: skip
 
 
 def test_save_runs_split_each_request_at_its_page_boundaries():
@@ -99,20 +100,23 @@ def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius,
     assert torch.equal(cache.v.view(torch.uint8), ref_cache.v.view(torch.uint8))
 
 
+@pytest.mark.parametrize("lru", [(0, 1), (2, 3)], ids=["exact-lru", "bucketed-lru"])
 @pytest.mark.parametrize("k_sel", [4, 3], ids=["k4", "k3-a-padded-lane"])
 @pytest.mark.parametrize("elastic", [False, True])
-def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indices(elastic, k_sel):
+def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indices(elastic, k_sel, lru):
     """Random selections over many steps, each row shuffled (some rows partly padded, pages past a
     request's end ignored): the kernel's hits, victims, table updates and copies equal the
     reference's given the rows in ascending page order, and each row's FlashInfer indices are its
     slots in ascending page order (the newest page last). Elastic: the rows are
-    5 of 6 columns wide (the second request's opening narrowed the first), the last one -1."""
+    5 of 6 columns wide (the second request's opening narrowed the first), the last one -1.
+    Bucketed LRU: 2 buckets of 3 steps, so most of a row's slots tie and position decides."""
     rng = random.Random(11)
     layers, heads, width, page, dim = 2, 3, 6, 8, 16
     if elastic:
-        ref = make_cache(layers * heads * (width + 4), layers, heads, page, dim, width=width, max_pages=16, min_width=k_sel)
+        ref = make_cache(layers * heads * (width + 4), layers, heads, page, dim, width=width, max_pages=16, min_width=k_sel,
+                         lru=lru)  # fmt: skip
     else:
-        ref = make_cache(2 * layers * heads * width + 5, layers, heads, page, dim, width=width, max_pages=16)
+        ref = make_cache(2 * layers * heads * width + 5, layers, heads, page, dim, width=width, max_pages=16, lru=lru)
     host_pages = torch.tensor([[3 + i for i in range(16)], [30 + i for i in range(16)]], device=DEVICE, dtype=torch.int32)
     req_slots = torch.tensor([2, 1], device=DEVICE)
     for r in req_slots.tolist():

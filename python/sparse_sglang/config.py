@@ -89,6 +89,8 @@ class SparseConfig:
     decode_cuda_graph: bool = knob(True, help="Capture decode steps in SGLang's CUDA graphs (each step's page rows are sized for the longest context, and top-k reads them whole; budgets too wide for the fused kernels, above ~4K tokens, decode eagerly); false = eager decode.")
     reselect_interval: int = knob(1, help="Decode steps a request's page selection serves (LServe's reuse): on the steps between two full selections each kv head picks its top pages among those its GPU cache row already holds, plus the sink and recent pages, so little crosses PCIe; 1 = a full selection every step.")
     cache_row_ratio: float = knob(1.25, help="Fewest GPU page-cache slots a running request keeps per (layer, kv head), as a multiple of the pages one step selects: room for recently selected pages to stay cached (SPIN's buffer pages). It sets how many requests fit in the cache; while fewer run, rows grow into the free slots (up to 4x the selection), and give them back when new requests need room.")
+    cache_lru_buckets: int = knob(0, help="GPU page-cache replacement order: 0 = exact LRU (each slot's last-use step); N > 0 = SPIN's bucketed LRU: last uses counted in buckets of --sparse-cache-lru-steps-per-bucket decode steps, the newest N buckets in order and every older use tied with the oldest, ties broken by row position (SPIN uses 64).")
+    cache_lru_steps_per_bucket: int = knob(1, help="Bucketed LRU (--sparse-cache-lru-buckets > 0): decode steps one bucket spans.")
     working_set_admission: bool = knob(False, help="SparseServe's Algorithm 1: admit a waiting request only while the running requests' working sets (the distinct pages each selected in the last --sparse-working-set-window steps, per layer and kv head) plus a narrowest cache row for it fit the GPU page cache, and retract running requests (SGLang's retraction; their host KV stays as a radix-cached prefix) while those working sets outgrow it; off by default until a serving run measures it.")
     working_set_window: int = knob(12, help="Decode steps over which a request's selected pages form its working set (SparseServe's w).")
     gpu_cache_gb: float | None = knob(None, help="HBM (GiB) for cached KV pages; auto = what SGLang's --mem-fraction-static leaves for KV.")
@@ -125,6 +127,10 @@ class SparseConfig:
             raise SparseConfigError("reselect_interval", f"must be >= 1, got {self.reselect_interval}")
         if self.cache_row_ratio < 1:
             raise SparseConfigError("cache_row_ratio", f"must be >= 1 (a row holds at least one step's selection), got {self.cache_row_ratio}")
+        if self.cache_lru_buckets < 0:
+            raise SparseConfigError("cache_lru_buckets", f"must be >= 0 (0 = exact LRU), got {self.cache_lru_buckets}")
+        if self.cache_lru_steps_per_bucket < 1:
+            raise SparseConfigError("cache_lru_steps_per_bucket", f"must be >= 1, got {self.cache_lru_steps_per_bucket}")
         if self.working_set_window < 1:
             raise SparseConfigError("working_set_window", f"must be >= 1, got {self.working_set_window}")
         if self.gpu_cache_gb is not None and self.gpu_cache_gb <= 0:

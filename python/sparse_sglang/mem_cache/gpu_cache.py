@@ -72,6 +72,9 @@ class GPUPageCache:
     total_pages : int
         Most logical pages all requests hold together (sizes the page table's segment pool).
     device : torch.device or str
+    lru_buckets, lru_steps_per_bucket : int
+        Replacement order (:meth:`recency`): 0 buckets = exact LRU; else SPIN's bucketed LRU over
+        the newest ``lru_buckets`` buckets of ``lru_steps_per_bucket`` decode steps.
 
     Attributes
     ----------
@@ -96,12 +99,16 @@ class GPUPageCache:
         self, num_slots: int, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int,
         dtype: torch.dtype, *, max_requests: int, row_width: int, max_pages: int, total_pages: int,
         device: torch.device | str = "cpu", segment_pages: int = 128, min_row_width: int | None = None,
+        lru_buckets: int = 0, lru_steps_per_bucket: int = 1,
     ):
         check_kv_shape(page_size, head_dim, dtype, num_slots=num_slots, num_layers=num_layers,
                        num_kv_heads=num_kv_heads, max_requests=max_requests, row_width=row_width)  # fmt: skip
         self.num_slots, self.num_layers, self.num_kv_heads = num_slots, num_layers, num_kv_heads
         self.page_size, self.row_width = page_size, row_width
         self.min_row_width = row_width if min_row_width is None else min_row_width
+        if lru_buckets < 0 or lru_steps_per_bucket < 1:
+            raise ValueError(f"bad LRU order: {lru_buckets} buckets of {lru_steps_per_bucket} steps")
+        self.lru_buckets, self.lru_steps_per_bucket = lru_buckets, lru_steps_per_bucket
         if not 1 <= self.min_row_width <= row_width:
             raise ValueError(f"min_row_width must be in [1, row_width={row_width}], got {min_row_width}")
         segment_pages = min(segment_pages, max_pages)
@@ -181,6 +188,17 @@ class GPUPageCache:
             "working_set_window": window, "working_set_pages": self.working_set_pages(window),
         }  # fmt: skip
 
+    def recency(self, used: torch.Tensor) -> torch.Tensor:
+        """What replacement orders slots by, from their last-use steps ``used`` (-1 = empty, which
+        stays lowest): the step itself (exact LRU), or with ``lru_buckets`` > 0 SPIN's bucketed LRU,
+        the step's bucket with every use older than the newest ``lru_buckets`` buckets tied at the
+        oldest. A stable sort of it takes ties by row position, the victims a histogram over
+        the buckets would take (:class:`~sparse_sglang.mem_cache.bucketed_lru.BucketedLRU`)."""
+        if not self.lru_buckets:
+            return used
+        oldest = self.step // self.lru_steps_per_bucket - (self.lru_buckets - 1)
+        return torch.where(used >= 0, torch.maximum(used // self.lru_steps_per_bucket, oldest), -1)
+
     def next_step(self) -> None:
         """Advance the step counter (once per decode step, on the device)."""
         self.step += 1
@@ -254,7 +272,7 @@ class GPUPageCache:
         slots; the pages the others held go back to being on the host only."""
         old = self._width[req_slot]
         row = self.rows[req_slot, :, :, :old]  # [L, H, old]
-        order = self.last_used[row].argsort(dim=-1, descending=True, stable=True)
+        order = self.recency(self.last_used[row]).argsort(dim=-1, descending=True, stable=True)
         keep, drop = row.gather(-1, order[..., :width]), row.gather(-1, order[..., width:])
         self.page_table.invalidate(req_slot, self._layers.view(-1, 1, 1), self._heads.view(1, -1, 1), self.slot_page[drop])
         self.slot_page[drop] = -1
@@ -409,7 +427,8 @@ class GPUPageCache:
 
         row = self.rows[req_slots.long(), layer]  # [B, H, W], -1 past the row's width
         never = torch.iinfo(torch.int64).max  # columns past the width are never victims
-        victims = row.gather(-1, torch.where(row >= 0, self.last_used[self._scratch(row)], never).argsort(dim=-1, stable=True))
+        recency = self.recency(self.last_used[self._scratch(row)])
+        victims = row.gather(-1, torch.where(row >= 0, recency, never).argsort(dim=-1, stable=True))
         rank = (miss.long().cumsum(-1) - 1).clamp(0, self.row_width - 1)
         dst = torch.where(miss, victims.gather(-1, rank), -1)  # [B, H, K]
 

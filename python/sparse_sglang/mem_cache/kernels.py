@@ -163,6 +163,7 @@ if triton is not None:
         indptr_ptr, indices_ptr, miss_src_ptr, miss_dst_ptr, counters_ptr,
         layer, num_layers, num_heads, num_dir, host_pages_stride, num_host_pages,
         K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SEG: tl.constexpr,
+        LRU_BUCKETS: tl.constexpr, LRU_STEPS: tl.constexpr,
     ):  # fmt: skip
         # One program: one (request, kv head) row of the selection.
         bh = tl.program_id(0)
@@ -199,6 +200,9 @@ if triton is not None:
         used = tl.load(last_used_ptr + row, mask=in_row, other=0)
         hit_now = tl.max(((row[:, None] == hit[None, :]) & is_hit[None, :]).to(tl.int32), axis=1) > 0
         used = tl.where(hit_now, step, used)
+        if LRU_BUCKETS > 0:  # bucketed LRU: GPUPageCache.recency
+            oldest = step // LRU_STEPS - (LRU_BUCKETS - 1)
+            used = tl.where(used >= 0, tl.maximum(used // LRU_STEPS, oldest), -1)
         order = tl.sort(tl.where(in_row, (used + 1) * WP + w, (step + 2) * WP + w))
         rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
         victim = tl.gather(order % WP, tl.where(miss, rank, 0), 0)
@@ -317,7 +321,7 @@ def retrieve_pages(
     Notes
     -----
     Same choices as :meth:`GPUPageCache.retrieve` (its reference): hits are stamped used now, the
-    row's other slots sorted by last use (stable) are the victims, the ``i``-th miss of a row (in
+    row's other slots sorted by last use (stable; its bucket with bucketed LRU) are the victims, the ``i``-th miss of a row (in
     ascending page order: the kernel sorts each row of ``page_ids`` first, so the reference gives
     the same choices for rows passed in ascending order) takes the ``i``-th victim. The row's
     FlashInfer indices follow ascending page order too, and ``miss_src``/``miss_dst`` entry ``j``
@@ -331,4 +335,5 @@ def retrieve_pages(
         cache.last_used, cache.step, indptr, indices, miss_src, miss_dst, cache.counters,
         layer, pt.num_layers, heads, pt.directory.shape[-1], host_pages.stride(0), num_host_pages,
         K=width, KP=next_pow2(width), W=cache.row_width, WP=next_pow2(cache.row_width), SEG=pt.segment_pages,
+        LRU_BUCKETS=cache.lru_buckets, LRU_STEPS=cache.lru_steps_per_bucket,
     )  # fmt: skip

@@ -62,10 +62,13 @@ class SparseKVStore:
     fused : bool
         Index new tokens with the fused kernel (default: on CUDA; on CPU it runs in Triton's
         interpreter) instead of the torch reference.
+    lru_buckets, lru_steps_per_bucket : int
+        The GPU page cache's replacement order (:meth:`GPUPageCache.recency`; 0 = exact LRU).
     """
 
     def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False,
-                 with_mean: bool = True, fused: bool | None = None):  # fmt: skip
+                 with_mean: bool = True, fused: bool | None = None, lru_buckets: int = 0,
+                 lru_steps_per_bucket: int = 1):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
@@ -77,6 +80,7 @@ class SparseKVStore:
             s.num_slots, s.num_layers, s.num_kv_heads, s.page_size, s.head_dim, s.dtype,
             max_requests=s.max_requests, row_width=s.row_width, max_pages=s.max_pages,
             total_pages=s.num_host_pages, device=self.device, min_row_width=s.min_row_width,
+            lru_buckets=lru_buckets, lru_steps_per_bucket=lru_steps_per_bucket,
         )  # fmt: skip
         if on_gpu:
             from sparse_sglang.transfer import DirectD2H, FlashD2H, FlashH2D
