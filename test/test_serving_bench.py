@@ -8,7 +8,6 @@ from dataclasses import asdict
 
 import numpy as np
 import orjson
-
 import pytest
 
 from benchmark.serving import (

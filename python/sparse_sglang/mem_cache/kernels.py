@@ -321,11 +321,11 @@ def retrieve_pages(
     Notes
     -----
     Same choices as :meth:`GPUPageCache.retrieve` (its reference): hits are stamped used now, the
-    row's other slots sorted by last use (stable; its bucket with bucketed LRU) are the victims, the ``i``-th miss of a row (in
-    ascending page order: the kernel sorts each row of ``page_ids`` first, so the reference gives
-    the same choices for rows passed in ascending order) takes the ``i``-th victim. The row's
-    FlashInfer indices follow ascending page order too, and ``miss_src``/``miss_dst`` entry ``j``
-    is the row's ``j``-th smallest entry of ``page_ids``.
+    row's other slots sorted by last use (stable; by its bucket with bucketed LRU) are the victims,
+    the ``i``-th miss of a row (in ascending page order: the kernel sorts each row of ``page_ids``
+    first, so the reference gives the same choices for rows passed in ascending order) takes the
+    ``i``-th victim. The row's FlashInfer indices follow ascending page order too, and
+    ``miss_src``/``miss_dst`` entry ``j`` is the row's ``j``-th smallest entry of ``page_ids``.
     """
     batch, heads, width = page_ids.shape
     assert width <= cache.row_width, f"{width} selected pages exceed the cache row ({cache.row_width})"
