@@ -10,6 +10,7 @@ the means of the other values. It is the server's view, not the client's: a clie
 writing its result (the serving benchmark) leaves these.
 
     python benchmark/server_log.py NAME=LOG[@COMMIT] [...] [--baseline NAME] [--device NAME] [--out JSON]
+                                   [--hit-by-batch PNG]   # hit ratio and H2D vs batch size, per log
 """
 
 from __future__ import annotations
@@ -48,20 +49,63 @@ def steady_state(text: str) -> dict:
     return out
 
 
+def hit_ratio_by_batch(text: str, bin_width: int = 8) -> list[dict]:
+    """Page-cache hit ratio and H2D pages per step against the batch size: each "Sparse KV" line
+    (one log interval) paired with the running requests of the "Decode batch" line before it, the
+    intervals binned by running requests (``[lo, lo + bin_width)``), their means per bin."""
+    bins: dict[int, list[tuple[float, float]]] = {}
+    running = None
+    for line in text.splitlines():
+        if m := DECODE.search(line):
+            running = int(m.group(1))
+        elif (m := SPARSE.search(line)) and running is not None:
+            bins.setdefault(running // bin_width * bin_width, []).append((float(m.group(1)), float(m.group(2))))
+            running = None
+    return [{"batch_lo": lo, "batch_hi": lo + bin_width - 1, "intervals": len(v),
+             "cache_hit_ratio": round(sum(h for h, _ in v) / len(v), 4),
+             "h2d_pages_per_step": round(sum(p for _, p in v) / len(v))} for lo, v in sorted(bins.items())]  # fmt: skip
+
+
+def plot_hit_ratio_by_batch(by_run: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (hit_ax, h2d_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in by_run.items():
+        x = [(r["batch_lo"] + r["batch_hi"]) / 2 for r in rows]
+        hit_ax.plot(x, [r["cache_hit_ratio"] for r in rows], marker="o", label=name)
+        h2d_ax.plot(x, [r["h2d_pages_per_step"] for r in rows], marker="o", label=name)
+    hit_ax.set(xlabel="running requests (decode batch)", ylabel="GPU page-cache hit ratio", title="hit ratio vs batch size")
+    h2d_ax.set(xlabel="running requests (decode batch)", ylabel="pages loaded per step (H2D)", title="H2D vs batch size")
+    h2d_ax.set_yscale("log")
+    hit_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("logs", nargs="+", metavar="NAME=LOG[@COMMIT]", help="the commit the server ran")
     parser.add_argument("--device", default=None, help="the GPU the logs come from")
     parser.add_argument("--baseline", help="NAME whose throughput and running requests the others are divided by")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--hit-by-batch", type=Path, metavar="PNG", help="also bin each log's intervals by batch size "
+                        "(hit ratio and H2D pages per step) into the JSON and plot them here")  # fmt: skip
     args = parser.parse_args(argv)
-    runs = {}
+    runs, texts = {}, {}
     for item in args.logs:
         name, _, path = item.partition("=")
         path, _, commit = path.partition("@")
-        runs[name] = {"log": path, "commit": commit or None, **steady_state(Path(path).read_text(errors="replace"))}
+        texts[name] = Path(path).read_text(errors="replace")
+        runs[name] = {"log": path, "commit": commit or None, **steady_state(texts[name])}
     result = {"device": args.device, "date": datetime.date.today().isoformat(), "command": shlex.join(sys.orig_argv),
               "runs": runs}  # fmt: skip
+    if args.hit_by_batch:
+        result["hit_ratio_by_batch"] = {name: hit_ratio_by_batch(text) for name, text in texts.items()}
+        plot_hit_ratio_by_batch(result["hit_ratio_by_batch"], args.hit_by_batch)
     if args.baseline:
         base = runs[args.baseline]
         result["summary"] = {name: {"throughput_ratio": round(r["output_throughput"] / base["output_throughput"], 3),

@@ -387,3 +387,23 @@ def test_server_log_steady_state_is_time_weighted_over_the_second_half():
     # Second half: 40 tokens at 200 tok/s (0.2 s) and 80 at 400 (0.2 s): 300 tok/s, 20 steps in 0.4 s.
     assert (got["output_throughput"], got["running_mean"], got["running_max"], got["step_ms"]) == (300.0, 6.0, 8, 20.0)
     assert (got["cache_hit_ratio"], got["h2d_pages_per_step"]) == (0.5, 6)
+
+
+def test_server_log_hit_ratio_by_batch_pairs_each_interval_with_its_batch(tmp_path):
+    from benchmark.server_log import hit_ratio_by_batch, main
+
+    lines = []
+    for running, hit, pages in [(3, 0.99, 100), (5, 0.97, 300), (9, 0.90, 1000), (12, 0.80, 2000), (7, 0.95, 500)]:
+        lines.append(f"[t] Decode batch, #running-req: {running}, #token: 1, cuda graph: True, gen throughput (token/s): 10.0, #queue-req: 0")
+        lines.append("[t] Prefill batch, #new-seq: 1, #new-token: 8192")  # between the two: ignored
+        lines.append(f"[t] Sparse KV, cache hit: {hit}, H2D pages/step: {pages}.0, H2D GB/s: 1.0, D2H GB/s: 0.1")
+    lines.append("[t] Sparse KV, cache hit: 0.1, H2D pages/step: 9.0, H2D GB/s: 1.0")  # no decode line before it
+    bins = hit_ratio_by_batch("\n".join(lines), bin_width=8)
+    assert [(b["batch_lo"], b["batch_hi"], b["intervals"]) for b in bins] == [(0, 7, 3), (8, 15, 2)]
+    assert bins[0]["cache_hit_ratio"] == pytest.approx((0.99 + 0.97 + 0.95) / 3, abs=1e-4)
+    assert (bins[1]["cache_hit_ratio"], bins[1]["h2d_pages_per_step"]) == (pytest.approx(0.85), 1500)
+    log = tmp_path / "sparse.log"
+    log.write_text("\n".join(lines))
+    result = main([f"run={log}@abc", "--hit-by-batch", str(tmp_path / "hit.png"), "--out", str(tmp_path / "hit.json")])
+    assert result["hit_ratio_by_batch"]["run"] == bins
+    assert (tmp_path / "hit.png").read_bytes()[:4] == b"\x89PNG"
