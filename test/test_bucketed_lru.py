@@ -157,14 +157,6 @@ def _cache_with_lru(num_buckets: int, steps_per_bucket: int, step: int):
     return cache
 
 
-def _victims_by_recency(recency: torch.Tensor, cand: torch.Tensor, n: int, mandatory: torch.Tensor) -> torch.Tensor:
-    """The page cache's choice (GPUPageCache.retrieve): a stable sort by recency, eligible first."""
-    excluded = (cand < 0) | mandatory
-    key = torch.where(excluded, torch.iinfo(torch.int64).max, recency)
-    take = key.argsort(stable=True)[: min(n, int((~excluded).sum()))]
-    return torch.zeros_like(excluded).index_fill_(0, take, True)
-
-
 def test_page_cache_bucketed_recency_takes_the_histograms_victims():
     # The page cache orders its rows by GPUPageCache.recency and takes a stable sort's first
     # victims; before any rebase that is exactly BucketedLRU.evict's histogram choice.
@@ -176,7 +168,9 @@ def test_page_cache_bucketed_recency_takes_the_histograms_victims():
         cand = torch.randperm(48, generator=g)[:32]
         mandatory = torch.rand(32, generator=g) < 0.25
         n = int(torch.randint(0, 32, (), generator=g))
-        mine = _victims_by_recency(cache.recency(last[cand]), cand, n, mandatory)
+        # The page cache's choice: a stable sort of the slots' recency (the exact-LRU reference's
+        # sort, given recency instead of last-use steps).
+        mine = exact_lru_evict_reference(cache.recency(last), cand, n, mandatory)
         assert torch.equal(mine, lru.evict(cand, n, mandatory)), seed
 
 
