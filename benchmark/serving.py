@@ -3,12 +3,13 @@
 For each system (vanilla first) one invocation starts the server once, drives it
 with seeded Poisson traces at several request rates through a small streaming
 client, and writes benchmark/results/serving-<date>.json plus a PNG of
-throughput and mean TTFT versus request rate. One GPU command may run at most
+throughput, mean TTFT and p99 TBT versus request rate. One GPU command may run at most
 10 minutes, so a full run is several invocations joined with --merge-into.
 
     python benchmark/serving.py --dry-run
     python benchmark/serving.py --traces long-prompt --systems vanilla --time-budget 480
     python benchmark/serving.py --combine OUT.json A.json [B.json ...]   # one file from several calls
+        [--ablation NAME=SERVER_LOG_COMPARISON.json ...]                # kept whole under "ablations"
 """
 
 from __future__ import annotations
@@ -339,31 +340,58 @@ def summarize(results: dict) -> dict:
         }
     by_trace = {t: d["throughput_ratio"] for t, d in at_rate.items() if d["throughput_ratio"] is not None}
     overload = overload_ratios(results)
+    by_rate = ratios_by_rate(results)
     return {
         "passthrough_throughput_ratio": min(by_trace.values(), default=None),
         "passthrough_throughput_ratio_by_trace": by_trace,
         "at_highest_common_complete_rate": at_rate,
         "at_highest_common_rate": overload,
-        **headline(overload),
+        "by_rate": by_rate,
+        **headline(overload, by_rate),
     }
 
 
-def headline(overload: dict) -> dict:
+def headline(overload: dict, by_rate: dict | None = None) -> dict:
     """The issue's headline keys, read off :func:`overload_ratios` (a trace not run gives None):
     P1 ``throughput_ratio`` (long-generation) and ``throughput_ratio_long_prompt`` (output tokens
-    in each run's window, sparse / vanilla), P2 ``ttft_ratio`` (long-prompt mean TTFT, vanilla /
-    sparse), P3 ``p99_tbt_ratio`` (sparse / vanilla, long-generation; ``_long_prompt`` beside it)
-    and P6 ``concurrency_ratio`` (most running requests, long-generation)."""
+    in each run's window, sparse / vanilla), P3 ``p99_tbt_ratio`` (sparse / vanilla, long-generation;
+    ``_long_prompt`` beside it) and P6 ``concurrency_ratio`` (most running requests, long-generation),
+    all at the highest rate both systems ran. P2 ``ttft_ratio`` (long-prompt mean TTFT, vanilla /
+    sparse) is asked "at the rate where vanilla queues": the largest over the long-prompt rates both
+    ran (:func:`ratios_by_rate`, which keeps every rate's), with the rate it is at as
+    ``ttft_ratio_rate``; the highest rate's when no ``by_rate`` is given."""
     gen, prompt = overload.get("long-generation", {}), overload.get("long-prompt", {})
-    ttft = prompt.get("mean_ttft_ms_ratio")
+    ttft = {prompt["rate"]: 1 / prompt["mean_ttft_ms_ratio"]} if prompt.get("mean_ttft_ms_ratio") else {}
+    if by_rate and by_rate.get("long-prompt"):
+        ttft = {r: d["ttft_ratio"] for r, d in by_rate["long-prompt"].items() if d["ttft_ratio"] is not None}
+    ttft_rate = max(ttft, key=ttft.get, default=None)
     return {
         "throughput_ratio": gen.get("window_output_throughput_ratio"),
         "throughput_ratio_long_prompt": prompt.get("window_output_throughput_ratio"),
-        "ttft_ratio": 1 / ttft if ttft else None,
+        "ttft_ratio": ttft.get(ttft_rate),
+        "ttft_ratio_rate": ttft_rate,
         "p99_tbt_ratio": gen.get("p99_tbt_ms_ratio"),
         "p99_tbt_ratio_long_prompt": prompt.get("p99_tbt_ms_ratio"),
         "concurrency_ratio": gen.get("max_running_req_ratio"),
     }
+
+
+def ratios_by_rate(results: dict) -> dict:
+    """Per trace and rate both systems ran: ``throughput_ratio`` (window output tokens, sparse /
+    vanilla), ``ttft_ratio`` (mean TTFT, vanilla / sparse), ``tbt_mean_ratio``, ``tbt_p99_ratio``
+    and ``tbt_p999_ratio`` (sparse / vanilla), ``running_ratio`` (most running requests)."""
+    names = {"throughput_ratio": "window_output_throughput", "tbt_mean_ratio": "mean_tbt_ms",
+             "tbt_p99_ratio": "p99_tbt_ms", "tbt_p999_ratio": "p999_tbt_ms", "running_ratio": "max_running_req"}  # fmt: skip
+    out = {}
+    for trace, systems in results.items():
+        vanilla = {r["rate"]: r for r in systems.get("vanilla", [])}
+        sparse = {r["rate"]: r for r in systems.get("sparse", [])}
+        for rate in sorted(vanilla.keys() & sparse.keys()):
+            v, s = vanilla[rate], sparse[rate]
+            row = {name: _ratio(s, v, key) if key in s and key in v else None for name, key in names.items()}
+            ttft = _ratio(v, s, "mean_ttft_ms")
+            out.setdefault(trace, {})[rate] = {"ttft_ratio": ttft, **row}
+    return out
 
 
 def overload_ratios(results: dict) -> dict:
@@ -412,27 +440,38 @@ def merge_documents(old: dict, new: dict) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
+    """Per trace, against the request rate: output throughput (tokens in the run's window where
+    it has one), mean TTFT, and p99 TBT (log scale: it spans milliseconds to seconds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.8 * len(results)), squeeze=False)
-    for (left, right), (trace, systems) in zip(axes, results.items()):
+    def seconds(ms: float | None) -> float:
+        return np.nan if ms is None else ms / 1000
+
+    panels = (
+        ("output throughput", "tokens/s", lambda r: r.get("window_output_throughput") or r["output_throughput"]),
+        ("mean TTFT", "s", lambda r: seconds(r["mean_ttft_ms"])),
+        ("p99 TBT", "ms", lambda r: np.nan if r["p99_tbt_ms"] is None else r["p99_tbt_ms"]),
+    )
+    fig, axes = plt.subplots(len(results), len(panels), figsize=(15, 3.8 * len(results)), squeeze=False)
+    for row, (trace, systems) in zip(axes, results.items()):
         for system, runs in systems.items():
             rates = [r["rate"] for r in runs]
-            ttft_s = [np.nan if r["mean_ttft_ms"] is None else r["mean_ttft_ms"] / 1000 for r in runs]
-            for ax, values in ((left, [r["output_throughput"] for r in runs]), (right, ttft_s)):
+            for ax, (_, _, value) in zip(row, panels):
+                values = [value(r) for r in runs]
                 (line,) = ax.plot(rates, values, marker="o", label=system)
                 partial = [(x, y) for x, y, r in zip(rates, values, runs) if not is_complete(r)]
                 if partial:
                     ax.scatter(*zip(*partial), s=90, facecolors="none", edgecolors=line.get_color(), zorder=3)
-        left.set(title=f"{trace}: output throughput", xlabel="request rate (req/s)", ylabel="tokens/s")
-        right.set(title=f"{trace}: mean TTFT", xlabel="request rate (req/s)", ylabel="s")
-        for ax in (left, right):
-            ax.set_ylim(bottom=0)
+        for ax, (title, unit, _) in zip(row, panels):
+            ax.set(title=f"{trace}: {title}", xlabel="request rate (req/s)", ylabel=unit)
             ax.legend()
-    fig.suptitle("open circle: not every request completed (left out of the summary)", fontsize=9)
+        row[0].set_ylim(bottom=0)
+        row[1].set_ylim(bottom=0)
+        row[2].set_yscale("log")
+    fig.suptitle("open circle: the run was cut at its window with requests still in flight", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -695,15 +734,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)  # fmt: skip
 
 
-def combine(out: Path, inputs: list[Path]) -> dict:
+def combine(out: Path, inputs: list[Path], ablations: dict[str, Path] | None = None) -> dict:
     """One result file from several (each a whole invocation's file, e.g. one per GPU call): their
     runs merged in order, a later file's (trace, system, rate) replacing an earlier one's; the
-    summary recomputed (one input: the same runs, summarized by this version)."""
+    summary recomputed (one input: the same runs, summarized by this version). ``ablations`` (name
+    -> a ``benchmark/server_log.py`` comparison file) go in whole under ``ablations``: a variant of
+    one system at one rate has no (trace, system, rate) slot of its own."""
     documents = [json.loads(Path(f).read_text()) for f in inputs]
     document = documents[0]
     for newer in documents[1:]:
         document = merge_documents(document, newer)
     document["summary"] = {**summarize(document["results"]), "kv_hbm_budget_gb": document.get("kv_hbm_budget_gb")}
+    if ablations:
+        document["ablations"] = {name: json.loads(Path(f).read_text()) for name, f in ablations.items()}
     if len(inputs) > 1:
         document["combined_from"] = [Path(f).name for f in inputs]
     save_result(document, out)
@@ -715,9 +758,18 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["--combine"]:
-        if len(argv) < 3:
-            raise SystemExit("usage: serving.py --combine OUT.json IN.json [IN.json ...]")
-        document = combine(Path(argv[1]), [Path(f) for f in argv[2:]])
+        inputs, ablations, words = [], {}, iter(argv[2:])
+        for word in words:
+            if word == "--ablation":
+                name, _, path = next(words, "").partition("=")
+                if not (name and path):
+                    raise SystemExit("--ablation takes NAME=FILE (a benchmark/server_log.py result)")
+                ablations[name] = Path(path)
+            else:
+                inputs.append(Path(word))
+        if len(argv) < 2 or not inputs:
+            raise SystemExit("usage: serving.py --combine OUT.json IN.json [IN.json ...] [--ablation NAME=FILE ...]")
+        document = combine(Path(argv[1]), inputs, ablations)
         print_table(document["results"])
         print(f"\nsummary: {json.dumps(document['summary'], indent=1)}\nwrote {argv[1]}")
         return

@@ -339,6 +339,38 @@ def test_combine_merges_files_from_several_calls_and_resummarizes(tmp_path):
     with pytest.raises(SystemExit, match="usage"):
         main(["--combine", str(tmp_path / "x.json")])
 
+    # A variant run compared through the server logs goes in whole, under its name.
+    (tmp_path / "abl.json").write_text(json.dumps({"summary": {"lru_bucketed": {"throughput_ratio": 0.96}}}))
+    main(["--combine", str(tmp_path / "abl-both.json"), str(tmp_path / "both.json"),
+          "--ablation", f"lru={tmp_path / 'abl.json'}"])  # fmt: skip
+    with_ablation = json.loads((tmp_path / "abl-both.json").read_text())
+    assert with_ablation["ablations"]["lru"]["summary"]["lru_bucketed"]["throughput_ratio"] == 0.96
+    assert with_ablation["results"] == both["results"]
+    with pytest.raises(SystemExit, match="NAME=FILE"):
+        main(["--combine", str(tmp_path / "x.json"), str(tmp_path / "v.json"), "--ablation", "lru"])
+
+
+def test_ttft_ratio_is_the_largest_over_the_long_prompt_rates_and_every_rate_is_kept():
+    def run(rate, ttft_s, p99_ms, tok_s=100):
+        result = _result(rate, tok_s, complete=False)
+        result.update(mean_ttft_ms=ttft_s * 1000, p99_tbt_ms=p99_ms)
+        return result
+
+    # Below vanilla's capacity both answer fast; above it vanilla queues; far above, both queue.
+    results = {"long-prompt": {
+        "vanilla": [run(0.3, 5.0, 14.0), run(0.4, 20.0, 20.0), run(0.8, 80.0, 19.0)],
+        "sparse": [run(0.3, 2.5, 23.0), run(0.4, 4.0, 26.0), run(0.8, 50.0, 3000.0, tok_s=200)],
+    }}  # fmt: skip
+    summary = summarize(results)
+    assert summary["ttft_ratio"] == pytest.approx(5.0) and summary["ttft_ratio_rate"] == 0.4
+    by_rate = summary["by_rate"]["long-prompt"]
+    assert sorted(by_rate) == [0.3, 0.4, 0.8]
+    assert by_rate[0.3]["ttft_ratio"] == pytest.approx(2.0) and by_rate[0.8]["ttft_ratio"] == pytest.approx(1.6)
+    assert by_rate[0.4]["tbt_p99_ratio"] == pytest.approx(1.3)
+    # The other headline keys stay at the highest rate both ran.
+    assert summary["throughput_ratio_long_prompt"] == pytest.approx(2.0)
+    assert summary["p99_tbt_ratio_long_prompt"] == pytest.approx(3000 / 19)
+
 
 def test_summary_without_a_common_complete_rate():
     summary = summarize({"long-prompt": {"vanilla": [_result(0.2, 100)]}})
@@ -407,3 +439,26 @@ def test_server_log_hit_ratio_by_batch_pairs_each_interval_with_its_batch(tmp_pa
     result = main([f"run={log}@abc", "--hit-by-batch", str(tmp_path / "hit.png"), "--out", str(tmp_path / "hit.json")])
     assert result["hit_ratio_by_batch"]["run"] == bins
     assert (tmp_path / "hit.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_server_log_first_seconds_counts_the_same_wall_clock_span_from_the_first_decode_line(tmp_path):
+    from benchmark.server_log import first_seconds, main
+
+    def decode(stamp, running):
+        return f"[2026-11-24 10:{stamp}] Decode batch, #running-req: {running}, #token: 1, cuda graph: True, gen throughput (token/s): 1.0, #queue-req: 0"
+
+    def kv(stamp, hit, pages):
+        return f"[2026-11-24 10:{stamp}] Sparse KV, cache hit: {hit}, H2D pages/step: {pages}, H2D GB/s: 1.0, D2H GB/s: 0.1"
+
+    lines = ["server_args=ServerArgs(decode_log_interval=10, ...)", "[2026-11-24 10:00:00] Prefill batch, #new-seq: 1",
+             decode("00:05", 2), kv("00:05", 0.9, 100), decode("00:10", 4), kv("00:10", 0.7, 300),
+             decode("00:15", 8), kv("00:15", 0.1, 900)]  # fmt: skip
+    # 10 s from the first decode line (10:00:05) take the lines at :05 and :10 (and not :15).
+    got = first_seconds("\n".join(lines), 10)
+    assert got == {"seconds": 10, "output_throughput": (20 + 40) / 10, "cache_hit_ratio": 0.8, "h2d_pages_per_step": 200}
+    (tmp_path / "a.log").write_text("\n".join(lines))
+    (tmp_path / "b.log").write_text("\n".join(lines).replace("#running-req: 4", "#running-req: 10"))
+    result = main([f"a={tmp_path / 'a.log'}", f"b={tmp_path / 'b.log'}", "--baseline", "a", "--first-seconds", "10"])
+    assert result["summary"]["b"]["first_seconds_throughput_ratio"] == pytest.approx(120 / 60, abs=1e-3)
+    with pytest.raises(ValueError, match="no 'Decode batch'"):
+        first_seconds(lines[1], 10)
