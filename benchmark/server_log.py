@@ -11,6 +11,7 @@ writing its result (the serving benchmark) leaves these.
 
     python benchmark/server_log.py NAME=LOG[@COMMIT] [...] [--baseline NAME] [--device NAME] [--out JSON]
                                    [--hit-by-batch PNG]   # hit ratio and H2D vs batch size, per log
+                                   [--first-seconds S]    # also: tokens decoded in each log's first S s
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 DECODE = re.compile(r"Decode batch, #running-req: (\d+),.*gen throughput \(token/s\): ([\d.]+)")
 SPARSE = re.compile(r"Sparse KV, cache hit: ([\d.]+), H2D pages/step: ([\d.]+), H2D GB/s: ([\d.]+)")
 INTERVAL = re.compile(r"decode_log_interval=(\d+)")
+STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\]")
 
 
 def steady_state(text: str) -> dict:
@@ -46,6 +48,37 @@ def steady_state(text: str) -> dict:
         out.update({"cache_hit_ratio": round(sum(x[0] for x in tail) / len(tail), 3),
                     "h2d_pages_per_step": round(sum(x[1] for x in tail) / len(tail)),
                     "h2d_gb_per_s": round(sum(x[2] for x in tail) / len(tail), 2)})  # fmt: skip
+    return out
+
+
+def first_seconds(text: str, seconds: float) -> dict:
+    """Decoded tokens per second over the ``seconds`` after a log's first "Decode batch" line (by
+    the lines' timestamps; each line counts interval x running tokens), with the mean hit ratio and
+    H2D pages per step of the "Sparse KV" lines in that span: the same wall-clock span for every
+    log, where :func:`steady_state`'s second half spans however long each log's half took."""
+    interval = int(m.group(1)) if (m := INTERVAL.search(text)) else 40
+    start, tokens, sparse = None, 0, []
+    for line in text.splitlines():
+        if not (stamp := STAMP.match(line)):
+            continue
+        when = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")
+        decode = DECODE.search(line)
+        if start is None and decode:
+            start = when
+        if start is None:
+            continue
+        if (when - start).total_seconds() >= seconds:  # [start, start + seconds)
+            break
+        if decode:
+            tokens += interval * int(decode.group(1))
+        elif kv := SPARSE.search(line):
+            sparse.append((float(kv.group(1)), float(kv.group(2))))
+    if start is None:
+        raise ValueError("no 'Decode batch' lines")
+    out = {"seconds": seconds, "output_throughput": round(tokens / seconds, 1)}
+    if sparse:
+        out.update({"cache_hit_ratio": round(sum(h for h, _ in sparse) / len(sparse), 3),
+                    "h2d_pages_per_step": round(sum(p for _, p in sparse) / len(sparse))})  # fmt: skip
     return out
 
 
@@ -94,6 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--hit-by-batch", type=Path, metavar="PNG", help="also bin each log's intervals by batch size "
                         "(hit ratio and H2D pages per step) into the JSON and plot them here")  # fmt: skip
+    parser.add_argument("--first-seconds", type=float, metavar="S", help="also each log's decode throughput over "
+                        "the S seconds after its first decode line (the same span for every log)")  # fmt: skip
     args = parser.parse_args(argv)
     runs, texts = {}, {}
     for item in args.logs:
@@ -101,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
         path, _, commit = path.partition("@")
         texts[name] = Path(path).read_text(errors="replace")
         runs[name] = {"log": path, "commit": commit or None, **steady_state(texts[name])}
+        if args.first_seconds:
+            runs[name]["first_seconds"] = first_seconds(texts[name], args.first_seconds)
     result = {"device": args.device, "date": datetime.date.today().isoformat(), "command": shlex.join(sys.orig_argv),
               "runs": runs}  # fmt: skip
     if args.hit_by_batch:
@@ -111,6 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
         result["summary"] = {name: {"throughput_ratio": round(r["output_throughput"] / base["output_throughput"], 3),
                                     "running_ratio": round(r["running_mean"] / base["running_mean"], 2)}
                              for name, r in runs.items() if name != args.baseline}  # fmt: skip
+        if args.first_seconds:
+            for name, ratios in result["summary"].items():
+                ratios["first_seconds_throughput_ratio"] = round(
+                    runs[name]["first_seconds"]["output_throughput"] / base["first_seconds"]["output_throughput"], 3)
     print(json.dumps({k: result[k] for k in ("runs", "summary") if k in result}, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
