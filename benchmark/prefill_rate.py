@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> dict:
     for system in args.systems.split(","):
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         log = Path(args.log_dir) / f"{system}-{stamp}.log"
-        flags = server_args(system, args) + (shlex.split(args.sparse_server_args) if system == "sparse" else [])
+        # The sparse server's own args join the extra ones before the KV budget is sized: FP8 KV
+        # there means a larger page cache in the same GPU memory, as in the serving benchmark.
+        extra = f"{args.extra_server_args} {args.sparse_server_args}" if system == "sparse" else args.extra_server_args
+        flags = server_args(system, argparse.Namespace(**{**vars(args), "extra_server_args": extra}))
         with ServerProcess(SYSTEMS[system], model, flags, log_path=log, start_timeout=600) as server:
             warm_up(server.url)
             flush_cache(server.url)
