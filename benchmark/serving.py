@@ -321,17 +321,23 @@ def _ratio(sparse: dict, vanilla: dict, key: str) -> float | None:
     return sparse[key] / vanilla[key] if sparse[key] is not None and vanilla[key] else None
 
 
+def paired_runs(systems: dict, complete_only: bool = False) -> dict[float, tuple[dict, dict]]:
+    """rate -> (vanilla run, sparse run) for each rate both systems ran (fully, with ``complete_only``)."""
+    def by_rate(system: str) -> dict:
+        return {r["rate"]: r for r in systems.get(system, []) if not complete_only or is_complete(r)}
+
+    vanilla, sparse = by_rate("vanilla"), by_rate("sparse")
+    return {rate: (vanilla[rate], sparse[rate]) for rate in sorted(vanilla.keys() & sparse.keys())}
+
+
 def summarize(results: dict) -> dict:
     """sparse / vanilla at each trace's highest rate that both systems completed fully."""
     at_rate = {}
     for trace, systems in results.items():
-        vanilla = {r["rate"]: r for r in systems.get("vanilla", []) if is_complete(r)}
-        sparse = {r["rate"]: r for r in systems.get("sparse", []) if is_complete(r)}
-        common = vanilla.keys() & sparse.keys()
-        if not common:
+        if not (pairs := paired_runs(systems, complete_only=True)):
             continue
-        rate = max(common)
-        v, s = vanilla[rate], sparse[rate]
+        rate = max(pairs)
+        v, s = pairs[rate]
         at_rate[trace] = {
             "rate": rate,
             "throughput_ratio": _ratio(s, v, "output_throughput"),
@@ -351,19 +357,17 @@ def summarize(results: dict) -> dict:
     }
 
 
-def headline(overload: dict, by_rate: dict | None = None) -> dict:
-    """The issue's headline keys, read off :func:`overload_ratios` (a trace not run gives None):
-    P1 ``throughput_ratio`` (long-generation) and ``throughput_ratio_long_prompt`` (output tokens
-    in each run's window, sparse / vanilla), P3 ``p99_tbt_ratio`` (sparse / vanilla, long-generation;
-    ``_long_prompt`` beside it) and P6 ``concurrency_ratio`` (most running requests, long-generation),
-    all at the highest rate both systems ran. P2 ``ttft_ratio`` (long-prompt mean TTFT, vanilla /
-    sparse) is asked "at the rate where vanilla queues": the largest over the long-prompt rates both
-    ran (:func:`ratios_by_rate`, which keeps every rate's), with the rate it is at as
-    ``ttft_ratio_rate``; the highest rate's when no ``by_rate`` is given."""
+def headline(overload: dict, by_rate: dict) -> dict:
+    """The issue's headline keys (a trace not run gives None): P1 ``throughput_ratio``
+    (long-generation) and ``throughput_ratio_long_prompt`` (output tokens in each run's window,
+    sparse / vanilla), P3 ``p99_tbt_ratio`` (sparse / vanilla, long-generation; ``_long_prompt``
+    beside it) and P6 ``concurrency_ratio`` (most running requests, long-generation), all at the
+    highest rate both systems ran (:func:`overload_ratios`). P2 ``ttft_ratio`` (long-prompt mean
+    TTFT, vanilla / sparse) is asked "at the rate where vanilla queues": the largest over the
+    long-prompt rates both ran (:func:`ratios_by_rate`, which keeps every rate's), with the rate
+    it is at as ``ttft_ratio_rate``."""
     gen, prompt = overload.get("long-generation", {}), overload.get("long-prompt", {})
-    ttft = {prompt["rate"]: 1 / prompt["mean_ttft_ms_ratio"]} if prompt.get("mean_ttft_ms_ratio") else {}
-    if by_rate and by_rate.get("long-prompt"):
-        ttft = {r: d["ttft_ratio"] for r, d in by_rate["long-prompt"].items() if d["ttft_ratio"] is not None}
+    ttft = {r: d["ttft_ratio"] for r, d in by_rate.get("long-prompt", {}).items() if d["ttft_ratio"] is not None}
     ttft_rate = max(ttft, key=ttft.get, default=None)
     return {
         "throughput_ratio": gen.get("window_output_throughput_ratio"),
@@ -384,30 +388,23 @@ def ratios_by_rate(results: dict) -> dict:
              "tbt_p99_ratio": "p99_tbt_ms", "tbt_p999_ratio": "p999_tbt_ms", "running_ratio": "max_running_req"}  # fmt: skip
     out = {}
     for trace, systems in results.items():
-        vanilla = {r["rate"]: r for r in systems.get("vanilla", [])}
-        sparse = {r["rate"]: r for r in systems.get("sparse", [])}
-        for rate in sorted(vanilla.keys() & sparse.keys()):
-            v, s = vanilla[rate], sparse[rate]
+        for rate, (v, s) in paired_runs(systems).items():
             row = {name: _ratio(s, v, key) if key in s and key in v else None for name, key in names.items()}
-            ttft = _ratio(v, s, "mean_ttft_ms")
-            out.setdefault(trace, {})[rate] = {"ttft_ratio": ttft, **row}
+            out.setdefault(trace, {})[rate] = {"ttft_ratio": _ratio(v, s, "mean_ttft_ms"), **row}
     return out
 
 
 def overload_ratios(results: dict) -> dict:
     """sparse / vanilla at each trace's highest rate both systems ran, complete or cut off: under
     overload a run ends at the cutoff, and what counts is what each system delivered in it."""
+    keys = ("window_output_throughput", "late_output_throughput", "max_running_req", "mean_ttft_ms",
+            "mean_tbt_ms", "p99_tbt_ms", "p999_tbt_ms")  # fmt: skip
     out = {}
     for trace, systems in results.items():
-        vanilla = {r["rate"]: r for r in systems.get("vanilla", [])}
-        sparse = {r["rate"]: r for r in systems.get("sparse", [])}
-        common = vanilla.keys() & sparse.keys()
-        if not common:
+        if not (pairs := paired_runs(systems)):
             continue
-        rate = max(common)
-        v, s = vanilla[rate], sparse[rate]
-        keys = ("window_output_throughput", "late_output_throughput", "max_running_req", "mean_ttft_ms",
-                "mean_tbt_ms", "p99_tbt_ms", "p999_tbt_ms")  # fmt: skip
+        rate = max(pairs)
+        v, s = pairs[rate]
         out[trace] = {"rate": rate, **{f"{k}_ratio": _ratio(s, v, k) for k in keys if k in s and k in v}}
     return out
 
