@@ -3,7 +3,9 @@
 A batch of four requests (one without a prefix, between two with one) extends its cached prefixes;
 per layer, FlashInfer's ragged kernel attends the new tokens causally and
 :class:`~sparse_sglang.attention.prefix.PrefixAttention` merges in the prefixes, staged through a
-buffer of one piece (all prefixes at once), two planned pieces, or ten pieces re-planned per run.
+buffer of one piece (all prefixes at once), two planned pieces, or ten pieces re-planned per run;
+past the first layer every piece was loaded ahead, on the load stream, while the one before was
+attended.
 Each must equal float32 attention over prefix + new keys; an fp8 store's prefix is attended as its
 stored values times the KV scales.
 
@@ -16,11 +18,12 @@ import pytest
 import torch
 
 from sparse_sglang.attention.prefix import PLANNED_PIECES, PrefixAttention
+from sparse_sglang.mem_cache.plan import staging_buffer_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import Llama8BShape, make_store
 
 pytestmark = pytest.mark.gpu
-SHAPE = Llama8BShape(num_layers=2)
+SHAPE = Llama8BShape(num_layers=3)
 PREFIX, NEW = [300, 0, 517, 64], [5, 3, 7, 2]  # 10 + 0 + 17 + 2 pages of 32 tokens
 
 
@@ -41,12 +44,13 @@ def reference(q, new_k, new_v, host_k, host_v, token_rows, scale):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("staging_tokens", [4096, 512, 96], ids=["one-piece", "two-pieces", "ten-pieces-replanned"])
+# Staging tokens are split between two buffers: pieces of 64, 16 and 3 pages.
+@pytest.mark.parametrize("staging_tokens", [4096, 1024, 192], ids=["one-piece", "two-pieces", "ten-pieces-replanned"])
 def test_prefix_attention_in_pieces_equals_attention_over_the_whole_prefix(staging_tokens):
     check_prefix_attention(staging_tokens, torch.bfloat16)
 
 
-@pytest.mark.parametrize("staging_tokens", [4096, 96], ids=["one-piece", "ten-pieces-replanned"])
+@pytest.mark.parametrize("staging_tokens", [4096, 192], ids=["one-piece", "ten-pieces-replanned"])
 def test_fp8_prefixes_are_attended_with_their_kv_scales(staging_tokens):
     """fp8 KV stores value / scale: the staged prefix is attended as stored x (k_scale, v_scale)."""
     check_prefix_attention(staging_tokens, torch.float8_e4m3fn, k_scale=0.5, v_scale=0.25)
@@ -75,7 +79,7 @@ def check_prefix_attention(staging_tokens, dtype, k_scale=None, v_scale=None):
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     prefix = PrefixAttention(store, SHAPE.num_q_heads, workspace, staging_tokens)
     prefix.plan(req_to_token, req_slots, PREFIX, NEW)
-    assert len(prefix.pieces) == -(-29 // (staging_tokens // page))
+    assert len(prefix.pieces) == -(-29 // staging_buffer_pages(staging_tokens, page))
     assert prefix.replans == (len(prefix.pieces) > PLANNED_PIECES)
 
     ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from sparse_sglang.attention.prefix import prefix_pieces
+from sparse_sglang.attention.prefix import STAGING_BUFFERS, next_staged_piece, prefix_pieces
 
 
 def tokens_per_request(pieces, num_requests: int, page: int) -> list[int]:
@@ -60,3 +60,34 @@ def test_one_long_prefix_is_cut_into_buffer_sized_pieces():
 def test_a_buffer_without_room_is_an_error():
     with pytest.raises(ValueError, match="capacity_pages"):
         prefix_pieces([64], [1], 32, 0)
+
+
+@pytest.mark.parametrize("num_pieces", [1, 2, 3, 4, 7])
+def test_staging_prefetches_every_piece_after_the_first_ones_and_never_overwrites_one_unread(num_pieces):
+    """PrefixAttention.run's protocol over 5 layers: a layer's first pieces, unless staged
+    beforehand, load on demand; after attending (layer, i), next_staged_piece's answer is loaded
+    into the buffer just freed. Only the first layer's load on demand, each (layer, piece) loads
+    once, each piece is in its buffer when attended, and no load lands in a buffer whose piece
+    has not been attended yet."""
+    layers, buffers = 5, STAGING_BUFFERS
+    staged = [None] * buffers  # (layer, piece) each buffer holds, None once attended
+    loads, on_demand = [], []
+
+    def stage(layer, piece):
+        assert staged[piece % buffers] is None, f"{(layer, piece)} would overwrite unread {staged[piece % buffers]}"
+        staged[piece % buffers] = (layer, piece)
+        loads.append((layer, piece))
+
+    for layer in range(layers):
+        for i in range(min(buffers, num_pieces)):
+            if staged[i] != (layer, i):
+                on_demand.append((layer, i))
+                stage(layer, i)
+        for i in range(num_pieces):
+            assert staged[i % buffers] == (layer, i)
+            staged[i % buffers] = None  # attended
+            nxt = next_staged_piece(layer, i, num_pieces)
+            if nxt[0] < layers:
+                stage(*nxt)
+    assert on_demand == [(0, i) for i in range(min(buffers, num_pieces))]
+    assert sorted(loads) == [(layer, i) for layer in range(layers) for i in range(num_pieces)]

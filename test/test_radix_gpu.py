@@ -29,11 +29,12 @@ from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cac
 pytestmark = pytest.mark.gpu
 
 PREFIX_TOKENS, QUESTION_TOKENS, QUESTIONS, NEW_TOKENS = 6000, 500, 3, 32
-# A 1,024-token staging buffer: the cold runs' second chunks attend their 4,096-token prefix in 4
-# pieces, the hits their 5,984-token prefix in 6 (more than the planned wrappers: re-planned per layer).
+# 1,536 staging tokens (two buffers of 768): the cold runs' second chunks attend their 4,096-token
+# prefix in 6 pieces, the hits their 5,984-token prefix in 8 (more than the planned wrappers:
+# re-planned per layer).
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.7",
         "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs", "8", "--chunked-prefill-size", "4096",
-        "--sparse-prefix-staging-tokens", "1024"]  # fmt: skip
+        "--sparse-prefix-staging-tokens", "1536"]  # fmt: skip
 
 
 def test_prefix_hit_decodes_like_a_cold_request(tmp_path):

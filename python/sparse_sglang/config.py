@@ -97,7 +97,7 @@ class SparseConfig:
     host_cache_gb: float = knob(default_factory=default_host_cache_gb, help=f"Pinned host RAM (GiB) holding all KV; defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.")
     segmented_prefill: bool = knob(False, help="Layer-segmented prefill (SparseServe): while requests decode, a prefill batch runs a few layers per scheduler iteration, each iteration also running one decode step, so decodes never wait for a whole long prompt.")
     max_inject_tokens: int | None = knob(None, help=f"Layer-segmented prefill: prompt tokens x layers run per iteration; auto = {PREFILL_CHUNK_TOKENS_EQUIVALENT} x the model's layers (what one {PREFILL_CHUNK_TOKENS_EQUIVALENT}-token chunk of chunked prefill costs).")
-    prefix_staging_tokens: int = knob(16384, help="Cached-prefix tokens a prefill stages from the host into GPU memory at once, per layer (a fixed buffer): a longer prefix, or a batch of them, is attended in pieces of this size whose results are merged, so a prefill's KV in HBM stays bounded however long its prompt.")
+    prefix_staging_tokens: int = knob(16384, help="Cached-prefix tokens a prefill stages from the host into GPU memory at once, per layer (fixed buffers): a longer prefix, or a batch of them, is attended in pieces of half this size whose results are merged, so a prefill's KV in HBM stays bounded however long its prompt; the two halves take turns, one loading while the other is attended.")
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -145,9 +145,9 @@ class SparseConfig:
             )
         if self.max_inject_tokens is not None and self.max_inject_tokens <= 0:
             raise SparseConfigError("max_inject_tokens", f"must be positive, got {self.max_inject_tokens}")
-        if self.prefix_staging_tokens < self.page_size:
+        if self.prefix_staging_tokens < 2 * self.page_size:  # two buffers of a page at least
             raise SparseConfigError("prefix_staging_tokens",
-                                    f"must hold at least one page ({self.page_size} tokens), got {self.prefix_staging_tokens}")  # fmt: skip
+                                    f"must hold at least two pages ({2 * self.page_size} tokens), got {self.prefix_staging_tokens}")  # fmt: skip
 
     def _check_types(self) -> None:
         # Frozen dataclasses do not check annotations; a config built from code

@@ -73,6 +73,16 @@ def widest_row_width(row_width: int, selection_pages: int, max_pages: int) -> in
     return max(row_width, width)
 
 
+# Prefix staging buffers, used in turn: one loads from the host while the other is attended
+# (attention/prefix.py). --sparse-prefix-staging-tokens is their sum.
+STAGING_BUFFERS = 2
+
+
+def staging_buffer_pages(staging_tokens: int, page_size: int) -> int:
+    """Pages of each staging buffer, for ``staging_tokens`` in all (at least one page each)."""
+    return max(1, staging_tokens // page_size // STAGING_BUFFERS)
+
+
 def prefix_staging_pages(config: SparseConfig, context_len: int) -> int:
     """Pages of the buffer a prefill stages cached-prefix KV into, per kv head: the configured
     tokens, no more than one context holds."""
@@ -126,7 +136,7 @@ def plan_memory(
     selection = min(config.budget_pages, max_pages)
     min_row_width = row_width_for(selection, max_pages, config.cache_row_ratio)
 
-    staging_tokens = prefix_staging_pages(config, context_len) * page
+    staging_tokens = STAGING_BUFFERS * staging_buffer_pages(prefix_staging_pages(config, context_len) * page, page) * page
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
                                                                 staging_tokens, with_radius, with_mean)  # fmt: skip
     if config.gpu_cache_gb is not None:
