@@ -43,8 +43,9 @@ from sparse_sglang.testing.server import ServerProcess, flush_cache, generate_id
 FAMILIES = (
     ("flash_h2d", ("flash_h2d",)),
     ("kv_save", ("direct_d2h", "store_kv", "set_kv", "_index", "Memcpy DtoH", "Memcpy DtoD")),
-    ("prefix_attention", ("BatchPrefillWithPagedKVCache",)),
-    ("ragged_attention", ("BatchPrefillWithRaggedKVCache",)),
+    # FA2 kernels name the KV layout in the kernel, FA3 (Hopper) ones in its parameters
+    ("prefix_attention", ("BatchPrefillWithPagedKVCache", "PagedParams")),
+    ("ragged_attention", ("BatchPrefillWithRaggedKVCache", "RaggedParams")),
     ("merge_state", ("MergeState", "merge_state")),
     ("gemm", ("gemm", "Gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("norm_rope_act", ("rms", "Rms", "norm", "rope", "Rotary", "silu", "act_and_mul")),

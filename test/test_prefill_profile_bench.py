@@ -29,4 +29,6 @@ def test_profile_sums_families_and_spans_the_gpu_operations():
     assert p["gemm_ms"] == 4.0 and p["flash_h2d_ms"] == 2.0 and p["ragged_attention_ms"] == 1.0
     assert p["kv_save_ms"] == 0.5 and p["other_ms"] == 1.0
     assert family("BatchPrefillWithPagedKVCacheKernel<...>") == "prefix_attention"
+    fa3 = "void cutlass::device_kernel<flashinfer::FlashAttnFwdSm90<flashinfer::CollectiveMainloop<{}::AdditionalParams"
+    assert family(fa3.format("PagedParams")) == "prefix_attention" and family(fa3.format("RaggedParams")) == "ragged_attention"
     assert prefill_profile([op("cudaLaunchKernel", 0, 10, cat="cuda_runtime")]) == {"gpu_ops": 0}

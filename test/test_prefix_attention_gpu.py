@@ -81,6 +81,9 @@ def check_prefix_attention(staging_tokens, dtype, k_scale=None, v_scale=None):
     prefix.plan(req_to_token, req_slots, PREFIX, NEW)
     assert len(prefix.pieces) == -(-29 // staging_buffer_pages(staging_tokens, page))
     assert prefix.replans == (len(prefix.pieces) > PLANNED_PIECES)
+    if torch.cuda.get_device_capability() == (9, 0) and not prefix.replans:
+        # bf16 queries and KV (an fp8 prefix is staged as bf16): FlashInfer picks its Hopper kernels
+        assert {w._backend for w in prefix.wrappers[: len(prefix.pieces)]} == {"fa3"}
 
     ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
     indptr = torch.tensor([0, *torch.tensor(NEW).cumsum(0).tolist()], dtype=torch.int32)

@@ -12,7 +12,13 @@ The staging memory is two buffers of half that size, and the loads run on a side
 ``i`` stages into buffer ``i % 2`` as soon as the attention that last read that buffer is done
 (:func:`next_staged_piece`), so the next piece, or the next layer's first pieces, load while
 this one is attended and while the layer's projections and MLP run, instead of in series with
-them (the serial load cost 8-14% of sparse prefill's rate on the H100, more the longer the prefix).
+them.
+
+An fp8 store's prefix is converted to bf16 as it is staged (on the load stream, one pass over the
+piece in HBM; the KV scales still go to the kernel, which folds them into the softmax scale and the
+output): FlashInfer's Hopper (FA3) kernels take fp8 KV only with fp8 queries, so an fp8 prefix
+ran on the FA2 kernel, 1.2x slower than FA2 over bf16 and 1.9x slower than FA3 (H100 profile of a
+32K-token prefill, ``prefill-profile-2026-11-24.json``).
 """
 
 from __future__ import annotations
@@ -111,7 +117,11 @@ class PrefixAttention:
         self.k = torch.empty(pages * s.num_kv_heads, s.page_size, s.head_dim, dtype=s.dtype, device=store.device)
         self.v = torch.empty_like(self.k)
         self.load = FlashH2D(store.host.k, store.host.v, self.k, self.v)
-        self.kv = tuple(t.view(pages, s.num_kv_heads, s.page_size, s.head_dim) for t in (self.k, self.v))
+        # What the kernel reads: the staged pages themselves, or their bf16 copy (fp8 stores).
+        self.attend_dtype = torch.bfloat16 if s.dtype.itemsize == 1 else s.dtype
+        self.k_attend = self.k if self.attend_dtype == s.dtype else torch.empty_like(self.k, dtype=self.attend_dtype)
+        self.v_attend = self.v if self.attend_dtype == s.dtype else torch.empty_like(self.v, dtype=self.attend_dtype)
+        self.kv = tuple(t.view(pages, s.num_kv_heads, s.page_size, s.head_dim) for t in (self.k_attend, self.v_attend))
         self.wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND") for _ in range(PLANNED_PIECES)]
         # Re-planning a wrapper rewrites the pinned buffer its last plan's copy reads: wait for its last run first.
         self.last_run = [torch.cuda.Event() for _ in self.wrappers]
@@ -123,6 +133,12 @@ class PrefixAttention:
         self.staged: list[tuple[int, int] | None] = [None] * STAGING_BUFFERS
         self.pieces: list[PrefixPiece] = []
         self.active = False
+
+    @property
+    def staging_bytes(self) -> int:
+        """GPU bytes of the staging buffers (with their bf16 copies for an fp8 store)."""
+        staged = 2 * self.k.numel() * self.k.element_size()
+        return staged if self.k_attend is self.k else staged + 2 * self.k_attend.numel() * self.k_attend.element_size()
 
     @property
     def replans(self) -> bool:
@@ -160,11 +176,10 @@ class PrefixAttention:
         s = self.store.shape
         num_pages = piece.kv_indptr[-1]
         first = buffer * self.capacity
-        q_dtype = s.dtype if s.dtype.itemsize > 1 else torch.bfloat16
         wrapper.plan(torch.tensor(piece.qo_indptr, dtype=torch.int32), torch.tensor(piece.kv_indptr, dtype=torch.int32),
                      self.page_index[first : first + num_pages], torch.tensor(piece.last_page_len, dtype=torch.int32), self.num_q_heads,
-                     s.num_kv_heads, s.head_dim, s.page_size, causal=False, q_data_type=q_dtype,
-                     kv_data_type=s.dtype)  # fmt: skip
+                     s.num_kv_heads, s.head_dim, s.page_size, causal=False, q_data_type=self.attend_dtype,
+                     kv_data_type=self.attend_dtype)  # fmt: skip
 
     def run(self, layer: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sm_scale: float,
             logits_soft_cap: float | None = None, k_scale: float | None = None, v_scale: float | None = None) -> None:  # fmt: skip
@@ -207,6 +222,9 @@ class PrefixAttention:
         with torch.cuda.stream(self.load_stream):
             src = self.src_base[piece.pages.start * heads : piece.pages.stop * heads] + layer * heads * s.num_host_pages
             self.load(src, self.slots[first : first + units])
+            if self.k_attend is not self.k:
+                self.k_attend[first : first + units].copy_(self.k[first : first + units])
+                self.v_attend[first : first + units].copy_(self.v[first : first + units])
             self.loaded[b].record()
         self.staged[b] = (layer, i)
 

@@ -46,11 +46,11 @@ def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
 
 
 def staging_bytes(backend) -> int | None:
-    """GPU bytes of the buffer a prefill stages its cached prefix into, a piece of one layer at a
-    time (allocated at start-up, ``--sparse-prefix-staging-tokens``): the KV a prefill holds in
-    HBM besides its own."""
+    """GPU bytes of the buffers a prefill stages its cached prefix into, a piece of one layer at a
+    time (allocated at start-up, ``--sparse-prefix-staging-tokens``; with their bf16 copies for
+    fp8 KV): the KV a prefill holds in HBM besides its own."""
     prefix = getattr(backend, "prefix", None)
-    return None if prefix is None else 2 * prefix.k.numel() * prefix.k.element_size()
+    return None if prefix is None else prefix.staging_bytes
 
 
 def hbm_state(reset_peak: bool) -> dict:

@@ -97,7 +97,8 @@ def fixed_gpu_bytes(
     store of ``host_pages`` pages (summaries of every host page stay resident)."""
     per_channel = 2 * bound_dtype(dtype).itemsize + (4 if with_mean else 0) + (4 if with_radius else 0)
     summary = num_layers * num_kv_heads * (host_pages + 1) * head_dim * per_channel + num_layers * (host_pages + 1) * 4
-    staging = 2 * staging_tokens * num_kv_heads * head_dim * dtype.itemsize
+    # + the bf16 copy an fp8 prefix is attended from (attention/prefix.py)
+    staging = 2 * staging_tokens * num_kv_heads * head_dim * (dtype.itemsize + (2 if dtype.itemsize == 1 else 0))
     table = num_layers * num_kv_heads * (host_pages + 64) * 4 * 2  # segments + directory, roughly
     return summary, staging, table
 
