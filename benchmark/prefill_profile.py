@@ -1,5 +1,5 @@
-"""Where a prefill's GPU time goes, vanilla SGLang vs the sparse server (issue 5: why sparse
-prefill runs at 0.87-0.89x vanilla's rate in ``prefill_rate.py``).
+"""Where a prefill's GPU time goes, vanilla SGLang vs the sparse server (issue 5: it found why
+sparse prefill ran at 0.87-0.89x vanilla's rate in ``prefill_rate.py``, fp8 prefixes on FA2).
 
 Each system starts with the serving benchmark's flags (dummy 8B weights, 20 GiB of GPU memory for
 KV, chunks of 8,192 tokens; ``--sparse-server-args`` for the sparse server alone, e.g. FP8 KV),
