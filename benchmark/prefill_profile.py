@@ -11,7 +11,7 @@ the GPU time by kernel family (summed per stream, so families on a side stream c
 more than the busy time).
 
     python benchmark/prefill_profile.py --sparse-server-args "--kv-cache-dtype fp8_e4m3 \\
-        --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json"   # about 6 minutes, H100
+        --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json"   # about 7 minutes, H100
 
 Writes ``benchmark/results/prefill-profile-<date>.json``.
 """
@@ -33,8 +33,8 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.decode_profile import top_kernels  # noqa: E402
-from benchmark.prefill_rate import fresh_prompt  # noqa: E402
-from benchmark.serving import SYSTEMS, server_args  # noqa: E402
+from benchmark.prefill_rate import add_system_args, fresh_prompt, system_flags  # noqa: E402
+from benchmark.serving import SYSTEMS  # noqa: E402
 from sparse_sglang.testing.models import write_llama3_8b_dummy  # noqa: E402
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
 from sparse_sglang.testing.server import ServerProcess, flush_cache, generate_ids  # noqa: E402
@@ -83,8 +83,7 @@ def prefill_profile(events: list[dict]) -> dict:
 
 
 def profile_system(system: str, args, model: Path, log_dir: Path) -> dict:
-    extra = f"{args.extra_server_args} {args.sparse_server_args}" if system == "sparse" else args.extra_server_args
-    flags = server_args(system, argparse.Namespace(**{**vars(args), "extra_server_args": extra}))
+    flags = system_flags(system, args)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     trace_dir = log_dir / f"trace-{system}-{stamp}"
     rng = np.random.default_rng(0)  # the same prompts for both systems
@@ -112,13 +111,9 @@ def profile_system(system: str, args, model: Path, log_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default="vanilla,sparse")
+    add_system_args(p)
     p.add_argument("--prompt-tokens", type=int, default=32768)
     p.add_argument("--steps", type=int, default=4, help="forward steps profiled: the prompt's chunks")
-    p.add_argument("--kv-hbm-gb", type=float, default=20.0, help="as benchmark/serving.py")
-    p.add_argument("--sparse-host-cache-gb", type=float, default=80.0, help="as benchmark/serving.py")
-    p.add_argument("--extra-server-args", default="", help="appended to both servers' command lines")
-    p.add_argument("--sparse-server-args", default="", help="appended to the sparse server's only")
     add_server_run_args(p, "prefill-profile")
     args = p.parse_args(argv)
     log_dir = Path(args.log_dir)

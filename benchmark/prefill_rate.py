@@ -70,15 +70,28 @@ def measure(url: str, rng: np.random.Generator, queued: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_system_args(p: argparse.ArgumentParser) -> None:
+    """The systems and their server flags (this benchmark's and ``prefill_profile.py``'s)."""
     p.add_argument("--systems", default="vanilla,sparse")
-    p.add_argument("--queued", type=int, default=8)
     p.add_argument("--kv-hbm-gb", type=float, default=20.0, help="as benchmark/serving.py")
     p.add_argument("--sparse-host-cache-gb", type=float, default=80.0, help="as benchmark/serving.py")
     p.add_argument("--extra-server-args", default="", help="appended to both servers' command lines")
     p.add_argument("--sparse-server-args", default="", help="appended to the sparse server's only (e.g. FP8 KV, "
                    "which the serving benchmark's sparse runs use and its vanilla runs do not)")
+
+
+def system_flags(system: str, args: argparse.Namespace) -> list[str]:
+    """The serving benchmark's flags for ``system``. The sparse server's own args join the extra
+    ones before the KV budget is sized: FP8 KV there means a larger page cache in the same GPU
+    memory, as in the serving benchmark."""
+    extra = f"{args.extra_server_args} {args.sparse_server_args}" if system == "sparse" else args.extra_server_args
+    return server_args(system, argparse.Namespace(**{**vars(args), "extra_server_args": extra}))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_system_args(p)
+    p.add_argument("--queued", type=int, default=8)
     add_server_run_args(p, "prefill-rate")
     args = p.parse_args(argv)
 
@@ -87,10 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     for system in args.systems.split(","):
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         log = Path(args.log_dir) / f"{system}-{stamp}.log"
-        # The sparse server's own args join the extra ones before the KV budget is sized: FP8 KV
-        # there means a larger page cache in the same GPU memory, as in the serving benchmark.
-        extra = f"{args.extra_server_args} {args.sparse_server_args}" if system == "sparse" else args.extra_server_args
-        flags = server_args(system, argparse.Namespace(**{**vars(args), "extra_server_args": extra}))
+        flags = system_flags(system, args)
         with ServerProcess(SYSTEMS[system], model, flags, log_path=log, start_timeout=600) as server:
             warm_up(server.url)
             flush_cache(server.url)

@@ -571,7 +571,7 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int
     from sparse_sglang.attention.selectors import kept_summaries
     from sparse_sglang.config import SparseConfig
     from sparse_sglang.mem_cache.host_pool import pages_for_budget
-    from sparse_sglang.mem_cache.plan import fixed_gpu_bytes, prefix_staging_pages
+    from sparse_sglang.mem_cache.plan import fixed_gpu_bytes, prefix_staging_tokens
 
     c, dtype = LLAMA3_8B_CONFIG, kv_dtype or torch.bfloat16
     shape = (c["num_hidden_layers"], c["num_key_value_heads"])
@@ -579,7 +579,7 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int
     host_pages = pages_for_budget(host_cache_gb, *shape, page, c["head_dim"], dtype)
     config = SparseConfig(host_cache_gb=1.0)  # the defaults
     kept = kept_summaries(config.selector)  # the default selector's summaries
-    staging = prefix_staging_pages(config, context_len or c["max_position_embeddings"]) * page
+    staging = prefix_staging_tokens(config, context_len or c["max_position_embeddings"])
     other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], dtype, staging, **kept))
     cache_gb = kv_hbm_gb - other / GIB
     if cache_gb <= 0:

@@ -28,7 +28,7 @@ from sparse_sglang.attention.prefix import PrefixAttention
 from sparse_sglang.attention.sparse_decode import SparseDecoder, host_page_table
 from sparse_sglang.integration.registry import relies_on
 from sparse_sglang.mem_cache.kernels import SaveRuns
-from sparse_sglang.mem_cache.plan import prefix_staging_pages
+from sparse_sglang.mem_cache.plan import prefix_staging_tokens
 from sparse_sglang.scheduler import WorkingSetGate, WorkingSetTracker
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         # The next forward's request slots on the host (``ForwardBatch.init_new`` hands them over):
         # reading the GPU copy back would wait for the forward before it (overlap scheduling).
         self.next_req_slots: list[int] | None = None
-        staging = prefix_staging_pages(self.sparse_config, model_runner.model_config.context_len) * self.store.shape.page_size
+        staging = prefix_staging_tokens(self.sparse_config, model_runner.model_config.context_len)
         self.prefix = PrefixAttention(self.store, self.num_q_heads, self.workspace_buffer, staging)
         config = self.sparse_config
         # Working-set admission: the decoder logs each step's selections, the tracker keeps the

@@ -83,10 +83,17 @@ def staging_buffer_pages(staging_tokens: int, page_size: int) -> int:
     return max(1, staging_tokens // page_size // STAGING_BUFFERS)
 
 
-def prefix_staging_pages(config: SparseConfig, context_len: int) -> int:
-    """Pages of the buffer a prefill stages cached-prefix KV into, per kv head: the configured
-    tokens, no more than one context holds."""
-    return math.ceil(min(config.prefix_staging_tokens, context_len) / config.page_size)
+def prefix_staging_tokens(config: SparseConfig, context_len: int) -> int:
+    """Tokens the staging buffers hold together, per kv head: the configured tokens, no more than
+    one context holds, in whole pages split evenly between the buffers."""
+    configured = math.ceil(min(config.prefix_staging_tokens, context_len) / config.page_size) * config.page_size
+    return STAGING_BUFFERS * staging_buffer_pages(configured, config.page_size) * config.page_size
+
+
+def prefix_attend_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a staged prefix is attended in: bf16 for an fp8 store (FlashInfer's Hopper
+    kernels take fp8 KV only with fp8 queries; attention/prefix.py), else the store's own."""
+    return torch.bfloat16 if kv_dtype.itemsize == 1 else kv_dtype
 
 
 def fixed_gpu_bytes(
@@ -97,8 +104,8 @@ def fixed_gpu_bytes(
     store of ``host_pages`` pages (summaries of every host page stay resident)."""
     per_channel = 2 * bound_dtype(dtype).itemsize + (4 if with_mean else 0) + (4 if with_radius else 0)
     summary = num_layers * num_kv_heads * (host_pages + 1) * head_dim * per_channel + num_layers * (host_pages + 1) * 4
-    # + the bf16 copy an fp8 prefix is attended from (attention/prefix.py)
-    staging = 2 * staging_tokens * num_kv_heads * head_dim * (dtype.itemsize + (2 if dtype.itemsize == 1 else 0))
+    attend = prefix_attend_dtype(dtype)  # + the copy the prefix is attended from, when it has another dtype
+    staging = 2 * staging_tokens * num_kv_heads * head_dim * (dtype.itemsize + (attend.itemsize if attend != dtype else 0))
     table = num_layers * num_kv_heads * (host_pages + 64) * 4 * 2  # segments + directory, roughly
     return summary, staging, table
 
@@ -137,7 +144,7 @@ def plan_memory(
     selection = min(config.budget_pages, max_pages)
     min_row_width = row_width_for(selection, max_pages, config.cache_row_ratio)
 
-    staging_tokens = STAGING_BUFFERS * staging_buffer_pages(prefix_staging_pages(config, context_len) * page, page) * page
+    staging_tokens = prefix_staging_tokens(config, context_len)
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
                                                                 staging_tokens, with_radius, with_mean)  # fmt: skip
     if config.gpu_cache_gb is not None:
