@@ -55,7 +55,9 @@ def family(name: str) -> str:
 
 def step_profile(events: list[dict]) -> dict:
     """Per decode step (from one ``cudaGraphLaunch`` to the next): wall ms, GPU-busy ms, and ms by
-    kernel family; medians over the steps."""
+    kernel family; medians over the steps, and under ``mean`` their means (steps differ: with
+    ``--sparse-reselect-interval`` N only some steps select from every page), with every step's
+    wall and busy ms under ``per_step``."""
     launches = sorted(e["ts"] for e in events if e.get("name") == "cudaGraphLaunch")
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     steps = []
@@ -69,6 +71,8 @@ def step_profile(events: list[dict]) -> dict:
         return {"steps": 0}
     keys = sorted({k for s in steps for k in s})
     return {"steps": len(steps), **{k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys},
+            "mean": {k: statistics.fmean(s.get(k, 0.0) for s in steps) for k in keys},
+            "per_step": [{"wall_ms": s["wall_ms"], "gpu_busy_ms": s["gpu_busy_ms"]} for s in steps],
             "top_kernels": top_kernels(kernels, launches[0], launches[-1], len(steps))}  # fmt: skip
 
 

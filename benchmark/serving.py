@@ -588,14 +588,24 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int
     return cache_gb
 
 
+# Flags the benchmark derives from --kv-hbm-gb and --sparse-host-cache-gb: the same flag again in
+# --extra-server-args would win on the server's command line and silently unbalance the systems.
+KV_BUDGET_FLAGS = ("--max-total-tokens", "--sparse-gpu-cache-gb", "--sparse-host-cache-gb")
+
+
 def server_args(system: str, args: argparse.Namespace) -> list[str]:
+    extra = shlex.split(args.extra_server_args)
+    clash = [flag for flag in KV_BUDGET_FLAGS if any(w == flag or w.startswith(flag + "=") for w in extra)]
+    if clash:
+        raise SystemExit(f"--extra-server-args sets {', '.join(clash)}, which the benchmark sizes itself: "
+                         "give --kv-hbm-gb / --sparse-host-cache-gb instead")  # fmt: skip
     return [
         "--load-format", "dummy",
         "--skip-tokenizer-init",
         *kv_budget_args(system, args),
         "--chunked-prefill-size", "8192",
         *SYSTEM_SERVER_ARGS[system],
-        *shlex.split(args.extra_server_args),
+        *extra,
     ]  # fmt: skip
 
 

@@ -132,6 +132,19 @@ def test_sparse_kv_budget_follows_the_kv_cache_dtype_of_the_extra_server_args():
     assert 19.99 * GIB < plan.cache_bytes + plan.summary_bytes + plan.staging_bytes + plan.table_bytes <= 20 * GIB
 
 
+@pytest.mark.parametrize("extra", ["--sparse-host-cache-gb 92", "--cuda-graph-max-bs 64 --max-total-tokens=9999"])
+def test_kv_budget_flags_in_the_extra_server_args_are_refused(extra):
+    """The 2026-11-24 slip: a host budget given only to the server sized the page cache for 80 GiB."""
+    import argparse
+
+    from benchmark.serving import server_args
+
+    args = argparse.Namespace(kv_hbm_gb=20.0, sparse_host_cache_gb=16.0, extra_server_args=extra)
+    with pytest.raises(SystemExit, match="sizes itself"):
+        server_args("sparse", args)
+    assert "--cuda-graph-max-bs" in server_args("vanilla", argparse.Namespace(**{**vars(args), "extra_server_args": "--cuda-graph-max-bs 64"}))
+
+
 # ---------------------------------------------------------------- metrics
 
 
