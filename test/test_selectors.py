@@ -250,6 +250,40 @@ def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, g
     assert torch.equal(top.sort(-1).values.clamp_min(-1), torch.where(ref < 0, -1, ref).sort(-1).values)
 
 
+@pytest.mark.parametrize("forced", [(1, 2), None])
+def test_score_kernel_with_reuse_scores_only_the_cached_pages_of_rows_not_due(forced):
+    """``reuse``: the kernels (a full-row pass that reads no summary for rows reusing their
+    selection, then a pass over their cache rows) equal the torch path's ``keep_cached``."""
+    from sparse_sglang.attention.scoring import score_pages
+    from sparse_sglang.mem_cache.gpu_cache import CachedRows
+
+    gen = torch.Generator().manual_seed(5)
+    heads, pool, dim, group, width = 2, 60, 16, 2, 20
+    lo = torch.randn(heads, pool, dim, generator=gen)
+    summ = {"kmin": lo.bfloat16(), "kmax": (lo + torch.rand(heads, pool, dim, generator=gen)).bfloat16()}
+    host_pages = torch.randint(0, pool, (3, 40), generator=gen, dtype=torch.int32)
+    num_pages = torch.tensor([40, 30, 9], dtype=torch.int32)
+    q = torch.randn(3, heads, group, dim, generator=gen).bfloat16()
+    num_slots = 200
+    # Request slots 4, 1, 2 (0 is the padding row: no slots); each row holds distinct pages, some
+    # past its request's end (30..39 of request slot 1), -1 for empty slots.
+    slot_page = torch.full((num_slots + 1,), -1, dtype=torch.int64)
+    rows = torch.full((5, heads, width), -1, dtype=torch.int64)
+    free = iter(torch.randperm(num_slots, generator=gen).tolist())
+    for req, held in ((4, 14), (1, 18), (2, 6)):
+        for h in range(heads):
+            for col, page in enumerate(torch.randperm(40, generator=gen)[:held].tolist()):
+                rows[req, h, col] = slot = next(free)
+                slot_page[slot] = page
+    req_slots = torch.tensor([4, 1, 2], dtype=torch.int32)
+    for due in ([False, False, True], [True, True, True], [False, True, False]):
+        reuse = CachedRows(torch.tensor(due), rows, req_slots, slot_page)
+        want = score_pages("quest", q, summ, host_pages, num_pages, forced=forced, reuse=reuse, use_kernel=False)
+        got = score_pages("quest", q, summ, host_pages, num_pages, forced=forced, reuse=reuse, use_kernel=True)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+        assert (got[~torch.tensor(due)] == NOT_CACHED).any() or all(due)  # some pages really were left out
+
+
 def test_keep_cached_restricts_only_the_rows_that_reuse_their_selection():
     scores = torch.tensor([[[5.0, 4.0, 3.0, math.inf, -math.inf]], [[5.0, 4.0, 3.0, math.inf, -math.inf]]])
     cached = torch.tensor([[[False, False, True, False, False]]] * 2)

@@ -15,8 +15,9 @@ import math
 
 import torch
 
-from sparse_sglang.attention.selection import force_pages
+from sparse_sglang.attention.selection import NOT_CACHED, force_pages, keep_cached
 from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
+from sparse_sglang.mem_cache.gpu_cache import CachedRows
 
 try:  # Triton comes with CUDA builds of torch; the CPU path does not need it.
     import triton
@@ -62,49 +63,69 @@ def score_pages_reference(
 
 
 if triton is not None:
+    _NOT_CACHED = tl.constexpr(NOT_CACHED)
+
+    @triton.jit
+    def _bound_scores(
+        q_ptr, bh, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, rows, mask,
+        D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
+    ):  # fmt: skip
+        # Group-reduced scores of BLOCK_N pages whose summary rows start at ``rows`` ([BLOCK_N, D]
+        # offsets). KIND 0 quest, 1 arkvale, 2 mean.
+        offs_d = tl.arange(0, D)
+        if KIND == 2:
+            centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            radius = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+        else:
+            lo = tl.load(kmin_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            hi = tl.load(kmax_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            centre = (hi + lo) * 0.5
+            if KIND == 1:
+                radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            else:
+                radius = (hi - lo) * 0.5
+        acc = tl.full([BLOCK_N], float("-inf") if GROUP_MAX else 0.0, dtype=tl.float32)
+        for g in tl.static_range(G):
+            qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
+            # q . c + |q| . r: the max of q . k over the cuboid (selectors.cuboid_score).
+            s = tl.sum(centre * qg[None, :] + radius * tl.abs(qg)[None, :], axis=1)
+            acc = tl.maximum(acc, s) if GROUP_MAX else acc + s
+        return acc
 
     @triton.jit
     def _score_kernel(
-        q_ptr, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr,
+        q_ptr, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
         num_kv_heads, max_pages, head_stride, sink_pages, recent_pages,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
-        FORCE: tl.constexpr,
+        FORCE: tl.constexpr, REUSE: tl.constexpr,
     ):  # fmt: skip
         # One (request, kv head) per grid row, its pages split among the grid's columns: column c
         # scores blocks c, c + columns, ... of BLOCK_N pages up to the request's own page count,
         # then writes -inf over its share of the rest of the row. A CUDA-graph step sizes the row
         # for the longest context a request may reach, so the pages past a request's end cost a
-        # store, not a program each. KIND 0 quest, 1 arkvale, 2 mean.
+        # store, not a program each. REUSE: a request not due for a full selection
+        # (reselect[b] false) reads no summary here: its pages get NOT_CACHED (forced ones +inf)
+        # and _score_cached_kernel then scores the pages its cache row holds (keep_cached).
         bh = tl.program_id(0)
         column, columns = tl.program_id(1), tl.num_programs(1)
         b = bh // num_kv_heads
         h = bh % num_kv_heads
         n = tl.load(num_pages_ptr + b)
         offs_d = tl.arange(0, D)
+        scored = True
+        if REUSE:
+            scored = tl.load(reselect_ptr + b).to(tl.int32) != 0
         blocks_held = tl.cdiv(n, BLOCK_N)
         for blk in range(column, blocks_held, columns):
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             held = offs_n < n
-            page = tl.load(pages_ptr + b * max_pages + offs_n, mask=held, other=0).to(tl.int64)
-            rows = h.to(tl.int64) * head_stride + page[:, None] * D + offs_d[None, :]
-            mask = held[:, None]
-            if KIND == 2:
-                centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-                radius = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+            if scored:
+                page = tl.load(pages_ptr + b * max_pages + offs_n, mask=held, other=0).to(tl.int64)
+                rows = h.to(tl.int64) * head_stride + page[:, None] * D + offs_d[None, :]
+                acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, rows, held[:, None],
+                                    D, G, BLOCK_N, KIND, GROUP_MAX)  # fmt: skip
             else:
-                lo = tl.load(kmin_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-                hi = tl.load(kmax_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-                centre = (hi + lo) * 0.5
-                if KIND == 1:
-                    radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-                else:
-                    radius = (hi - lo) * 0.5
-            acc = tl.full([BLOCK_N], float("-inf") if GROUP_MAX else 0.0, dtype=tl.float32)
-            for g in tl.static_range(G):
-                qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
-                # q . c + |q| . r: the max of q . k over the cuboid (selectors.cuboid_score).
-                s = tl.sum(centre * qg[None, :] + radius * tl.abs(qg)[None, :], axis=1)
-                acc = tl.maximum(acc, s) if GROUP_MAX else acc + s
+                acc = tl.full([BLOCK_N], _NOT_CACHED, dtype=tl.float32)
             if FORCE:  # selection priority: sink and recent pages above every score
                 acc = tl.where((offs_n < sink_pages) | (offs_n >= n - recent_pages), float("inf"), acc)
             tl.store(out_ptr + bh * max_pages + offs_n, tl.where(held, acc, float("-inf")), mask=offs_n < max_pages)
@@ -112,6 +133,38 @@ if triton is not None:
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(out_ptr + bh * max_pages + offs_n, tl.full([BLOCK_N], float("-inf"), dtype=tl.float32),
                      mask=offs_n < max_pages)  # fmt: skip
+
+    @triton.jit
+    def _score_cached_kernel(
+        q_ptr, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
+        rows_ptr, req_slots_ptr, slot_page_ptr, row_stride, row_width,
+        num_kv_heads, max_pages, head_stride, sink_pages, recent_pages,
+        D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
+        FORCE: tl.constexpr,
+    ):  # fmt: skip
+        # One (request, kv head) per program, after _score_kernel: a request not due for a full
+        # selection gets the scores of the pages its cache row holds (rows_ptr: this layer's
+        # [max_requests, Hkv, W] slots at request stride row_stride; slot_page_ptr: each slot's
+        # logical page). The pages are distinct, so the stores do not race.
+        bh = tl.program_id(0)
+        b = bh // num_kv_heads
+        h = bh % num_kv_heads
+        if tl.load(reselect_ptr + b).to(tl.int32) == 0:
+            n = tl.load(num_pages_ptr + b)
+            row = tl.load(req_slots_ptr + b).to(tl.int64) * row_stride + h * row_width
+            offs_d = tl.arange(0, D)
+            for w0 in range(0, row_width, BLOCK_N):
+                offs_w = w0 + tl.arange(0, BLOCK_N)
+                slot = tl.load(rows_ptr + row + offs_w, mask=offs_w < row_width, other=-1)
+                page = tl.load(slot_page_ptr + slot, mask=slot >= 0, other=-1)
+                held = (page >= 0) & (page < n)
+                host = tl.load(pages_ptr + b * max_pages + page, mask=held, other=0).to(tl.int64)
+                rows = h.to(tl.int64) * head_stride + host[:, None] * D + offs_d[None, :]
+                acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, rows, held[:, None],
+                                    D, G, BLOCK_N, KIND, GROUP_MAX)  # fmt: skip
+                if FORCE:
+                    acc = tl.where((page < sink_pages) | (page >= n - recent_pages), float("inf"), acc)
+                tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
 
 
 # Programs one score launch aims for (grid rows x columns): ~16 per SM of an H100's 132, enough to
@@ -122,7 +175,7 @@ SCORE_PROGRAMS = 2048
 def score_pages(
     selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
     num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
-    forced: tuple[int, int] | None = None, use_kernel: bool | None = None,
+    forced: tuple[int, int] | None = None, reuse: CachedRows | None = None, use_kernel: bool | None = None,
 ) -> torch.Tensor:
     """:func:`score_pages_reference` in one Triton kernel (CUDA tensors; same arguments).
 
@@ -130,13 +183,17 @@ def score_pages(
     float32 buffer to write into (e.g. inside a CUDA graph). ``forced = (sink, recent)`` makes
     the output a selection priority: pages ``[0, sink)`` and ``[n - recent, n)`` score ``+inf``
     (what :func:`~sparse_sglang.attention.select_pages` forces), so a plain top-k selects.
+    ``reuse`` (``--sparse-reselect-interval``) restricts the requests not due for a full
+    selection to the pages their cache rows hold, as :func:`keep_cached` does; the kernel path
+    then reads only those pages' summaries for them (a second, row-sized launch).
     ``use_kernel`` (default: CUDA tensors) runs the kernel on CPU tensors too, in Triton's interpreter.
     """
     if use_kernel is None:
         use_kernel = q.is_cuda
     if not use_kernel or triton is None or selector not in KERNEL_SELECTORS:
         scores = score_pages_reference(selector, q, layer_summaries, host_pages, num_pages, group_reduce)
-        return scores if forced is None else force_pages(scores, num_pages, *forced)
+        scores = scores if forced is None else force_pages(scores, num_pages, *forced)
+        return scores if reuse is None else keep_cached(scores, reuse.held(scores.shape[-1]), reuse.reselect)
     batch, heads, group, dim = q.shape
     max_pages = host_pages.shape[1]
     if out is None:
@@ -147,11 +204,20 @@ def score_pages(
     block_n = 32 if dim <= 64 else 16
     columns = max(1, min(triton.cdiv(max_pages, block_n), triton.cdiv(SCORE_PROGRAMS, batch * heads)))
     grid = (batch * heads, columns)
+    q, host_pages, num_pages = q.contiguous(), host_pages.contiguous(), num_pages.to(torch.int32)
+    summaries = [layer_summaries.get(name, dummy) for name in ("kmin", "kmax", "mean", "radius")]
+    reselect = dummy if reuse is None else reuse.reselect
+    meta = dict(D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max", FORCE=forced is not None)
     _score_kernel[grid](
-        q.contiguous(), layer_summaries.get("kmin", dummy), layer_summaries.get("kmax", dummy),
-        layer_summaries.get("mean", dummy), layer_summaries.get("radius", dummy),
-        host_pages.contiguous(), num_pages.to(torch.int32), out,
-        heads, max_pages, ref.stride(0), *(forced or (0, 0)),
-        D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max", FORCE=forced is not None,
+        q, *summaries, host_pages, num_pages, out, reselect,
+        heads, max_pages, ref.stride(0), *(forced or (0, 0)), REUSE=reuse is not None, **meta,
     )  # fmt: skip
+    if reuse is not None:
+        rows = reuse.rows
+        if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:
+            raise ValueError("reuse.rows must be [max_requests, Hkv, W] with contiguous (head, slot) rows")
+        _score_cached_kernel[(batch * heads,)](
+            q, *summaries, host_pages, num_pages, out, reselect, rows, reuse.req_slots, reuse.slot_page,
+            rows.stride(0), rows.shape[2], heads, max_pages, ref.stride(0), *(forced or (0, 0)), **meta,
+        )  # fmt: skip
     return out

@@ -254,9 +254,10 @@ class SparseDecoder:
             return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
         # Pages past a request's end score -inf: selected only by requests holding < K pages,
         # and retrieve_pages ignores them.
+        # Requests reusing their selection score only the pages their rows hold (in the kernel).
+        reuse = None if self.reselect is None else self.store.cache.cached_rows(layer, self.req_slots, self.reselect)
         priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
-                               forced=self.forced)  # fmt: skip
-        priority = self._keep_cached(layer, priority)
+                               forced=self.forced, reuse=reuse)  # fmt: skip
         if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
             priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
         return topk_pages(priority, self.width, self.topk)

@@ -27,6 +27,7 @@ Where the work happens
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +49,28 @@ def slots_for_budget(gb: float, page_size: int, head_dim: int, dtype: torch.dtyp
     check_kv_shape(page_size, head_dim, dtype)
     what = f"GPU page cache budget (one slot = K+V of {page_size} tokens x {head_dim} dims, {dtype})"
     return units_for_budget(gb, slot_bytes(page_size, head_dim, dtype), 1, what)
+
+
+class CachedRows(NamedTuple):
+    """The pages each request's cache row holds in one layer, for the requests that reuse their
+    selection this step (``--sparse-reselect-interval``): they choose only among these.
+
+    ``reselect`` ``[B]`` bool (true: a full selection, the rows do not restrict it); ``rows``
+    ``[max_requests, Hkv, W]`` slots of the layer (-1 none); ``req_slots`` ``[B]``; ``slot_page``
+    ``[num_slots + 1]`` logical page of each slot (-1 none; the last is the scratch slot)."""
+
+    reselect: torch.Tensor | None
+    rows: torch.Tensor
+    req_slots: torch.Tensor
+    slot_page: torch.Tensor
+
+    def held(self, num_pages: int) -> torch.Tensor:
+        """``[B, Hkv, num_pages]`` bool: which logical pages ``< num_pages`` the rows hold."""
+        row = self.rows[self.req_slots.long()]
+        pages = self.slot_page[torch.where(row < 0, self.slot_page.numel() - 1, row)]  # the scratch slot holds -1
+        pages = torch.where((pages >= 0) & (pages < num_pages), pages, num_pages)
+        held = torch.zeros(*pages.shape[:2], num_pages + 1, dtype=torch.bool, device=pages.device)
+        return held.scatter_(-1, pages, True)[..., :num_pages]
 
 
 class GPUPageCache:
@@ -374,14 +397,14 @@ class GPUPageCache:
         self.selected_at[slots] = torch.where(due, seq, at)
         return due
 
+    def cached_rows(self, layer: int, req_slots: torch.Tensor, reselect: torch.Tensor | None = None) -> CachedRows:
+        """The rows of ``layer`` of these requests (views, no copy: a CUDA graph reads them live)."""
+        return CachedRows(reselect, self.rows[:, layer], req_slots, self.slot_page)
+
     def cached_pages(self, layer: int, req_slots: torch.Tensor, num_pages: int) -> torch.Tensor:
         """``[B, Hkv, num_pages]`` bool: which logical pages ``< num_pages`` of each request the
         rows of ``layer`` hold (no sync; a closed or padding row holds none)."""
-        row = self.rows[req_slots.long(), layer]  # [B, H, W], -1 = no slot
-        pages = self.slot_page[self._scratch(row)]  # the scratch slot holds page -1
-        pages = torch.where((pages >= 0) & (pages < num_pages), pages, num_pages)
-        held = torch.zeros(*pages.shape[:2], num_pages + 1, dtype=torch.bool, device=pages.device)
-        return held.scatter_(-1, pages, True)[..., :num_pages]
+        return self.cached_rows(layer, req_slots).held(num_pages)
 
     def retrieve(
         self, layer: int, req_slots: torch.Tensor, page_ids: torch.Tensor, host_pages: torch.Tensor,
