@@ -276,12 +276,15 @@ def test_score_kernel_with_reuse_scores_only_the_cached_pages_of_rows_not_due(fo
                 rows[req, h, col] = slot = next(free)
                 slot_page[slot] = page
     req_slots = torch.tensor([4, 1, 2], dtype=torch.int32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels run in Triton's interpreter
+    summ = {k: t.to(device) for k, t in summ.items()}
+    host_pages, num_pages, q, rows, req_slots, slot_page = (t.to(device) for t in (host_pages, num_pages, q, rows, req_slots, slot_page))
     for due in ([False, False, True], [True, True, True], [False, True, False]):
-        reuse = CachedRows(torch.tensor(due), rows, req_slots, slot_page)
+        reuse = CachedRows(torch.tensor(due, device=device), rows, req_slots, slot_page)
         want = score_pages("quest", q, summ, host_pages, num_pages, forced=forced, reuse=reuse, use_kernel=False)
         got = score_pages("quest", q, summ, host_pages, num_pages, forced=forced, reuse=reuse, use_kernel=True)
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
-        assert (got[~torch.tensor(due)] == NOT_CACHED).any() or all(due)  # some pages really were left out
+        assert (got[~torch.tensor(due, device=device)] == NOT_CACHED).any() or all(due)  # some pages really were left out
 
 
 def test_keep_cached_restricts_only_the_rows_that_reuse_their_selection():
