@@ -4,7 +4,9 @@
 tensors and calls the :class:`~sparse_sglang.attention.Selector` (plain torch, any device).
 :func:`score_pages` is the GPU path: one Triton kernel reads the summaries of the pages each
 request holds and writes the group-reduced scores, never materializing the gathered copies
-(at 128K tokens and batch 32 those would be ~1 GiB per layer).
+(at 128K tokens and batch 32 those would be ~1 GiB per layer). When requests reuse their
+selection (``--sparse-reselect-interval``), those not due for a full one read no summaries there;
+a second, row-sized kernel scores only the pages their cache rows hold.
 
 Both return ``[B, Hkv, N]`` float32 with ``-inf`` past each request's pages.
 """

@@ -253,8 +253,8 @@ class SparseDecoder:
             scores = self._keep_cached(layer, score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages))
             return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
         # Pages past a request's end score -inf: selected only by requests holding < K pages,
-        # and retrieve_pages ignores them.
-        # Requests reusing their selection score only the pages their rows hold (in the kernel).
+        # and retrieve_pages ignores them. Requests reusing their selection score only the pages
+        # their rows hold (the reference path above masks full scores: the GPU tests compare them).
         reuse = None if self.reselect is None else self.store.cache.cached_rows(layer, self.req_slots, self.reselect)
         priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
                                forced=self.forced, reuse=reuse)  # fmt: skip
