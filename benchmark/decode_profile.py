@@ -37,7 +37,7 @@ from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, sparse_st
 
 # Kernel families by name fragment (first match wins); the rest is "other".
 FAMILIES = (
-    ("sparse_score", ("_score_kernel",)),
+    ("sparse_score", ("_score_kernel", "_score_cached_kernel")),
     ("topk", ("topk", "TopK", "radix")),
     ("sparse_retrieve", ("retrieve",)),
     ("flash_h2d", ("flash_h2d", "gather_blocks")),

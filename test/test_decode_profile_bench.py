@@ -24,4 +24,5 @@ def test_steps_run_from_one_graph_launch_to_the_next_and_sum_kernels_by_family()
     assert p["mean"]["wall_ms"] == pytest.approx(1.5) and p["mean"]["other_ms"] == pytest.approx(0.05)
     assert [round(x["wall_ms"], 3) for x in p["per_step"]] == [1.0, 2.0]
     assert family("BatchDecodeWithPagedKVCacheKernel") == "flashinfer_decode" and family("x") == "other"
+    assert family("_score_cached_kernel") == "sparse_score"  # the reuse pass (2bf2190's profile counted it as other)
     assert step_profile([]) == {"steps": 0}

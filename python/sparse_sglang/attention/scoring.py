@@ -144,29 +144,30 @@ if triton is not None:
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
         FORCE: tl.constexpr,
     ):  # fmt: skip
-        # One (request, kv head) per program, after _score_kernel: a request not due for a full
-        # selection gets the scores of the pages its cache row holds (rows_ptr: this layer's
-        # [max_requests, Hkv, W] slots at request stride row_stride; slot_page_ptr: each slot's
-        # logical page). The pages are distinct, so the stores do not race.
+        # After _score_kernel, one (request, kv head) per grid row and BLOCK_N slots of its cache
+        # row per column: a request not due for a full selection gets the scores of the pages its
+        # row holds (rows_ptr: this layer's [max_requests, Hkv, W] slots at request stride
+        # row_stride; slot_page_ptr: each slot's logical page). A program per block, not per row:
+        # each block is a chain of dependent gathers (slot, page, host page, summaries), so many
+        # short programs hide their latency where a loop over the row would wait on each. The
+        # pages are distinct, so the stores do not race.
         bh = tl.program_id(0)
         b = bh // num_kv_heads
         h = bh % num_kv_heads
         if tl.load(reselect_ptr + b).to(tl.int32) == 0:
             n = tl.load(num_pages_ptr + b)
             row = tl.load(req_slots_ptr + b).to(tl.int64) * row_stride + h * row_width
-            offs_d = tl.arange(0, D)
-            for w0 in range(0, row_width, BLOCK_N):
-                offs_w = w0 + tl.arange(0, BLOCK_N)
-                slot = tl.load(rows_ptr + row + offs_w, mask=offs_w < row_width, other=-1)
-                page = tl.load(slot_page_ptr + slot, mask=slot >= 0, other=-1)
-                held = (page >= 0) & (page < n)
-                host = tl.load(pages_ptr + b * max_pages + page, mask=held, other=0).to(tl.int64)
-                rows = h.to(tl.int64) * head_stride + host[:, None] * D + offs_d[None, :]
-                acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, rows, held[:, None],
-                                    D, G, BLOCK_N, KIND, GROUP_MAX)  # fmt: skip
-                if FORCE:
-                    acc = tl.where((page < sink_pages) | (page >= n - recent_pages), float("inf"), acc)
-                tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
+            offs_w = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            slot = tl.load(rows_ptr + row + offs_w, mask=offs_w < row_width, other=-1)
+            page = tl.load(slot_page_ptr + slot, mask=slot >= 0, other=-1)
+            held = (page >= 0) & (page < n)
+            host = tl.load(pages_ptr + b * max_pages + page, mask=held, other=0).to(tl.int64)
+            rows = h.to(tl.int64) * head_stride + host[:, None] * D + tl.arange(0, D)[None, :]
+            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, rows, held[:, None],
+                                D, G, BLOCK_N, KIND, GROUP_MAX)  # fmt: skip
+            if FORCE:
+                acc = tl.where((page < sink_pages) | (page >= n - recent_pages), float("inf"), acc)
+            tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
 
 
 # Programs one score launch aims for (grid rows x columns): ~16 per SM of an H100's 132, enough to
@@ -218,7 +219,7 @@ def score_pages(
         rows = reuse.rows
         if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:
             raise ValueError("reuse.rows must be [max_requests, Hkv, W] with contiguous (head, slot) rows")
-        _score_cached_kernel[(batch * heads,)](
+        _score_cached_kernel[(batch * heads, triton.cdiv(rows.shape[2], block_n))](
             q, *summaries, host_pages, num_pages, out, reselect, rows, reuse.req_slots, reuse.slot_page,
             rows.stride(0), rows.shape[2], heads, max_pages, ref.stride(0), *(forced or (0, 0)), **meta,
         )  # fmt: skip
