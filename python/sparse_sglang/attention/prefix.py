@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
-from sparse_sglang.mem_cache.plan import STAGING_BUFFERS, prefix_attend_dtype, staging_buffer_pages
+from sparse_sglang.mem_cache.plan import STAGING_BUFFERS, staging_buffer_pages
+from sparse_sglang.mem_cache.utils import kv_compute_dtype
 
 # FlashInfer prefill wrappers planned once per forward. A forward with more pieces re-plans them
 # per layer in turn (each wrapper owns an 8 MiB GPU plan buffer, so their number is bounded). Six
@@ -118,7 +119,7 @@ class PrefixAttention:
         self.v = torch.empty_like(self.k)
         self.load = FlashH2D(store.host.k, store.host.v, self.k, self.v)
         # What the kernel reads: the staged pages themselves, or their bf16 copy (fp8 stores).
-        self.attend_dtype = prefix_attend_dtype(s.dtype)
+        self.attend_dtype = kv_compute_dtype(s.dtype)
         self.k_attend = self.k if self.attend_dtype == s.dtype else torch.empty_like(self.k, dtype=self.attend_dtype)
         self.v_attend = self.v if self.attend_dtype == s.dtype else torch.empty_like(self.v, dtype=self.attend_dtype)
         self.kv = tuple(t.view(pages, s.num_kv_heads, s.page_size, s.head_dim) for t in (self.k_attend, self.v_attend))

@@ -30,6 +30,7 @@ from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
+from sparse_sglang.mem_cache.utils import kv_compute_dtype
 
 
 TOPK_IMPLS = ("flashinfer", "torch")
@@ -207,7 +208,7 @@ class SparseDecoder:
         self.wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
         self.wrapper.plan(
             indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
-            q_data_type=self.store.shape.dtype if self.store.shape.dtype.itemsize > 1 else torch.bfloat16,
+            q_data_type=kv_compute_dtype(self.store.shape.dtype),
             kv_data_type=self.store.shape.dtype,
         )  # fmt: skip
         self.req_slots, self.batch = req_slots, batch

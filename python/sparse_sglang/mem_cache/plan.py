@@ -19,6 +19,7 @@ from sparse_sglang.mem_cache.host_pool import pages_for_budget
 from sparse_sglang.mem_cache.kernels import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2
 from sparse_sglang.mem_cache.kv_store import StoreShape
 from sparse_sglang.mem_cache.summaries import bound_dtype
+from sparse_sglang.mem_cache.utils import kv_compute_dtype
 
 # Widest row (rows grow into slots no other request needs), over the selection: SPIN found ~5x
 # buffer over mandatory pages a sweet spot, and the retrieve kernel's work per row (a sort of the
@@ -90,12 +91,6 @@ def prefix_staging_tokens(config: SparseConfig, context_len: int) -> int:
     return STAGING_BUFFERS * staging_buffer_pages(configured, config.page_size) * config.page_size
 
 
-def prefix_attend_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a staged prefix is attended in: bf16 for an fp8 store (FlashInfer's Hopper
-    kernels take fp8 KV only with fp8 queries; attention/prefix.py), else the store's own."""
-    return torch.bfloat16 if kv_dtype.itemsize == 1 else kv_dtype
-
-
 def fixed_gpu_bytes(
     host_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, staging_tokens: int,
     with_radius: bool = False, with_mean: bool = True,
@@ -104,7 +99,7 @@ def fixed_gpu_bytes(
     store of ``host_pages`` pages (summaries of every host page stay resident)."""
     per_channel = 2 * bound_dtype(dtype).itemsize + (4 if with_mean else 0) + (4 if with_radius else 0)
     summary = num_layers * num_kv_heads * (host_pages + 1) * head_dim * per_channel + num_layers * (host_pages + 1) * 4
-    attend = prefix_attend_dtype(dtype)  # + the copy the prefix is attended from, when it has another dtype
+    attend = kv_compute_dtype(dtype)  # + the copy the prefix is attended from, when it has another dtype
     staging = 2 * staging_tokens * num_kv_heads * head_dim * (dtype.itemsize + (attend.itemsize if attend != dtype else 0))
     table = num_layers * num_kv_heads * (host_pages + 64) * 4 * 2  # segments + directory, roughly
     return summary, staging, table

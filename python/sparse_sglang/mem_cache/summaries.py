@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import torch
 
+from sparse_sglang.mem_cache.utils import kv_compute_dtype
+
 
 def bound_dtype(kv_dtype: torch.dtype) -> torch.dtype:
     """Storage type of ``kmin``/``kmax`` for keys of ``kv_dtype`` (exact; see module doc)."""
-    return torch.bfloat16 if kv_dtype.itemsize == 1 else kv_dtype
+    return kv_compute_dtype(kv_dtype)
 
 
 def cuboid_center(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,13 @@ from sparse_sglang.config import GIB
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def kv_compute_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The type KV stored as ``kv_dtype`` is computed in: the type itself for 16-bit KV, bf16 for
+    fp8 (every fp8 value is exactly a bf16 value; the decode queries, and FlashInfer's Hopper
+    prefill kernels, which take fp8 KV only with fp8 queries)."""
+    return torch.bfloat16 if kv_dtype.itemsize == 1 else kv_dtype
+
+
 def check_kv_shape(page_size: int, head_dim: int, dtype: torch.dtype, **counts: int) -> None:
     """Raise ValueError unless ``page_size`` is a power of two, ``dtype`` a KV dtype and every
     count (``head_dim`` and the keyword arguments, e.g. ``num_layers=32``) is positive."""
