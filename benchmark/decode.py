@@ -55,9 +55,7 @@ def flush_l2() -> None:
     l2_sized_buffer().view(torch.int64).sum()
 
 
-def time_graph(fn, iters: int, before=None, per: int = 1) -> float:
-    """Median milliseconds of a CUDA-graph replay of ``fn``, divided by ``per`` (the layers ``fn``
-    runs); ``before()`` and an L2 flush run untimed before each replay."""
+def capture(fn) -> torch.cuda.CUDAGraph:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -66,6 +64,13 @@ def time_graph(fn, iters: int, before=None, per: int = 1) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def time_graph(fn, iters: int, before=None, per: int = 1) -> float:
+    """Median milliseconds of a CUDA-graph replay of ``fn``, divided by ``per`` (the layers ``fn``
+    runs); ``before()`` and an L2 flush run untimed before each replay."""
+    graph = capture(fn)
     times = []
     for _ in range(iters):
         if before is not None:
@@ -79,6 +84,31 @@ def time_graph(fn, iters: int, before=None, per: int = 1) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times) / per
+
+
+def kernel_times(fn, iters: int, per: int = 1) -> dict[str, float]:
+    """Microseconds per layer of each kernel of a CUDA-graph replay of ``fn`` (torch's profiler,
+    which sees the kernels inside a graph), L2 flushed before each replay as in :func:`time_graph`;
+    names cut to 80 characters, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = capture(fn)
+    flush_l2()
+    with profile(activities=[ProfilerActivity.CUDA]) as flush_only:
+        flush_l2()
+        torch.cuda.synchronize()
+    flush_names = {e.key for e in flush_only.key_averages() if e.device_time_total > 0}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush_l2()
+            graph.replay()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.key not in flush_names and e.device_time_total > 0 and not e.key.startswith("cuda"):
+            name = e.key[:80]
+            times[name] = times.get(name, 0.0) + e.device_time_total / iters / per
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def dense_step(batch: int, context: int, workspace: torch.Tensor, kv: torch.Tensor, q: torch.Tensor, layers: int):
@@ -137,6 +167,8 @@ def run(args) -> dict:
             step()  # loads every selected page: the cache is warm from here on
             pages = [b.decoder.select(layer, q) for layer in range(layers)]
             row["sparse_hit_ms"] = time_graph(step, args.iters, per=layers)
+            if args.kernels:
+                row["sparse_hit_kernels_us"] = kernel_times(step, args.iters, per=layers)
 
             def select():
                 for layer in range(layers):
@@ -206,6 +238,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--layers-per-graph", type=int, default=4,
                         help="layers (distinct KV and summaries) in one timed graph; times are per layer")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also record each kernel's time in the all-hit step (torch's profiler)")
     parser.add_argument("--q1", type=Path, help="q1.json written by test/test_sparse_decode_gpu.py")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
