@@ -180,7 +180,7 @@ def run(args) -> dict:
 
                 def topk(impl=impl, prios=prios):
                     for prio in prios:
-                        topk_pages(prio, b.decoder.width, impl)
+                        topk_pages(prio, b.decoder.width, impl, b.decoder.row_pages, b.decoder.topk_offsets)
 
                 row[f"topk_{impl}_ms"] = time_graph(topk, args.iters, per=layers)
             for frac in args.miss_fracs:

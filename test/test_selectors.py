@@ -244,6 +244,14 @@ def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, g
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
     prio = score_pages(selector, q, summ, host_pages, num_pages, group_reduce, forced=(1, 2), use_kernel=True)
     torch.testing.assert_close(prio, force_pages(want, num_pages, 1, 2), atol=1e-3, rtol=1e-4)
+    # Left unwritten past each request's pages (for the ragged top-k), at another launch shape.
+    out = torch.full_like(prio, 7.0)
+    score_pages(selector, q, summ, host_pages, num_pages, group_reduce, out=out, forced=(1, 2), use_kernel=True,
+                fill_tail=False, block_n=64, num_warps=2)  # fmt: skip
+    held = torch.arange(prio.shape[-1], device=device) < num_pages.view(-1, 1, 1)
+    torch.testing.assert_close(out[held.expand_as(out)], prio[held.expand_as(prio)])
+    # Past the end: -inf in the request's last block, the whole blocks after it unwritten.
+    assert ((out == 7.0) | (out == -math.inf) | held).all() and (out == 7.0).any()
     top = prio.topk(8, dim=-1).indices
     top = torch.where(top < num_pages.view(-1, 1, 1).long(), top, -1).sort(-1).values.cpu()
     ref = select_pages(want, num_pages, 8, 1, 2).page_ids.long().cpu()

@@ -218,16 +218,22 @@ def test_a_step_does_not_depend_on_the_order_the_top_k_returns_its_pages():
 
 
 def test_flashinfer_topk_selects_what_torch_topk_does():
+    """The ragged top-k reads each row only up to its length (past it: garbage, here +inf) and
+    pads a row shorter than k with -1; torch.topk sees the same rows with -inf past the length."""
     from sparse_sglang.attention.sparse_decode import topk_pages
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     prio = torch.randn(4, 8, 4097, device="cuda", generator=gen)
     prio[..., :1] = prio[..., -2:] = float("inf")  # forced pages
-    prio[1, :, 3000:] = float("-inf")  # a shorter request
+    lengths = torch.full((4, 8), 4097, dtype=torch.int32, device="cuda")
+    lengths[1], lengths[2] = 3000, 100  # shorter requests: 100 pages hold fewer than k = 128
+    past = torch.arange(4097, device="cuda") >= lengths.unsqueeze(-1)
     for k in (16, 64, 128):
-        got = topk_pages(prio, k, "flashinfer").sort(-1).values
-        want = topk_pages(prio, k, "torch").sort(-1).values
-        assert torch.equal(got, want), k
+        got = topk_pages(prio.masked_fill(past, float("inf")), k, "flashinfer", lengths.view(-1)).sort(-1).values
+        want = topk_pages(prio.masked_fill(past, float("-inf")), k, "torch").sort(-1).values
+        want = torch.where(past.gather(-1, want), -1, want).sort(-1).values  # picks past the end: none
+        assert got.dtype == torch.int32
+        assert torch.equal(got.long(), want), k
 
 
 @pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])

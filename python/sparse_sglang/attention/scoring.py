@@ -99,7 +99,7 @@ if triton is not None:
         q_ptr, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
         num_kv_heads, max_pages, head_stride, sink_pages, recent_pages,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
-        FORCE: tl.constexpr, REUSE: tl.constexpr,
+        FORCE: tl.constexpr, REUSE: tl.constexpr, FILL_TAIL: tl.constexpr,
     ):  # fmt: skip
         # One (request, kv head) per grid row, its pages split among the grid's columns: column c
         # scores blocks c, c + columns, ... of BLOCK_N pages up to the request's own page count,
@@ -108,6 +108,8 @@ if triton is not None:
         # store, not a program each. REUSE: a request not due for a full selection
         # (reselect[b] false) reads no summary here: its pages get NOT_CACHED (forced ones +inf)
         # and _score_cached_kernel then scores the pages its cache row holds (keep_cached).
+        # FILL_TAIL false leaves the row past the request's last block unwritten (a ragged
+        # top-k reads each row only up to its request's pages).
         bh = tl.program_id(0)
         column, columns = tl.program_id(1), tl.num_programs(1)
         b = bh // num_kv_heads
@@ -131,10 +133,11 @@ if triton is not None:
             if FORCE:  # selection priority: sink and recent pages above every score
                 acc = tl.where((offs_n < sink_pages) | (offs_n >= n - recent_pages), float("inf"), acc)
             tl.store(out_ptr + bh * max_pages + offs_n, tl.where(held, acc, float("-inf")), mask=offs_n < max_pages)
-        for blk in range(blocks_held + column, tl.cdiv(max_pages, BLOCK_N), columns):
-            offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(out_ptr + bh * max_pages + offs_n, tl.full([BLOCK_N], float("-inf"), dtype=tl.float32),
-                     mask=offs_n < max_pages)  # fmt: skip
+        if FILL_TAIL:
+            for blk in range(blocks_held + column, tl.cdiv(max_pages, BLOCK_N), columns):
+                offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+                tl.store(out_ptr + bh * max_pages + offs_n, tl.full([BLOCK_N], float("-inf"), dtype=tl.float32),
+                         mask=offs_n < max_pages)  # fmt: skip
 
     @triton.jit
     def _score_cached_kernel(
@@ -179,6 +182,7 @@ def score_pages(
     selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
     num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
     forced: tuple[int, int] | None = None, reuse: CachedRows | None = None, use_kernel: bool | None = None,
+    fill_tail: bool = True, block_n: int | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
     """:func:`score_pages_reference` in one Triton kernel (CUDA tensors; same arguments).
 
@@ -190,6 +194,10 @@ def score_pages(
     selection to the pages their cache rows hold, as :func:`keep_cached` does; the kernel path
     then reads only those pages' summaries for them (a second, row-sized launch).
     ``use_kernel`` (default: CUDA tensors) runs the kernel on CPU tensors too, in Triton's interpreter.
+    ``fill_tail=False`` lets the kernel leave each row past its request's pages unwritten (for a
+    ragged top-k that reads only up to each request's pages; the torch path writes ``-inf`` anyway).
+    ``block_n`` (pages per program) and ``num_warps`` override the launch (``benchmark/decode_kernels.py``
+    sweeps them).
     """
     if use_kernel is None:
         use_kernel = q.is_cuda
@@ -204,16 +212,19 @@ def score_pages(
     ref = layer_summaries["mean" if selector == "mean" else "kmin"]
     dummy = ref
     kind = KERNEL_SELECTORS.index(selector)
-    block_n = 32 if dim <= 64 else 16
+    if block_n is None:
+        block_n = 32 if dim <= 64 else 16
     columns = max(1, min(triton.cdiv(max_pages, block_n), triton.cdiv(SCORE_PROGRAMS, batch * heads)))
     grid = (batch * heads, columns)
     q, host_pages, num_pages = q.contiguous(), host_pages.contiguous(), num_pages.to(torch.int32)
     summaries = [layer_summaries.get(name, dummy) for name in ("kmin", "kmax", "mean", "radius")]
     reselect = dummy if reuse is None else reuse.reselect
     meta = dict(D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max", FORCE=forced is not None)
+    if num_warps is not None:
+        meta["num_warps"] = num_warps
     _score_kernel[grid](
         q, *summaries, host_pages, num_pages, out, reselect,
-        heads, max_pages, ref.stride(0), *(forced or (0, 0)), REUSE=reuse is not None, **meta,
+        heads, max_pages, ref.stride(0), *(forced or (0, 0)), REUSE=reuse is not None, FILL_TAIL=fill_tail, **meta,
     )  # fmt: skip
     if reuse is not None:
         rows = reuse.rows

@@ -36,14 +36,27 @@ from sparse_sglang.mem_cache.utils import kv_compute_dtype
 TOPK_IMPLS = ("flashinfer", "torch")
 
 
-def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer") -> torch.Tensor:
-    """Indices ``[..., k]`` (int64, any order) of the ``k`` largest entries of each row of
-    ``priority`` ``[..., N]``: FlashInfer's radix top-k, or ``torch.topk``."""
+def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer", lengths: torch.Tensor | None = None,
+               offsets: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Indices ``[..., k]`` (any order) of the ``k`` largest entries of each row of ``priority``
+    ``[..., N]``, among the first ``lengths`` (``[rows]`` int32, default ``N``) of the row.
+
+    ``"flashinfer"``: FlashInfer's radix top-k in its ragged form (int32 out, ``-1`` past a row
+    shorter than ``k``; it reads only each row's own entries, so a CUDA-graph row sized for the
+    longest context costs what the request's pages do; ``offsets`` is a ``[rows]`` int32 zero
+    buffer to reuse). ``"torch"``: ``torch.topk`` (int64 out; ``lengths`` is not read, so
+    entries past a row's length must be ``-inf``).
+    """
     rows = priority.reshape(-1, priority.shape[-1])
     if impl == "flashinfer":
         import flashinfer
 
-        ids = flashinfer.top_k(rows, k)[1]
+        num_rows, device = rows.shape[0], rows.device
+        if lengths is None:
+            lengths = torch.full((num_rows,), rows.shape[1], dtype=torch.int32, device=device)
+        if offsets is None:
+            offsets = torch.zeros(num_rows, dtype=torch.int32, device=device)
+        ids = flashinfer.top_k_ragged_transform(rows, offsets[:num_rows], lengths[:num_rows], k)
     else:
         ids = torch.topk(rows, k, dim=-1, sorted=False).indices
     return ids.view(*priority.shape[:-1], k)
@@ -105,6 +118,7 @@ class SparseDecoder:
         # FlashH2D's copy list, written by retrieve_pages (fused path).
         self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
         self.miss_dst = torch.empty_like(self.miss_src)
+        self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector = config.selector
         recent = min(config.recent_pages, self.width)
@@ -114,6 +128,7 @@ class SparseDecoder:
         # every request, interval 1).
         self.reselect = None
         self.req_slots = self.host_pages = self.num_pages = self.dest = self.all_pages = self.indptr = None
+        self.row_pages = None  # [B * Hkv] int32 pages of each selection row's request (the top-k's lengths)
         self.batch = 0
         self.exact = False
         self.graph = None  # static buffers of CUDA-graph mode (init_cuda_graph)
@@ -147,11 +162,13 @@ class SparseDecoder:
             self.indices = torch.zeros(rows * self.width + 1, dtype=torch.int32, device=device)
             self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
             self.miss_dst = torch.empty_like(self.miss_src)
+            self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)
         pages = self.store.shape.max_pages
         self.graph = {
             "indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
             "last_page_len": torch.ones(rows, dtype=torch.int32, device=device),
             "num_pages": torch.ones(max_batch, dtype=torch.int32, device=device),
+            "row_pages": torch.ones(rows, dtype=torch.int32, device=device),
             "host_pages": torch.zeros(max_batch, pages, dtype=torch.int32, device=device),
             "reselect": torch.ones(max_batch, dtype=torch.bool, device=device),
         }
@@ -221,6 +238,8 @@ class SparseDecoder:
             self.indptr = g["indptr"][: batch * heads + 1]  # the graph wrapper's: plan() filled it
             self.num_pages = g["num_pages"][:batch]
             self.num_pages.copy_(num_pages_dev)
+            self.row_pages = g["row_pages"][: batch * heads]
+            self.row_pages.copy_(num_pages_dev.repeat_interleave(heads))
             self.host_pages = g["host_pages"][:batch]
             self.host_pages[:, : host_pages.shape[1]].copy_(host_pages)
             self.max_pages = self.host_pages.shape[1]
@@ -230,6 +249,7 @@ class SparseDecoder:
         self.indptr = indptr.to(device, non_blocking=True)
         self.host_pages = host_pages
         self.num_pages = num_pages_dev
+        self.row_pages = num_pages_dev.repeat_interleave(heads)
         self.max_pages = int(num_pages_cpu.max())
         self.exact = self.config.exact_shortcut and self.max_pages <= width
         if self.exact:
@@ -244,8 +264,8 @@ class SparseDecoder:
         return ids if not self.fused else torch.where(ids < self.num_pages.view(-1, 1, 1), ids, -1)
 
     def select_raw(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """The selection as :meth:`run` uses it: on the fused path entries ``>= num_pages`` (the
-        top-k's picks of a request holding fewer than ``K`` pages) stand for none."""
+        """The selection as :meth:`run` uses it: on the fused path entries ``-1`` or ``>= num_pages``
+        (what the top-k gives a request holding fewer than ``K`` pages) stand for none."""
         if self.exact:
             return self.all_pages
         qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
@@ -253,15 +273,19 @@ class SparseDecoder:
         if not self.fused:
             scores = self._keep_cached(layer, score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages))
             return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
-        # Pages past a request's end score -inf: selected only by requests holding < K pages,
-        # and retrieve_pages ignores them. Requests reusing their selection score only the pages
-        # their rows hold (the reference path above masks full scores: the GPU tests compare them).
+        # FlashInfer's ragged top-k reads each row up to its request's pages, so the score kernel
+        # leaves the rest of the row unwritten; torch.topk reads whole rows, so there the rest
+        # scores -inf and its picks (of a request holding < K pages) are ids >= num_pages, which
+        # retrieve_pages ignores like the ragged top-k's -1. Requests reusing their selection
+        # score only the pages their rows hold (the reference path above masks full scores: the
+        # GPU tests compare them).
+        ragged = self.topk == "flashinfer"
         reuse = None if self.reselect is None else self.store.cache.cached_rows(layer, self.req_slots, self.reselect)
         priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
-                               forced=self.forced, reuse=reuse)  # fmt: skip
+                               forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
         if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
             priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
-        return topk_pages(priority, self.width, self.topk)
+        return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
 
     def _keep_cached(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
         if self.reselect is None:
