@@ -190,32 +190,37 @@ if triton is not None:
         is_hit = valid & (hit >= 0)
         miss = valid & (hit < 0)
 
-        # Victims: the row's slots by last use (hits count as used now), oldest first; ties by position.
-        w = tl.arange(0, WP)
-        row = tl.load(rows_ptr + row_base + w, mask=w < W, other=-1)
-        # Columns past the row's width (and a padding request's whole row) hold -1: never victims,
-        # and their last_used[-1] loads (outside the tensor: an illegal address when the
-        # allocation starts a mapping) stay masked.
-        in_row = (w < W) & (row >= 0)
-        used = tl.load(last_used_ptr + row, mask=in_row, other=0)
-        hit_now = tl.max(((row[:, None] == hit[None, :]) & is_hit[None, :]).to(tl.int32), axis=1) > 0
-        used = tl.where(hit_now, step, used)
-        if LRU_BUCKETS > 0:  # bucketed LRU: GPUPageCache.recency
-            oldest = step // LRU_STEPS - (LRU_BUCKETS - 1)
-            used = tl.where(used >= 0, tl.maximum(used // LRU_STEPS, oldest), -1)
-        order = tl.sort(tl.where(in_row, (used + 1) * WP + w, (step + 2) * WP + w))
-        rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
-        victim = tl.gather(order % WP, tl.where(miss, rank, 0), 0)
-        dst = tl.load(rows_ptr + row_base + victim, mask=miss, other=-1)
+        # A row whose pages all hit (most rows of a warm step, every row of a step reusing its
+        # selection) skips the victim search: a chain of dependent loads and a sort of the row.
+        dst = tl.full([KP], -1, rows_ptr.dtype.element_ty)
+        if tl.sum(miss.to(tl.int32), axis=0) > 0:
+            # Victims: the row's slots by last use (hits count as used now), oldest first; ties by position.
+            w = tl.arange(0, WP)
+            row = tl.load(rows_ptr + row_base + w, mask=w < W, other=-1)
+            # Columns past the row's width (and a padding request's whole row) hold -1: never victims,
+            # and their last_used[-1] loads (outside the tensor: an illegal address when the
+            # allocation starts a mapping) stay masked.
+            in_row = (w < W) & (row >= 0)
+            used = tl.load(last_used_ptr + row, mask=in_row, other=0)
+            hit_now = tl.max(((row[:, None] == hit[None, :]) & is_hit[None, :]).to(tl.int32), axis=1) > 0
+            used = tl.where(hit_now, step, used)
+            if LRU_BUCKETS > 0:  # bucketed LRU: GPUPageCache.recency
+                oldest = step // LRU_STEPS - (LRU_BUCKETS - 1)
+                used = tl.where(used >= 0, tl.maximum(used // LRU_STEPS, oldest), -1)
+            order = tl.sort(tl.where(in_row, (used + 1) * WP + w, (step + 2) * WP + w))
+            rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+            victim = tl.gather(order % WP, tl.where(miss, rank, 0), 0)
+            dst = tl.load(rows_ptr + row_base + victim, mask=miss, other=-1)
 
-        # Unmap what the victims held, map the misses, stamp the use.
-        old = tl.load(slot_page_ptr + dst, mask=miss, other=-1)
-        had = miss & (old >= 0)
-        old_c = tl.where(had, old, 0)
-        old_seg = tl.load(directory_ptr + dir_base + old_c // SEG, mask=had, other=0).to(tl.int64)
-        tl.store(segments_ptr + old_seg * SEG + old_c % SEG, tl.full([KP], -1, tl.int32), mask=had)
-        tl.store(segments_ptr + entry, dst.to(tl.int32), mask=miss)
-        tl.store(slot_page_ptr + dst, page, mask=miss)
+            # Unmap what the victims held, map the misses.
+            old = tl.load(slot_page_ptr + dst, mask=miss, other=-1)
+            had = miss & (old >= 0)
+            old_c = tl.where(had, old, 0)
+            old_seg = tl.load(directory_ptr + dir_base + old_c // SEG, mask=had, other=0).to(tl.int64)
+            tl.store(segments_ptr + old_seg * SEG + old_c % SEG, tl.full([KP], -1, tl.int32), mask=had)
+            tl.store(segments_ptr + entry, dst.to(tl.int32), mask=miss)
+            tl.store(slot_page_ptr + dst, page, mask=miss)
+        # Stamp the use.
         slot = tl.where(miss, dst, hit)
         tl.store(last_used_ptr + slot, tl.full([KP], 0, tl.int64) + step, mask=valid)
 
