@@ -1,0 +1,133 @@
+"""Launch choices of the sparse decode step's kernels, each timed on the GPU: the measurements
+behind the launch rules in ``attention/scoring.py`` and ``attention/sparse_decode.py``.
+
+For each context (8K/32K/128K) and batch (1/8/32), one layer of the Llama-3-8B shape, budget 2048,
+graph replays with L2 flushed as in ``benchmark/decode.py`` (``--layers-per-graph`` layers a graph):
+
+- **score**: the score kernel (quest, forced pages, rows left unwritten past each request's pages
+  as the decoder runs it) at every ``--block-n`` x ``--warps`` x ``--programs`` choice;
+- **attention**: FlashInfer's paged decode over the selected pages, and the whole all-hit step,
+  with its tensor-core kernel and with its CUDA-core one.
+
+Writes ``benchmark/results/decode-kernels-<date>.json``::
+
+    python benchmark/decode_kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmark.decode import REPO, SHAPE, layers_for, time_graph  # noqa: E402
+from sparse_sglang.attention import scoring  # noqa: E402
+from sparse_sglang.attention.scoring import score_pages  # noqa: E402
+from sparse_sglang.config import SparseConfig  # noqa: E402
+from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store  # noqa: E402
+from sparse_sglang.testing.provenance import finish_run  # noqa: E402
+
+
+def score_times(b: DecodeBench, q: torch.Tensor, layers: int, args) -> dict[str, float]:
+    d = b.decoder
+    qg = q.view(b.batch, d.num_kv_heads, d.group, d.head_dim)
+    out = {}
+    default_programs = scoring.SCORE_PROGRAMS
+    try:
+        for block_n, warps, programs in itertools.product(args.block_n, args.warps, args.programs):
+            scoring.SCORE_PROGRAMS = programs
+
+            def score(block_n=block_n, warps=warps):
+                for layer in range(layers):
+                    score_pages(d.selector, qg, b.store.summaries.layer(layer), b.host_pages, b.decoder.num_pages,
+                                forced=d.forced, fill_tail=False, block_n=block_n, num_warps=warps)  # fmt: skip
+
+            out[f"block{block_n}_warps{warps}_programs{programs}"] = time_graph(score, args.iters, per=layers) * 1e3
+    finally:
+        scoring.SCORE_PROGRAMS = default_programs
+    return out
+
+
+def attention_times(store, config, batch: int, context: int, workspace, q, layers: int, args) -> dict[str, float]:
+    out = {}
+    for tensor_cores in (True, False):
+        b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace, use_tensor_cores=tensor_cores)
+        b.plan()
+        d = b.decoder
+
+        def step():
+            for layer in range(layers):
+                d.run(layer, q)
+
+        step()  # the cache is warm from here on, and the indices hold the selection
+        qs = q.reshape(batch * d.num_kv_heads, d.group, d.head_dim)
+        name = "tensor_cores" if tensor_cores else "cuda_cores"
+
+        def attend():
+            for _ in range(layers):
+                d.wrapper.forward(qs, d.kv, sm_scale=d.head_dim**-0.5)
+
+        out[f"attention_{name}_us"] = time_graph(attend, args.iters, per=layers) * 1e3
+        out[f"step_{name}_us"] = time_graph(step, args.iters, per=layers) * 1e3
+    return out
+
+
+def run(args) -> list[dict]:
+    config = SparseConfig(token_budget=args.budget, host_cache_gb=1.0)
+    workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            layers = layers_for(batch, context, max(args.batches), args.layers_per_graph)
+            store = make_store(Llama8BShape(num_layers=layers), config, batch, context)
+            b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
+            b.fill_summaries_randomly(gen)
+            b.plan()
+            q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+            row = {"context": context, "batch": batch, "layers": layers, "score_us": score_times(b, q, layers, args)}
+            row.update(attention_times(store, config, batch, context, workspace, q, layers, args))
+            best = min(row["score_us"], key=row["score_us"].get)
+            row["score_best"] = best
+            print(json.dumps({k: v for k, v in row.items() if k != "score_us"} | {"score_best_us": row["score_us"][best]}), flush=True)
+            rows.append(row)
+            store.close()
+            b = store = None
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--programs", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--layers-per-graph", type=int, default=4)
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
+    args = parser.parse_args(argv)
+    rows = run(args)
+    summary = {f"{r['context'] // 1024}k_b{r['batch']}": {
+        "score_best": r["score_best"], "score_best_us": r["score_us"][r["score_best"]],
+        "score_default_us": r["score_us"].get(f"block16_warps4_programs{scoring.SCORE_PROGRAMS}"),
+        "attention_tensor_cores_us": r["attention_tensor_cores_us"], "attention_cuda_cores_us": r["attention_cuda_cores_us"],
+        "step_tensor_cores_us": r["step_tensor_cores_us"], "step_cuda_cores_us": r["step_cuda_cores_us"],
+    } for r in rows}  # fmt: skip
+    config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest",
+              "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
+    return finish_run("benchmark/decode_kernels.py", argv, {"config": config, "rows": rows, "summary": summary},
+                      args.out_dir, "decode-kernels-{date}.json")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
