@@ -178,6 +178,13 @@ if triton is not None:
 SCORE_PROGRAMS = 2048
 
 
+def score_launch(head_dim: int) -> tuple[int, int]:
+    """Pages a score program takes and its warps: 32 pages, 8 warps at head_dim 128
+    (decode-kernels-2026-11-24.json: 6% faster than 16 pages and 4 warps over 8K-128K tokens x
+    batch 1-32, 10% at 128K x 32); head_dim 64 was not swept and keeps 4 warps."""
+    return 32, 8 if head_dim >= 128 else 4
+
+
 def score_pages(
     selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
     num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
@@ -212,16 +219,15 @@ def score_pages(
     ref = layer_summaries["mean" if selector == "mean" else "kmin"]
     dummy = ref
     kind = KERNEL_SELECTORS.index(selector)
-    if block_n is None:
-        block_n = 32 if dim <= 64 else 16
+    default_block_n, default_warps = score_launch(dim)
+    block_n, num_warps = block_n or default_block_n, num_warps or default_warps
     columns = max(1, min(triton.cdiv(max_pages, block_n), triton.cdiv(SCORE_PROGRAMS, batch * heads)))
     grid = (batch * heads, columns)
     q, host_pages, num_pages = q.contiguous(), host_pages.contiguous(), num_pages.to(torch.int32)
     summaries = [layer_summaries.get(name, dummy) for name in ("kmin", "kmax", "mean", "radius")]
     reselect = dummy if reuse is None else reuse.reselect
     meta = dict(D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max", FORCE=forced is not None)
-    if num_warps is not None:
-        meta["num_warps"] = num_warps
+    meta["num_warps"] = num_warps
     _score_kernel[grid](
         q, *summaries, host_pages, num_pages, out, reselect,
         heads, max_pages, ref.stride(0), *(forced or (0, 0)), REUSE=reuse is not None, FILL_TAIL=fill_tail, **meta,
