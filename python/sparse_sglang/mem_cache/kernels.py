@@ -124,8 +124,10 @@ if triton is not None:
         # Summaries: the page held `offset` tokens before this run (see module doc).
         s = h.to(tl.int64) * summary_head_stride + page * D + d
         keep = ok & (offset > 0) & (d < D)  # merge with the old values; offset 0 starts the page
-        old_min = tl.load(kmin_ptr + s, mask=keep, other=float("inf")).to(tl.float32)
-        old_max = tl.load(kmax_ptr + s, mask=keep, other=float("-inf")).to(tl.float32)
+        # The identities fill in float32: as `other` they would be cast to the bounds' type, and
+        # fp8 e4m3 has no infinity (NaN).
+        old_min = tl.where(keep, tl.load(kmin_ptr + s, mask=keep, other=0.0).to(tl.float32), float("inf"))
+        old_max = tl.where(keep, tl.load(kmax_ptr + s, mask=keep, other=0.0).to(tl.float32), float("-inf"))
         lo = tl.minimum(old_min, tl.min(tl.where(tok[:, None], x, float("inf")), axis=0))
         hi = tl.maximum(old_max, tl.max(tl.where(tok[:, None], x, float("-inf")), axis=0))
         c = offset.to(tl.float32)
