@@ -155,7 +155,8 @@ class BruteSummaries:
             rows = self.keys[layer, page][self.written[layer, page]]  # [n, H, D]
             assert summ.count[layer, page] == rows.shape[0]
             if rows.shape[0] == 0:
-                assert torch.isinf(summ.kmin[layer, :, page]).all() and (summ.kmax[layer, :, page] < 0).all()
+                lo, hi = summ.empty_bounds
+                assert (summ.kmin[layer, :, page].float() == lo).all() and (summ.kmax[layer, :, page].float() == hi).all()
                 assert (summ.mean[layer, :, page] == 0).all()
                 continue
             assert torch.equal(summ.kmin[layer, :, page].float(), rows.amin(0))  # exact
@@ -236,6 +237,42 @@ def test_fp8_summaries_are_of_dequantized_keys():
     summ.update(0, k, torch.tensor([2, 3]))
     assert summ.kmax[0, 0, 1].tolist() == [448.0, 0.0625] and summ.kmin[0, 0, 1].tolist() == [-3.5, -0.001953125]
     assert summ.mean[0, 0, 1].tolist() == [222.25, (0.0625 - 0.001953125) / 2]
+
+
+def test_fp8_bounds_are_stored_as_fp8_and_equal_bf16_bounds_of_the_same_keys():
+    """fp8 keys' min and max are fp8 values: stored in fp8 (half of bf16's bytes) they equal the
+    bounds a bf16 store of the same (dequantized) keys keeps, through multi-call fills, padding,
+    a reset and a refill. e4m3 has no infinity, so an empty page's bounds are +-448."""
+    gen = torch.Generator().manual_seed(8)
+    layers, heads, pages, page_size, dim = 2, 2, 6, 4, 8
+    fp8 = PageSummaries(layers, heads, pages, page_size, dim, FP8, with_radius=True)
+    bf16 = PageSummaries(layers, heads, pages, page_size, dim, torch.bfloat16, with_radius=True)
+    assert fp8.kmin.dtype == fp8.kmax.dtype == FP8 and fp8.empty_bounds == (448.0, -448.0)
+    assert fp8.kmin.element_size() * 2 == bf16.kmin.element_size()
+
+    def update_both(layer, slots):
+        k = (torch.randn(len(slots), heads, dim, generator=gen) * 50).to(FP8)
+        for summ in (fp8, bf16):
+            summ.update(layer, k.to(summ.kmin.dtype), torch.tensor(slots))
+
+    def assert_equal():  # on the pages holding keys (empty ones differ: +-448 against +-inf)
+        held = bf16.count > 0
+        assert torch.equal(fp8.count, bf16.count)
+        for name in ("kmin", "kmax", "mean", "radius"):
+            got, want = (getattr(summ, name).float().transpose(1, 2)[held] for summ in (fp8, bf16))
+            assert torch.equal(got, want), name
+
+    for layer in range(layers):
+        update_both(layer, [4, 9, 8, 5, -1, 12, 6])  # pages 1-3 partly, in any order, a padding row
+        update_both(layer, [7, 10, 13, 20, 21])  # pages 1-3 fill further, page 5 starts
+    assert_equal()
+    assert (fp8.kmin[:, :, [0, 4]].float() == 448).all() and (fp8.kmax[:, :, [0, 4]].float() == -448).all()
+    fp8.reset(torch.tensor([1, 5]))
+    bf16.reset(torch.tensor([1, 5]))
+    assert (fp8.kmin[:, :, 1].float() == 448).all() and (fp8.kmax[:, :, 5].float() == -448).all()
+    assert (fp8.count[:, [1, 5]] == 0).all()
+    update_both(0, [5, 4, 6])  # page 1 refilled
+    assert_equal()
 
 
 # Two-level page table.

@@ -16,7 +16,7 @@ from sparse_sglang.mem_cache.host_pool import (
     pages_for_budget,
 )
 from sparse_sglang.mem_cache.page_table import SegmentPoolExhausted, TwoLevelPageTable
-from sparse_sglang.mem_cache.summaries import PageSummaries, bound_dtype, cuboid_center, cuboid_half_extent
+from sparse_sglang.mem_cache.summaries import PageSummaries, bound_dtype, cuboid_center, cuboid_half_extent, empty_bounds
 
 __all__ = [
     "GPUCacheFull",
@@ -30,6 +30,7 @@ __all__ = [
     "bound_dtype",
     "cuboid_center",
     "cuboid_half_extent",
+    "empty_bounds",
     "host_page_bytes",
     "pages_for_budget",
     "slots_for_budget",

@@ -3,33 +3,44 @@ the mean key (SparseServe's cuboid-mean), per (layer, kv head, host page).
 
 Storage types
 -------------
-- ``kmin``/``kmax`` are stored in the KV compute type: the KV dtype itself for bf16/fp16, bf16 for
-  fp8. A min or max *is* one of the keys, and every fp8 value (e4m3 and e5m2) is exactly a bf16
-  value, so this is exact and takes half the memory of float32.
+- ``kmin``/``kmax`` are stored in the KV dtype itself (:func:`bound_dtype`): a min or max *is* one
+  of the keys, so this is exact for bf16, fp16 and fp8 alike; for fp8 it halves the bytes of bf16
+  bounds, and the bytes the scoring kernel reads.
 - ``mean`` is float32: it is the one running statistic (updated as a page fills across decode
   steps), and bf16 would drift by a rounding error per update.
 
-Together that is ``(2 * 2 + 4) / (2 * page_size * itemsize)`` of the KV bytes: 6.25 % for bf16
-and 32-token pages, half of it the mean, which only the ``mean`` selector reads: the server keeps
-just the summaries its selector reads (``with_mean``, ``with_radius``; see
-``sparse_sglang.attention.kept_summaries``), 3.1 % for quest. fp8 keys are summarized from their dequantized values (``k.to(bf16/float32)``);
-a per-tensor fp8 scale would multiply all scores of a layer alike, so it does not change which
-pages rank highest and is not applied.
+Together that is ``(2 * itemsize + 4) / (2 * page_size * itemsize)`` of the KV bytes: 6.25 % for
+bf16 and 32-token pages, half of it the mean, which only the ``mean`` selector reads: the server
+keeps just the summaries its selector reads (``with_mean``, ``with_radius``; see
+``sparse_sglang.attention.kept_summaries``), 3.1 % for quest, for bf16 and fp8 keys alike. fp8 keys
+are summarized as stored, without their per-tensor scale: it would multiply all scores of a layer
+alike, so it does not change which pages rank highest.
 
-An empty page (no tokens yet, or reset) has ``kmin = +inf``, ``kmax = -inf``, ``mean = 0`` and
-count 0; scorers must only look at pages a request holds tokens in.
+An empty page (no tokens yet, or reset) has the bounds :func:`empty_bounds` (``kmin = +inf``,
+``kmax = -inf``; ``+-448`` for e4m3, which has no infinity), ``mean = 0`` and count 0; scorers
+must only look at pages a request holds tokens in.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparse_sglang.mem_cache.utils import kv_compute_dtype
 
 
 def bound_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """Storage type of ``kmin``/``kmax`` for keys of ``kv_dtype`` (exact; see module doc)."""
-    return kv_compute_dtype(kv_dtype)
+    """Storage type of ``kmin``/``kmax`` for keys of ``kv_dtype``: the keys' own (exact; see module doc)."""
+    return kv_dtype
+
+
+def empty_bounds(dtype: torch.dtype) -> tuple[float, float]:
+    """``(kmin, kmax)`` of a page without keys, bounds stored as ``dtype``: the identities of min
+    and max, ``(+inf, -inf)``, or, for a type without infinity (fp8 e4m3: inf casts to NaN),
+    ``(+top, -top)`` of its largest finite value ``top``, which bounds every stored key (the store
+    saturates keys cast into fp8; ``KVStore.to_store_dtype``)."""
+    if torch.tensor(float("inf")).to(dtype).float().isinf():
+        return float("inf"), float("-inf")
+    top = torch.finfo(dtype).max
+    return top, -top
 
 
 def cuboid_center(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -79,8 +90,10 @@ class PageSummaries:
         # One extra page at index num_pages: padding tokens fold into it, so updates need no masks.
         shape = (num_layers, num_kv_heads, num_pages + 1, head_dim)
         self.page_size, self.num_pages = page_size, num_pages
-        self._kmin = torch.full(shape, float("inf"), dtype=bound_dtype(kv_dtype), device=device)
-        self._kmax = torch.full(shape, float("-inf"), dtype=bound_dtype(kv_dtype), device=device)
+        bounds = bound_dtype(kv_dtype)
+        self.empty_bounds = empty_bounds(bounds)
+        self._kmin = torch.full(shape, self.empty_bounds[0], dtype=bounds, device=device)
+        self._kmax = torch.full(shape, self.empty_bounds[1], dtype=bounds, device=device)
         self._mean = torch.zeros(shape, dtype=torch.float32, device=device) if with_mean else None
         self._count = torch.zeros(num_layers, num_pages + 1, dtype=torch.int32, device=device)
         self._radius = torch.zeros(shape, dtype=torch.float32, device=device) if with_radius else None
@@ -125,35 +138,31 @@ class PageSummaries:
         -----
         A token at offset 0 starts its page: the page's old summaries (a previous owner's) are
         cleared first, so freed pages need no reset. Min/max merge by ``scatter_reduce``
-        (amin/amax). The mean of page ``p`` with ``c`` old tokens of mean ``m`` and new keys ``x_t``
-        becomes ``m + sum_t (x_t - m) / (c + n)``: each token adds ``(x_t - m) / (c + n)`` by
+        (amin/amax), in float32 over the touched pages (:meth:`_merge_bounds`). The mean of page
+        ``p`` with ``c`` old tokens of mean ``m`` and new keys ``x_t`` becomes
+        ``m + sum_t (x_t - m) / (c + n)``: each token adds ``(x_t - m) / (c + n)`` by
         ``index_add``. The ArkVale radius (mean ``|k - centre|``) is kept the same way against the
         centre after the update: exact for a page filled in one call, an approximation for a page
         filled over several (its centre moves). No loops, no host synchronization, so the update
         can run inside a CUDA graph.
         """
-        num_tokens, heads, dim = k.shape
         slots = token_slots.long()
         valid = slots >= 0
         page = torch.where(valid, slots // self.page_size, self.num_pages)  # padding -> spare page
         fresh = torch.where(valid & (slots % self.page_size == 0), page, self.num_pages)
-        self._kmin[layer][:, fresh] = float("inf")
-        self._kmax[layer][:, fresh] = float("-inf")
+        self._kmin[layer][:, fresh], self._kmax[layer][:, fresh] = self.empty_bounds
         if self._mean is not None:
             self._mean[layer][:, fresh] = 0.0
         self._count[layer][fresh] = 0
         if self._radius is not None:
             self._radius[layer][:, fresh] = 0.0
 
-        index = page.view(1, -1, 1).expand(heads, num_tokens, dim)
-        kb = k.to(self._kmin.dtype).transpose(0, 1)  # [H, T, D], exact (see module doc)
-        self._kmin[layer].scatter_reduce_(1, index, kb, "amin")
-        self._kmax[layer].scatter_reduce_(1, index, kb, "amax")
+        kf = k.float().transpose(0, 1)  # [H, T, D]
+        self._merge_bounds(layer, page, kf)
 
         count = self._count[layer]
         count.index_add_(0, page, torch.ones_like(page, dtype=count.dtype))
         scale = count[page].view(1, -1, 1).float()  # c + n
-        kf = k.float().transpose(0, 1)
         if self._mean is not None:
             mean = self._mean[layer]  # [H, N + 1, D]
             mean.index_add_(1, page, (kf - mean[:, page]) / scale)
@@ -162,17 +171,39 @@ class PageSummaries:
             radius = self._radius[layer]
             radius.index_add_(1, page, ((kf - centre).abs() - radius[:, page]) / scale)
 
+    def _merge_bounds(self, layer: int, page: torch.Tensor, kf: torch.Tensor) -> None:
+        """Fold keys ``kf`` ``[H, T, D]`` (float32) into the bounds of their pages ``page`` ``[T]``
+        (repeated when a page gets several tokens).
+
+        torch has no ``scatter_reduce`` (nor ``index_fill_``) for fp8, so the bounds of the touched
+        pages are gathered in float32 (exact for every bound type), reduced there and written back.
+        Each token's keys reduce into the row of one representative token of its page (the page's
+        first in sorted order); then every token writes its page's result, the same value for all
+        of a page's tokens, so the duplicate writes do not race. Fixed shapes, no host
+        synchronization (CUDA-graph safe)."""
+        order = page.argsort()
+        sorted_page = page[order]
+        position = torch.arange(page.numel(), device=page.device)
+        starts = torch.ones_like(sorted_page, dtype=torch.bool)
+        starts[1:] = sorted_page[1:] != sorted_page[:-1]
+        first = torch.where(starts, position, 0).cummax(0).values  # where each page's run starts
+        representative = torch.empty_like(order)
+        representative[order] = order[first]
+        index = representative.view(1, -1, 1).expand_as(kf)
+        for bound, reduce in ((self._kmin[layer], "amin"), (self._kmax[layer], "amax")):
+            merged = bound[:, page].float().scatter_reduce_(1, index, kf, reduce)  # rows of representatives
+            bound[:, page] = merged[:, representative].to(bound.dtype)  # exact: min/max of stored values
+
     def reset(self, pages: torch.Tensor) -> None:
         """Empty the summaries of ``pages`` (host page ids, ``[n]``) in every layer and head,
-        e.g. when the allocator frees them."""
+        e.g. when the allocator frees them (indexed assignment: fp8 has no ``index_fill_``)."""
         pages = pages.to(self.count.device).long()
-        self.kmin.index_fill_(2, pages, float("inf"))
-        self.kmax.index_fill_(2, pages, float("-inf"))
+        self.kmin[:, :, pages], self.kmax[:, :, pages] = self.empty_bounds
         if self.mean is not None:
-            self.mean.index_fill_(2, pages, 0.0)
-        self.count.index_fill_(1, pages, 0)
+            self.mean[:, :, pages] = 0.0
+        self.count[:, pages] = 0
         if self.radius is not None:
-            self.radius.index_fill_(2, pages, 0.0)
+            self.radius[:, :, pages] = 0.0
 
     def center(self, layer: int) -> torch.Tensor:
         """Cuboid centres of one layer, ``[num_kv_heads, num_pages, head_dim]`` float32."""
