@@ -295,6 +295,30 @@ def test_score_kernel_with_reuse_scores_only_the_cached_pages_of_rows_not_due(fo
         assert (got[~torch.tensor(due, device=device)] == NOT_CACHED).any() or all(due)  # some pages really were left out
 
 
+@pytest.mark.parametrize("selector", ["quest", "arkvale"])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+def test_scores_of_fp8_bounds_equal_those_of_the_same_bounds_in_bf16(selector, use_kernel):
+    """Bounds of fp8 keys stored as fp8 (what an fp8 store keeps) score exactly as the same
+    values stored as bf16: both paths widen the bounds to float32 before any arithmetic."""
+    from sparse_sglang.attention.scoring import score_pages
+
+    gen = torch.Generator().manual_seed(9)
+    heads, pool, dim, group = 2, 50, 16, 3
+    lo = torch.randn(heads, pool, dim, generator=gen) * 20
+    hi = lo + torch.rand(heads, pool, dim, generator=gen) * 20
+    fp8 = {"kmin": lo.to(torch.float8_e4m3fn), "kmax": hi.to(torch.float8_e4m3fn), "radius": (hi - lo) / 3}
+    bf16 = {name: t.to(torch.bfloat16) if t.element_size() == 1 else t for name, t in fp8.items()}
+    host_pages = torch.randint(0, pool, (2, 40), generator=gen, dtype=torch.int32)
+    num_pages = torch.tensor([40, 13], dtype=torch.int32)
+    q = torch.randn(2, heads, group, dim, generator=gen).bfloat16()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernel runs in Triton's interpreter
+    fp8, bf16 = ({k: t.to(device) for k, t in summ.items()} for summ in (fp8, bf16))
+    host_pages, num_pages, q = host_pages.to(device), num_pages.to(device), q.to(device)
+    got = score_pages(selector, q, fp8, host_pages, num_pages, forced=(1, 2), use_kernel=use_kernel)
+    want = score_pages(selector, q, bf16, host_pages, num_pages, forced=(1, 2), use_kernel=use_kernel)
+    assert torch.equal(got, want) and got[1, :, :13].isfinite().any()
+
+
 def test_keep_cached_restricts_only_the_rows_that_reuse_their_selection():
     scores = torch.tensor([[[5.0, 4.0, 3.0, math.inf, -math.inf]], [[5.0, 4.0, 3.0, math.inf, -math.inf]]])
     cached = torch.tensor([[[False, False, True, False, False]]] * 2)
