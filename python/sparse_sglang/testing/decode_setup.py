@@ -86,11 +86,13 @@ class DecodeBench:
     def fill_summaries_randomly(self, generator: torch.Generator | None = None) -> None:
         """Random page summaries (timing runs: the pages a step selects look random)."""
         summ = self.store.summaries
-        lo = torch.randn(summ.kmin.shape, device="cuda", generator=generator).to(summ.kmin.dtype)
-        summ.kmin.copy_(lo)
-        summ.kmax.copy_(lo + torch.rand(summ.kmax.shape, device="cuda", generator=generator).to(summ.kmax.dtype))
-        if summ.mean is not None:
-            summ.mean.copy_((summ.kmin.float() + summ.kmax.float()) / 2)
+        for layer in range(summ.kmin.shape[0]):  # a layer at a time: the float32 temporaries stay small
+            lo = torch.randn(summ.kmin[layer].shape, device="cuda", generator=generator)
+            # Summed in float32 (fp8 tensors have no add); rounding is monotone, so kmax >= kmin.
+            summ.kmin[layer].copy_(lo)
+            summ.kmax[layer].copy_(lo + torch.rand(lo.shape, device="cuda", generator=generator))
+            if summ.mean is not None:
+                summ.mean[layer].copy_((summ.kmin[layer].float() + summ.kmax[layer].float()) / 2)
 
     def evict(self, layer: int, page_ids: torch.Tensor, fraction: float, generator: torch.Generator) -> int:
         """Unmap ``fraction`` of the selected pages ``[B, Hkv, K]`` of ``layer`` (the next step misses
