@@ -42,6 +42,7 @@ from sparse_sglang.testing.provenance import finish_run
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=1)
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}  # fp8: summaries' bounds in fp8 too
 HOST_GIB_PER_STORE = 24  # pinned host KV of one (context, batch) store: bounds its layers
 
 
@@ -122,7 +123,7 @@ def dense_step(batch: int, context: int, workspace: torch.Tensor, kv: torch.Tens
     indices = torch.arange(batch * pages, dtype=torch.int32, device="cuda")
     last = torch.full((batch,), (context + 1) - (pages - 1) * page, dtype=torch.int32)
     wrapper.plan(indptr, indices, last, SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.head_dim, page,
-                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+                 q_data_type=q.dtype, kv_data_type=kv.dtype)  # fmt: skip
     n = batch * pages
     slices = [(kv[0][i * n : (i + 1) * n], kv[1][i * n : (i + 1) * n]) for i in range(layers)]
 
@@ -146,13 +147,14 @@ def run(args) -> dict:
     max_batch, max_context = max(args.batches), max(args.contexts)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     max_pages = max_batch * -(-(max_context + 1) // 32)
-    dense_kv = torch.randn(2, max_pages, SHAPE.num_kv_heads, 32, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+    kv_dtype = KV_DTYPES[args.kv_dtype]
+    dense_kv = torch.randn(2, max_pages, SHAPE.num_kv_heads, 32, SHAPE.head_dim, device="cuda").to(kv_dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
             layers = layers_for(batch, context, max_batch, args.layers_per_graph)
-            store = make_store(Llama8BShape(num_layers=layers), config, batch, context)
+            store = make_store(Llama8BShape(num_layers=layers), config, batch, context, dtype=kv_dtype)
             b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
             b.fill_summaries_randomly(gen)
             b.plan()
@@ -234,6 +236,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
+                        help="KV dtype of both sides (fp8: dense reads half the bytes, and so does scoring)")
     parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--layers-per-graph", type=int, default=4,
@@ -251,10 +255,10 @@ def main(argv=None) -> dict:
     if args.q1 and args.q1.exists():
         summary.update(json.loads(args.q1.read_text()))
     summary.update(quality_summary())
-    config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest",
+    config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest", "kv_dtype": args.kv_dtype,
               "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
     return finish_run("benchmark/decode.py", argv, {"config": config, **result, "summary": summary},
-                          args.out_dir, "decode-{date}.json")  # fmt: skip
+                          args.out_dir, "decode-{date}.json" if args.kv_dtype == "bf16" else "decode-{date}-fp8.json")  # fmt: skip
 
 
 if __name__ == "__main__":
