@@ -2,14 +2,16 @@
 
 - Q1 (server): 10 prompts, 64 greedy tokens each, sparse on with the budget covering every
   context and the exact shortcut off (so scoring, selection and retrieval all run) gives the same
-  tokens as sparse off (plain SGLang, FlashInfer); so does a request whose ~1.5K-token prefix is a
-  radix-cache hit.
+  tokens as sparse off (plain SGLang, FlashInfer). A request whose ~1.5K-token prefix is a
+  radix-cache hit agrees up to rounding (its own test: the sparse server attends the cached
+  prefix with other prefill kernels, so the tokens may part at a near-tie).
 - Q4: the pass-key prompts of ``benchmark/quality.py`` (2K/4K/7K tokens, depths 0.1/0.5/0.9),
   greedy, through the sparse server at budget 512 and through plain SGLang: the same answers (the
   number after "The pass key is"; whether the whole 8 greedy tokens match is recorded too); and
   the same with ``--sparse-reselect-interval 8`` (selections reused between full ones).
 
-Results go to ``$SPARSE_SGLANG_RESULTS_DIR/gpu-quality.json`` when that is set.
+Results go to ``$SPARSE_SGLANG_RESULTS_DIR/gpu-quality.json`` and ``gpu-quality-radix.json`` when
+that is set.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pytest
 import requests
 
 from sparse_sglang.default_model import default_model_path
+from sparse_sglang.testing.greedy import completion, greedy_agreement
 from sparse_sglang.testing.provenance import git_commit
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
 
@@ -35,7 +38,12 @@ COMMON = ["--mem-fraction-static", "0.7", "--disable-prefill-cuda-graph", "--spa
 DENSE = ["--sparse-enabled", "false", "--attention-backend", "flashinfer"]
 PASSKEY_BUDGET = 512
 RESELECT_INTERVAL = 8  # Q4 also with selections reused for 8 steps (--sparse-reselect-interval)
-RESULTS: dict = {}
+# A radix hit's completion against plain SGLang's (GreedyAgreement.within): logprobs of the same
+# tokens within 0.2 nats, and a switch only where plain SGLang's top two are within 0.2 nats. On the
+# first GPU run (2026-11-24) the tokens parted at step 30 of 64, both sides coherent text;
+# attending the wrong pages moves logprobs by whole nats.
+RADIX_LOGPROB_TOL = 0.2
+RADIX_NEAR_TIE = 0.2
 
 
 def q1_prompts() -> list[str]:
@@ -57,12 +65,14 @@ def generate(url: str, payload: dict, flush: bool = True) -> dict:
 def radix_hit(url: str) -> dict:
     """A ~1.5K-token document, then a question about it: the second request finds the document in
     the radix cache (its pages were written by the first prefill, not its own) and decodes 64
-    greedy tokens, crossing new pages while its row holds loaded prefix pages."""
+    greedy tokens, crossing new pages while its row holds loaded prefix pages. With each step's
+    logprob and top two (:func:`completion`)."""
     doc = q1_prompts()[-1]
     generate(url, {"text": doc, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
     out = generate(url, {"text": doc + "\n\nQuestion: what does this license allow?\nAnswer:",
-                         "sampling_params": {"temperature": 0, "max_new_tokens": 64}}, flush=False)  # fmt: skip
-    return {"output_ids": out["output_ids"], "cached_tokens": out["meta_info"].get("cached_tokens", 0)}
+                         "sampling_params": {"temperature": 0, "max_new_tokens": 64},
+                         "return_logprob": True, "top_logprobs_num": 2}, flush=False)  # fmt: skip
+    return completion(out)
 
 
 def passkey_cases(tokenizer) -> list[dict]:
@@ -107,8 +117,8 @@ def test_q1_and_q4_through_the_server(tmp_path):
         return [tokenizer.decode(generate(url, {"input_ids": c["ids"], "sampling_params": params})["output_ids"])
                 for c in cases]  # fmt: skip
 
-    dense = serve(DENSE, "dense", tmp_path, lambda url: {"q1": q1(url), "q4": q4(url), "radix": radix_hit(url)})
-    exact = serve(["--sparse-exact-shortcut", "false"], "sparse-exact", tmp_path, lambda url: {"q1": q1(url), "radix": radix_hit(url)})
+    dense = serve(DENSE, "dense", tmp_path, lambda url: {"q1": q1(url), "q4": q4(url)})
+    exact = serve(["--sparse-exact-shortcut", "false"], "sparse-exact", tmp_path, lambda url: {"q1": q1(url)})
     budget = serve(["--sparse-token-budget", str(PASSKEY_BUDGET), "--sparse-reselect-interval", "1"], "sparse-512", tmp_path, q4)
     reuse = serve(["--sparse-token-budget", str(PASSKEY_BUDGET), "--sparse-reselect-interval", str(RESELECT_INTERVAL)],
                   f"sparse-512-reselect{RESELECT_INTERVAL}", tmp_path, q4)  # fmt: skip
@@ -123,8 +133,6 @@ def test_q1_and_q4_through_the_server(tmp_path):
     summary = {
         "q1_server_equal": all(q1_equal),
         "q1_prompts_equal": f"{sum(q1_equal)}/{len(q1_equal)}",
-        "radix_hit_equal": exact["out"]["radix"]["output_ids"] == dense["out"]["radix"]["output_ids"],
-        "radix_hit_cached_tokens": exact["out"]["radix"]["cached_tokens"],
         "passkey_server_equal": all(answer(r["dense"]) == answer(r["sparse"]) for r in rows),
         "passkey_outputs_equal": f"{sum(r['dense'] == r['sparse'] for r in rows)}/{len(rows)}",
         "passkey_dense_correct": sum(r["dense_has_key"] for r in rows),
@@ -134,16 +142,37 @@ def test_q1_and_q4_through_the_server(tmp_path):
         f"passkey_sparse_correct_reselect{RESELECT_INTERVAL}": sum(r["sparse_reselect_has_key"] for r in rows),
     }
     record = {"summary": summary, "q1": {"prompts": prompts, "dense": dense["out"]["q1"], "sparse": exact["out"]["q1"]},
-              "radix_hit": {"dense": dense["out"]["radix"], "sparse": exact["out"]["radix"]},
               "q4": {"budget": PASSKEY_BUDGET, "reselect_interval": RESELECT_INTERVAL, "rows": rows}}  # fmt: skip
+    save_result("gpu-quality.json", record)
+    print(json.dumps(summary))
+    assert summary["q1_server_equal"], summary
+    assert summary["passkey_server_equal"], summary
+    assert summary[f"passkey_server_equal_reselect{RESELECT_INTERVAL}"], summary
+
+
+def save_result(name: str, record: dict) -> None:
     if os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
         import torch
 
         record = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
                   "commit": git_commit(), **record}  # fmt: skip
-        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], "gpu-quality.json").write_text(json.dumps(record, indent=1))
+        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], name).write_text(json.dumps(record, indent=1))
+
+
+def test_a_radix_hit_decodes_like_plain_sglang(tmp_path):
+    """Q1's radix-hit request (:func:`radix_hit`) through plain SGLang and through the sparse server
+    (budget covering the context, exact shortcut off). The sparse server stages the cached prefix
+    from host memory and attends it with its own prefill kernels (FA3 on sm90, then a merge), so
+    its logits round differently: the greedy tokens must agree up to rounding
+    (:meth:`GreedyAgreement.within`, ``RADIX_LOGPROB_TOL`` and ``RADIX_NEAR_TIE``)."""
+    dense = serve(DENSE, "radix-dense", tmp_path, radix_hit)
+    exact = serve(["--sparse-exact-shortcut", "false"], "radix-sparse-exact", tmp_path, radix_hit)
+    agreement = greedy_agreement(dense["out"], exact["out"])
+    summary = {"radix_hit_cached_tokens": exact["out"]["cached_tokens"], **agreement.as_dict(),
+               "within": agreement.within(RADIX_LOGPROB_TOL, RADIX_NEAR_TIE),
+               "logprob_tol": RADIX_LOGPROB_TOL, "near_tie": RADIX_NEAR_TIE}  # fmt: skip
+    save_result("gpu-quality-radix.json", {"summary": summary, "dense": dense["out"], "sparse": exact["out"]})
     print(json.dumps(summary))
-    assert summary["q1_server_equal"], summary
-    assert summary["radix_hit_cached_tokens"] > 0 and summary["radix_hit_equal"], summary
-    assert summary["passkey_server_equal"], summary
-    assert summary[f"passkey_server_equal_reselect{RESELECT_INTERVAL}"], summary
+    assert exact["sparse_backend"] and not dense["sparse_backend"]
+    assert summary["radix_hit_cached_tokens"] > 0, summary
+    assert summary["within"], summary
