@@ -16,7 +16,7 @@ in a server, where one graph holds every layer of a decode step, a graph holds
 ``--layers-per-graph`` layers (distinct KV and summaries, fewer where memory is short: the
 ``layers`` field) and times are per layer, so the graph's launch is paid once per graph rather
 than once per layer. Summaries are random (the selected pages then look random, as misses would). Writes
-``benchmark/results/decode-<date>.json``::
+``benchmark/results/decode-<date>.json`` (``decode-<date>-fp8.json`` with ``--kv-dtype fp8_e4m3``)::
 
     python benchmark/decode.py                 # full grid, about a minute on an H100 (2026-11-23)
     python benchmark/decode.py --quick         # 8K and 32K, batch 1 and 8
@@ -42,7 +42,7 @@ from sparse_sglang.testing.provenance import finish_run
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=1)
-KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}  # fp8: summaries' bounds in fp8 too
+KV_DTYPE_CHOICES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}  # fp8: summaries' bounds in fp8 too
 HOST_GIB_PER_STORE = 24  # pinned host KV of one (context, batch) store: bounds its layers
 
 
@@ -147,7 +147,7 @@ def run(args) -> dict:
     max_batch, max_context = max(args.batches), max(args.contexts)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     max_pages = max_batch * -(-(max_context + 1) // 32)
-    kv_dtype = KV_DTYPES[args.kv_dtype]
+    kv_dtype = KV_DTYPE_CHOICES[args.kv_dtype]
     dense_kv = torch.randn(2, max_pages, SHAPE.num_kv_heads, 32, SHAPE.head_dim, device="cuda").to(kv_dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -231,22 +231,27 @@ def quality_summary() -> dict:
     return out
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_grid_args(parser: argparse.ArgumentParser) -> None:
+    """The (context, batch) grid and its timing options, shared with ``decode_kernels.py``."""
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--budget", type=int, default=2048)
-    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16",
-                        help="KV dtype of both sides (fp8: dense reads half the bytes, and so does scoring)")
-    parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--layers-per-graph", type=int, default=4,
                         help="layers (distinct KV and summaries) in one timed graph; times are per layer")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_grid_args(parser)
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_CHOICES), default="bf16",
+                        help="KV dtype of both sides (fp8: dense reads half the bytes, and so does scoring)")
+    parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument("--kernels", action="store_true",
                         help="also record each kernel's time in the all-hit step (torch's profiler)")
     parser.add_argument("--q1", type=Path, help="q1.json written by test/test_sparse_decode_gpu.py")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
     args = parser.parse_args(argv)
     if args.quick:
         args.contexts, args.batches = [8192, 32768], [1, 8]

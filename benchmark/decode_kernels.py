@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.decode import REPO, SHAPE, layers_for, time_graph  # noqa: E402
+from benchmark.decode import SHAPE, add_grid_args, layers_for, time_graph  # noqa: E402
 from sparse_sglang.attention import scoring  # noqa: E402
 from sparse_sglang.attention.scoring import score_pages  # noqa: E402
 from sparse_sglang.config import SparseConfig  # noqa: E402
@@ -106,15 +106,10 @@ def run(args) -> list[dict]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--budget", type=int, default=2048)
+    add_grid_args(parser)
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--programs", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--layers-per-graph", type=int, default=4)
-    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
     args = parser.parse_args(argv)
     rows = run(args)
     summary = {f"{r['context'] // 1024}k_b{r['batch']}": {

@@ -8,7 +8,8 @@ request holds and writes the group-reduced scores, never materializing the gathe
 selection (``--sparse-reselect-interval``), those not due for a full one read no summaries there;
 a second, row-sized kernel scores only the pages their cache rows hold.
 
-Both return ``[B, Hkv, N]`` float32 with ``-inf`` past each request's pages.
+Both return ``[B, Hkv, N]`` float32 with ``-inf`` past each request's pages (the kernel may leave
+whole blocks there unwritten when asked: ``fill_tail=False``).
 """
 
 from __future__ import annotations
@@ -226,8 +227,8 @@ def score_pages(
     q, host_pages, num_pages = q.contiguous(), host_pages.contiguous(), num_pages.to(torch.int32)
     summaries = [layer_summaries.get(name, dummy) for name in ("kmin", "kmax", "mean", "radius")]
     reselect = dummy if reuse is None else reuse.reselect
-    meta = dict(D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max", FORCE=forced is not None)
-    meta["num_warps"] = num_warps
+    meta = dict(D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max", FORCE=forced is not None,
+                num_warps=num_warps)  # fmt: skip
     _score_kernel[grid](
         q, *summaries, host_pages, num_pages, out, reselect,
         heads, max_pages, ref.stride(0), *(forced or (0, 0)), REUSE=reuse is not None, FILL_TAIL=fill_tail, **meta,

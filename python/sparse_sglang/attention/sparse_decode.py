@@ -111,14 +111,7 @@ class SparseDecoder:
         if topk not in TOPK_IMPLS:
             raise ValueError(f"topk must be one of {TOPK_IMPLS}, got {topk!r}")
         self.topk = topk
-        rows = max_batch * shape.num_kv_heads
-        # The wrapper reads page indices from this buffer; run() rewrites it per layer. The last
-        # entry takes the padding of rows with fewer than K pages (reference path).
-        self.indices = torch.zeros(rows * self.width + 1, dtype=torch.int32, device=device)
-        # FlashH2D's copy list, written by retrieve_pages (fused path).
-        self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
-        self.miss_dst = torch.empty_like(self.miss_src)
-        self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
+        self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector = config.selector
         recent = min(config.recent_pages, self.width)
@@ -136,6 +129,17 @@ class SparseDecoder:
         # (allocated by log_selections: the working-set tracker reads it after the step).
         self.selection_log: torch.Tensor | None = None
 
+    def _alloc_row_buffers(self, rows: int) -> None:
+        """Buffers sized by the most (request, kv head) rows a step selects for."""
+        device = self.store.device
+        # The wrapper reads page indices from this buffer; run() rewrites it per layer. The last
+        # entry takes the padding of rows with fewer than K pages (reference path).
+        self.indices = torch.zeros(rows * self.width + 1, dtype=torch.int32, device=device)
+        # FlashH2D's copy list, written by retrieve_pages (fused path).
+        self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
+        self.miss_dst = torch.empty_like(self.miss_src)
+        self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
+
     def log_selections(self, max_batch: int) -> torch.Tensor:
         """Keep each step's selections (every layer's) in :attr:`selection_log`, a static buffer
         that CUDA-graph steps write too."""
@@ -148,7 +152,7 @@ class SparseDecoder:
 
         A captured step cannot change its path or shapes, so in graph mode every step scores (no
         exact shortcut) over the most pages a request can hold (the store's ``max_pages``; pages
-        past a request's end score ``-inf``), and per-step values live in these buffers, rewritten
+        past a request's end score ``-inf``, or go unread by FlashInfer's ragged top-k), and per-step values live in these buffers, rewritten
         by :meth:`plan` before each replay. Request slot 0 (SGLang's padding row) has no cache row:
         ``retrieve_pages`` skips it.
         """
@@ -159,10 +163,7 @@ class SparseDecoder:
         heads, device = self.num_kv_heads, self.store.device
         rows = max_batch * heads
         if self.indices.numel() < rows * self.width + 1:  # before any capture: the buffers never move after
-            self.indices = torch.zeros(rows * self.width + 1, dtype=torch.int32, device=device)
-            self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
-            self.miss_dst = torch.empty_like(self.miss_src)
-            self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)
+            self._alloc_row_buffers(rows)
         pages = self.store.shape.max_pages
         self.graph = {
             "indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
