@@ -11,7 +11,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 16}
 
 
 def _generate(engine_cls, **kwargs) -> list[str]:
-    engine = engine_cls(cuda_graph_max_bs=4, mem_fraction_static=0.5, **kwargs)
+    # sglang 0.5.17 has no ServerArgs.cuda_graph_max_bs: --cuda-graph-max-bs sets cuda_graph_max_bs_decode.
+    engine = engine_cls(cuda_graph_max_bs_decode=4, mem_fraction_static=0.5, **kwargs)
     try:
         return [out["text"] for out in engine.generate(PROMPTS, GREEDY)]
     finally:
