@@ -16,7 +16,8 @@ in a server, where one graph holds every layer of a decode step, a graph holds
 ``--layers-per-graph`` layers (distinct KV and summaries, fewer where memory is short: the
 ``layers`` field) and times are per layer, so the graph's launch is paid once per graph rather
 than once per layer. Summaries are random (the selected pages then look random, as misses would). Writes
-``benchmark/results/decode-<date>.json`` (``decode-<date>-fp8.json`` with ``--kv-dtype fp8_e4m3``)::
+``benchmark/results/decode-<date>.json`` (``decode-<date>-fp8.json`` with ``--kv-dtype fp8_e4m3``,
+``decode-<date>-exact-bounds.json`` with ``--bound-format exact``: bf16 bounds for bf16 KV)::
 
     python benchmark/decode.py                 # full grid, about a minute on an H100 (2026-11-23)
     python benchmark/decode.py --quick         # 8K and 32K, batch 1 and 8
@@ -36,7 +37,8 @@ from pathlib import Path
 import torch
 
 from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
-from sparse_sglang.config import SparseConfig
+from sparse_sglang.config import BOUND_FORMATS, SparseConfig
+from sparse_sglang.mem_cache.summaries import resolve_bound_format
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import finish_run
 
@@ -143,7 +145,7 @@ def layers_for(batch: int, context: int, max_batch: int, wanted: int) -> int:
 
 
 def run(args) -> dict:
-    config = SparseConfig(token_budget=args.budget, host_cache_gb=1.0)
+    config = SparseConfig(token_budget=args.budget, host_cache_gb=1.0, bound_format=args.bound_format)
     max_batch, max_context = max(args.batches), max(args.contexts)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     max_pages = max_batch * -(-(max_context + 1) // 32)
@@ -247,6 +249,8 @@ def main(argv=None) -> dict:
     add_grid_args(parser)
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_CHOICES), default="bf16",
                         help="KV dtype of both sides (fp8: dense reads half the bytes, and so does scoring)")
+    parser.add_argument("--bound-format", choices=BOUND_FORMATS, default="auto",
+                        help="the sparse side's page bounds (--sparse-bound-format; auto: int8 for bf16 KV)")
     parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument("--kernels", action="store_true",
                         help="also record each kernel's time in the all-hit step (torch's profiler)")
@@ -260,10 +264,11 @@ def main(argv=None) -> dict:
     if args.q1 and args.q1.exists():
         summary.update(json.loads(args.q1.read_text()))
     summary.update(quality_summary())
+    bounds = resolve_bound_format(args.bound_format, KV_DTYPE_CHOICES[args.kv_dtype])
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest", "kv_dtype": args.kv_dtype,
-              "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
-    return finish_run("benchmark/decode.py", argv, {"config": config, **result, "summary": summary},
-                          args.out_dir, "decode-{date}.json" if args.kv_dtype == "bf16" else "decode-{date}-fp8.json")  # fmt: skip
+              "bound_format": bounds, "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
+    name = "decode-{date}" + ("" if args.kv_dtype == "bf16" else "-fp8") + ("" if args.bound_format == "auto" else f"-{bounds}-bounds")
+    return finish_run("benchmark/decode.py", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json")
 
 
 if __name__ == "__main__":

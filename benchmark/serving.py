@@ -580,7 +580,7 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int
     config = SparseConfig(host_cache_gb=1.0)  # the defaults
     kept = kept_summaries(config.selector)  # the default selector's summaries
     staging = prefix_staging_tokens(config, context_len or c["max_position_embeddings"])
-    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], dtype, staging, **kept))
+    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], dtype, staging, **kept, bound_format=config.bound_format))
     cache_gb = kv_hbm_gb - other / GIB
     if cache_gb <= 0:
         raise SystemExit(f"--kv-hbm-gb {kv_hbm_gb:g}: the summaries and staging of {host_cache_gb:g} GiB of host KV "

@@ -694,3 +694,38 @@ def test_slots_for_budget():
     with pytest.raises(ValueError, match="power of two"):
         slots_for_budget(1, 24, 128, torch.bfloat16)
     assert slots_for_budget(64 * 2 * 4 * 16 * 2 / GIB, 4, 16, torch.bfloat16) == 64
+
+
+def test_int8_bounds_hold_every_key_as_pages_fill_token_by_token():
+    """int8 bounds (levels x 2**e per page and kv head), updated as a decode step would, one token
+    at a time, and as a prefill would, whole pages at once: every key stays inside its page's box,
+    the box is at most a level or two wider than the exact one, a page starting over forgets its
+    old keys, and ``reset`` empties pages to +-inf."""
+    from sparse_sglang.mem_cache.summaries import resolve_bound_format
+
+    gen = torch.Generator().manual_seed(4)
+    layers, heads, pages, page_size, dim = 1, 2, 6, 8, 16
+    assert resolve_bound_format("auto", torch.bfloat16) == "int8" and resolve_bound_format("auto", FP8) == "exact"
+    int8 = PageSummaries(layers, heads, pages, page_size, dim, torch.bfloat16, bound_format="auto", with_mean=False)
+    exact = PageSummaries(layers, heads, pages, page_size, dim, torch.bfloat16, with_mean=False)
+    assert int8.kmin.dtype == torch.int8 and int8.nbytes < exact.nbytes
+    keys = (torch.randn(pages * page_size, heads, dim, generator=gen) * torch.linspace(0.01, 50, pages * page_size).view(-1, 1, 1)).bfloat16()
+    for t in range(3 * page_size):  # pages 0-2, token by token (magnitudes grow: scales change)
+        for summ in (int8, exact):
+            summ.update(0, keys[t : t + 1], torch.tensor([t]))
+    for summ in (int8, exact):  # pages 3-5 in one call
+        summ.update(0, keys[3 * page_size :], torch.arange(3 * page_size, pages * page_size))
+    lo, hi = int8.bounds(0)
+    true_lo, true_hi = exact.bounds(0)
+    assert torch.equal(true_lo, keys.float().view(pages, page_size, heads, dim).amin(1).transpose(0, 1))
+    assert (lo <= true_lo).all() and (hi >= true_hi).all()
+    level = torch.ldexp(torch.ones(int8.bound_exp[0].shape), int8.bound_exp[0].int()).unsqueeze(-1)  # one level of each page
+    assert ((true_lo - lo) <= 2 * level).all() and ((hi - true_hi) <= 2 * level).all()
+    assert (int8.kmax[0].int().abs() <= 127).all() and (int8.kmin[0].int().abs() <= 127).all()
+    small = torch.full((1, heads, dim), 0.5).bfloat16()
+    int8.update(0, small, torch.tensor([2 * page_size]))  # page 2 starts over
+    lo, hi = int8.bounds(0)
+    assert (lo[:, 2] <= 0.5).all() and (hi[:, 2] >= 0.5).all() and (hi[:, 2] - lo[:, 2] < 0.01).all()
+    int8.reset(torch.tensor([1]))
+    lo, hi = int8.bounds(0)
+    assert (lo[:, 1] == math.inf).all() and (hi[:, 1] == -math.inf).all() and int8.count[0, 1] == 0

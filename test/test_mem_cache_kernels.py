@@ -49,14 +49,18 @@ def test_save_runs_split_each_request_at_its_page_boundaries():
     assert decode.token_positions.tolist() == [8, 15] and decode.length.tolist() == [1, 1]
 
 
-@pytest.mark.parametrize("dtype,with_radius,with_mean", [(torch.bfloat16, True, True), (torch.float16, False, False),
-                                                       (torch.float8_e4m3fn, True, False)])
-def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius, with_mean):
+@pytest.mark.parametrize("dtype,with_radius,with_mean,bound_format", [
+    (torch.bfloat16, True, True, "exact"), (torch.float16, False, False, "exact"), (torch.float8_e4m3fn, True, False, "auto"),
+    (torch.bfloat16, True, False, "int8"), (torch.float16, False, True, "auto"),
+])  # fmt: skip
+def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius, with_mean, bound_format):
     """Prefill batches with prefixes, then decode steps: the fused kernel leaves the summaries and
-    the cached blocks as the torch reference does (fp8: bounds stored in fp8, compared as floats)."""
+    the cached blocks as the torch reference does (fp8: bounds stored in fp8, compared as floats;
+    int8: the same levels and scales, bit for bit)."""
     gen = torch.Generator().manual_seed(3)
     layers, heads, page, dim, host_pages = 2, 2, 8, 16, 40
-    ref_summ = PageSummaries(layers, heads, host_pages, page, dim, dtype, DEVICE, with_radius=with_radius, with_mean=with_mean)
+    ref_summ = PageSummaries(layers, heads, host_pages, page, dim, dtype, DEVICE, with_radius=with_radius, with_mean=with_mean,
+                             bound_format=bound_format)  # fmt: skip
     ref_cache = make_cache(80, layers, heads, page, dim, dtype, width=4)
     summ, cache = copy.deepcopy(ref_summ), copy.deepcopy(ref_cache)
     reqs = {1: 0, 3: 0}  # request slot -> tokens saved so far
@@ -94,6 +98,11 @@ def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius,
     held = [p for pages in page_of.values() for p in pages]
     for name in ("kmin", "kmax"):
         assert torch.equal(getattr(summ, name)[..., held, :].float(), getattr(ref_summ, name)[..., held, :].float()), name
+    assert summ.bound_format == ("int8" if bound_format == "int8" or (bound_format == "auto" and dtype.itemsize == 2) else "exact")
+    if summ.bound_format == "int8":
+        assert summ.kmin.dtype == torch.int8 and torch.equal(summ.bound_exp[:, :, held], ref_summ.bound_exp[:, :, held])
+    else:
+        assert summ.bound_exp is None and "bound_exp" not in summ.layer(0)
     assert torch.equal(summ.count[:, held], ref_summ.count[:, held])
     if with_mean:
         torch.testing.assert_close(summ.mean[:, :, held], ref_summ.mean[:, :, held], rtol=1e-5, atol=1e-5)

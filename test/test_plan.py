@@ -20,6 +20,12 @@ def test_plan_for_the_8b_shape_splits_gpu_memory_into_summaries_cache_and_rows()
     assert plan.max_total_tokens == (s.num_host_pages - 1) * 32
     assert plan.selection_pages == 64 and s.min_row_width == 80 and s.row_width == 256 and s.max_pages == 4096
     assert plan.summary_bytes < 16 * GIB * 0.07  # 6.25% of the host KV, plus counts
+    # Quest's summaries alone (no mean): bf16 bounds 3.1% of the KV, int8 ones (the default) half that.
+    quest = {"with_mean": False, "with_radius": False}
+    exact, int8 = (plan_memory(SparseConfig(host_cache_gb=16, bound_format=f), gpu_kv_bytes=40 * GIB, **LLAMA8B, **quest)
+                   for f in ("exact", "auto"))  # fmt: skip
+    pages = exact.shape.num_host_pages + 1
+    assert exact.summary_bytes - int8.summary_bytes == 32 * 8 * pages * (128 * 2 - 1) and int8.cache_bytes > exact.cache_bytes
     assert plan.summary_bytes + plan.cache_bytes + plan.staging_bytes < 40 * GIB
     assert plan.max_running_requests == s.num_slots // (32 * 8 * 80) and s.max_requests == plan.max_running_requests + 1
     assert "requests at once" in plan.describe()
@@ -46,7 +52,7 @@ def test_rows_are_at_least_the_row_ratio_and_may_grow_to_4x_the_selection():
 
 def test_plan_errors_name_the_flag():
     with pytest.raises(MemoryPlanError, match="--sparse-host-cache-gb: the page summaries"):
-        plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=GIB, **LLAMA8B)
+        plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=GIB // 8, **LLAMA8B)
     with pytest.raises(MemoryPlanError, match="--sparse-gpu-cache-gb: .* holds no request"):
         plan_memory(SparseConfig(host_cache_gb=8, gpu_cache_gb=0.1), gpu_kv_bytes=40 * GIB, **LLAMA8B)
 

@@ -331,3 +331,43 @@ def test_keep_cached_restricts_only_the_rows_that_reuse_their_selection():
     # A row holding too few pages fills up with uncached ones rather than padding.
     sel = select_pages(out, torch.tensor([4, 4]), budget_pages=3, sink_pages=0, recent_pages=1)
     assert (sel.page_ids[1, 0] >= 0).all() and {2, 3} <= set(sel.page_ids[1, 0].tolist())
+
+
+@pytest.mark.parametrize("selector", ["quest", "arkvale"])
+@pytest.mark.parametrize("reuse", [False, True], ids=["full", "reuse"])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+def test_int8_bounds_score_as_their_values_and_still_bound_the_keys(selector, reuse, use_kernel):
+    """int8 bounds (levels x a power-of-two scale per page and kv head) score as their float32
+    values do, in the kernels (full rows and cached rows) and the torch path; rounded outward,
+    each page's Quest score stays at or above ``q . k`` of every key in it."""
+    from sparse_sglang.attention.scoring import score_pages
+    from sparse_sglang.mem_cache.gpu_cache import CachedRows
+    from sparse_sglang.mem_cache.summaries import dequantize_bounds, quantize_bounds
+
+    gen = torch.Generator().manual_seed(11)
+    heads, pool, dim, group, page = 2, 50, 16, 3, 4
+    keys = torch.randn(heads, pool, page, dim, generator=gen) * torch.rand(1, pool, 1, 1, generator=gen) * 40
+    lo, hi, e = quantize_bounds(keys.amin(2), keys.amax(2))
+    int8 = {"kmin": lo, "kmax": hi, "bound_exp": e, "radius": (keys.amax(2) - keys.amin(2)) / 3}
+    values = {"kmin": dequantize_bounds(lo, e), "kmax": dequantize_bounds(hi, e), "radius": int8["radius"]}
+    assert (values["kmin"] <= keys.amin(2)).all() and (values["kmax"] >= keys.amax(2)).all()
+    host_pages = torch.randint(0, pool, (2, 40), generator=gen, dtype=torch.int32)
+    num_pages = torch.tensor([40, 13], dtype=torch.int32)
+    q = torch.randn(2, heads, group, dim, generator=gen).bfloat16()
+    rows = torch.randperm(200, generator=gen)[: 2 * heads * 10].view(2, heads, 10)  # request slots 0, 1
+    slot_page = torch.full((201,), -1, dtype=torch.int64)
+    slot_page[rows.flatten()] = torch.randint(0, 13, (rows.numel(),), generator=gen)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels run in Triton's interpreter
+    int8, values = ({k: t.to(device) for k, t in summ.items()} for summ in (int8, values))
+    host_pages, num_pages, q, keys = host_pages.to(device), num_pages.to(device), q.to(device), keys.to(device)
+    cached = None
+    if reuse:
+        cached = CachedRows(torch.tensor([True, False], device=device), rows.to(device),
+                            torch.tensor([0, 1], dtype=torch.int32, device=device), slot_page.to(device))  # fmt: skip
+    got = score_pages(selector, q, int8, host_pages, num_pages, reuse=cached, use_kernel=use_kernel)
+    want = score_pages(selector, q, values, host_pages, num_pages, reuse=cached, use_kernel=False)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+    if selector == "quest" and not reuse:  # an upper bound of q . k over each held page's keys
+        qk = torch.einsum("bhgd,hbptd->bhgpt", q.float(), keys[:, host_pages.long()].float()).amax(-1).sum(2)
+        held = torch.arange(40, device=device) < num_pages.view(-1, 1, 1)
+        assert (got >= qk - 1e-3)[held.expand_as(got)].all()

@@ -113,11 +113,10 @@ def test_sparse_gets_the_same_hbm_for_kv_as_vanilla():
 
 
 def test_sparse_kv_budget_follows_the_kv_cache_dtype_of_the_extra_server_args():
-    """fp8 KV: the same host GiB hold twice the pages; their bounds are stored in fp8, half of bf16's
-    bytes per page, so the summaries take about the GPU memory of bf16 KV's (twice the pages' counts
-    more), not twice (as with bf16 bounds of fp8 keys, before). The page cache still gets a little
-    less of the same budget: the larger table and the staged prefix's bf16 copy (the 2026-11-23
-    fp8 run's budget counted none of this)."""
+    """fp8 KV: the same host GiB hold twice the pages; their bounds are one byte per channel, fp8
+    (exact), as bf16 KV's are int8 levels (--sparse-bound-format auto), so the summaries take twice
+    the GPU memory of bf16 KV's, and the page cache gets less of the same budget: that, the larger
+    table and the staged prefix's bf16 copy (the 2026-11-23 fp8 run's budget counted none of this)."""
     import torch
 
     from benchmark.serving import kv_cache_dtype, sparse_gpu_cache_gb
@@ -128,13 +127,13 @@ def test_sparse_kv_budget_follows_the_kv_cache_dtype_of_the_extra_server_args():
     assert kv_cache_dtype("--cuda-graph-max-bs 64 --kv-cache-dtype fp8_e4m3") == torch.float8_e4m3fn
     assert kv_cache_dtype("--kv-cache-dtype auto") == kv_cache_dtype("") == torch.bfloat16
     fp8, bf16 = sparse_gpu_cache_gb(20.0, 16.0, kv_dtype=torch.float8_e4m3fn), sparse_gpu_cache_gb(20.0, 16.0)
-    assert bf16 - 0.05 < fp8 < bf16
+    assert bf16 - 0.3 < fp8 < bf16
     plan, bf16_plan = (plan_memory(SparseConfig(host_cache_gb=16.0, gpu_cache_gb=cache), num_layers=32, num_kv_heads=8,
                                    head_dim=128, dtype=dtype, context_len=131072, gpu_kv_bytes=0, **kept_summaries("quest"))
                        for cache, dtype in ((fp8, torch.float8_e4m3fn), (bf16, torch.bfloat16)))  # fmt: skip
     assert 19.99 * GIB < plan.cache_bytes + plan.summary_bytes + plan.staging_bytes + plan.table_bytes <= 20 * GIB
     assert plan.shape.num_host_pages == 2 * bf16_plan.shape.num_host_pages
-    assert plan.summary_bytes == pytest.approx(bf16_plan.summary_bytes, rel=0.002)
+    assert plan.summary_bytes == pytest.approx(2 * bf16_plan.summary_bytes, rel=0.01)
 
 
 @pytest.mark.parametrize("extra", ["--sparse-host-cache-gb 92", "--cuda-graph-max-bs 64 --max-total-tokens=9999"])

@@ -16,6 +16,9 @@ from typing import Any
 
 # Page scorers the sparse decode path knows (see the papers in shared/papers).
 SELECTORS = ("quest", "arkvale", "mean")
+# Storage of the page key bounds (sparse_sglang.mem_cache.summaries; kept here so the config
+# imports no torch).
+BOUND_FORMATS = ("auto", "exact", "int8")
 
 # Fraction of the machine's available RAM the host KV store takes when
 # --sparse-host-cache-gb is not given: the rest stays for the OS, the
@@ -83,6 +86,7 @@ class SparseConfig:
     page_size: int = knob(32, help="Tokens per per-(layer, kv-head) KV page; a power of two.")
     token_budget: int = knob(2048, help="KV tokens each kv head attends to per decode step; a multiple of the page size. Contexts up to this length decode densely (exact).")
     selector: str = knob("quest", help=f"Page scorer: {' | '.join(SELECTORS)}.")
+    bound_format: str = knob("auto", help=f"How the GPU keeps each page's key bounds (Quest's min/max, which scoring reads for every page every step): {' | '.join(BOUND_FORMATS)}. exact = in the KV dtype; int8 = int8 levels times a power-of-two scale per (page, kv head), the min rounded down and the max up, so they still bound every key: half the bytes of bf16 bounds (mean recall at budget 512 on SmolLM2 0.8066 against 0.8069 exact, benchmark/results/summary-precision-2026-11-23.json); auto = int8 for 16-bit KV, exact for fp8 (one byte already).")
     sink_pages: int = knob(1, help="Leading pages every decode step keeps (attention sinks).")
     recent_pages: int = knob(2, help="Newest pages every decode step keeps, the partial newest page included (>= 1).")
     exact_shortcut: bool = knob(True, help="Skip scoring when every request's context fits in the budget (all pages are attended anyway); false checks the selection machinery.")
@@ -110,6 +114,8 @@ class SparseConfig:
                 "token_budget",
                 f"must be a multiple of --sparse-page-size ({self.page_size}), got {self.token_budget}",
             )
+        if self.bound_format not in BOUND_FORMATS:
+            raise SparseConfigError("bound_format", f"must be one of {', '.join(BOUND_FORMATS)}; got {self.bound_format!r}")
         if self.selector not in SELECTORS:
             raise SparseConfigError("selector", f"must be one of {', '.join(SELECTORS)}; got {self.selector!r}")
         if self.sink_pages < 0:

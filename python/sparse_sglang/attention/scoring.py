@@ -21,6 +21,7 @@ import torch
 from sparse_sglang.attention.selection import NOT_CACHED, force_pages, keep_cached
 from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
 from sparse_sglang.mem_cache.gpu_cache import CachedRows
+from sparse_sglang.mem_cache.summaries import dequantize_bounds
 
 try:  # Triton comes with CUDA builds of torch; the CPU path does not need it.
     import triton
@@ -51,7 +52,8 @@ def score_pages_reference(
         ``[B, Hkv, G, D]`` decode queries.
     layer_summaries : dict
         ``kmin``/``kmax``/``mean``/``radius`` of one layer, each ``[Hkv, num_host_pages, D]``
-        (only those the selector reads are needed).
+        (only those the selector reads are needed), and ``bound_exp`` ``[Hkv, num_host_pages]``
+        when the bounds are int8 levels (:meth:`PageSummaries.layer <sparse_sglang.mem_cache.PageSummaries.layer>`).
     host_pages : torch.Tensor
         ``[B, N]`` host page id of each logical page (anything valid past ``num_pages``).
     num_pages : torch.Tensor
@@ -59,6 +61,10 @@ def score_pages_reference(
     """
     sel = get_selector(selector)
     gathered = {name: gather_layer(layer_summaries[name], host_pages) for name in sel.summaries}
+    if "bound_exp" in layer_summaries and "kmin" in gathered:  # int8 levels -> values
+        e = layer_summaries["bound_exp"][:, host_pages.long()].permute(1, 0, 2)
+        for name in ("kmin", "kmax"):
+            gathered[name] = dequantize_bounds(gathered[name], e)
     scores = sel.score(q, gathered.get("kmin"), gathered.get("kmax"), gathered.get("mean"), group_reduce,
                        radius=gathered.get("radius"))  # fmt: skip
     held = torch.arange(host_pages.shape[1], device=q.device) < num_pages.to(q.device).view(-1, 1)
@@ -70,18 +76,25 @@ if triton is not None:
 
     @triton.jit
     def _bound_scores(
-        q_ptr, bh, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, rows, mask,
+        q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows, exp_rows, held,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
+        INT8_BOUNDS: tl.constexpr,
     ):  # fmt: skip
         # Group-reduced scores of BLOCK_N pages whose summary rows start at ``rows`` ([BLOCK_N, D]
-        # offsets). KIND 0 quest, 1 arkvale, 2 mean.
+        # offsets; ``exp_rows`` [BLOCK_N]: their int8 bounds' scale exponents). KIND 0 quest,
+        # 1 arkvale, 2 mean. Pages not ``held`` score anything: callers mask them.
         offs_d = tl.arange(0, D)
+        mask = held[:, None]
         if KIND == 2:
             centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
             radius = tl.zeros([BLOCK_N, D], dtype=tl.float32)
         else:
-            lo = tl.load(kmin_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-            hi = tl.load(kmax_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+            lo = tl.load(kmin_ptr + rows, mask=mask).to(tl.float32)
+            hi = tl.load(kmax_ptr + rows, mask=mask).to(tl.float32)
+            if INT8_BOUNDS:  # levels times the page's 2**e (summaries.dequantize_bounds)
+                e = tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32)
+                scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+                lo, hi = lo * scale[:, None], hi * scale[:, None]
             centre = (hi + lo) * 0.5
             if KIND == 1:
                 radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
@@ -97,10 +110,10 @@ if triton is not None:
 
     @triton.jit
     def _score_kernel(
-        q_ptr, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
-        num_kv_heads, max_pages, head_stride, sink_pages, recent_pages,
+        q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
+        num_kv_heads, max_pages, head_stride, exp_head_stride, sink_pages, recent_pages,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
-        FORCE: tl.constexpr, REUSE: tl.constexpr, FILL_TAIL: tl.constexpr,
+        INT8_BOUNDS: tl.constexpr, FORCE: tl.constexpr, REUSE: tl.constexpr, FILL_TAIL: tl.constexpr,
     ):  # fmt: skip
         # One (request, kv head) per grid row, its pages split among the grid's columns: column c
         # scores blocks c, c + columns, ... of BLOCK_N pages up to the request's own page count,
@@ -127,8 +140,9 @@ if triton is not None:
             if scored:
                 page = tl.load(pages_ptr + b * max_pages + offs_n, mask=held, other=0).to(tl.int64)
                 rows = h.to(tl.int64) * head_stride + page[:, None] * D + offs_d[None, :]
-                acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, rows, held[:, None],
-                                    D, G, BLOCK_N, KIND, GROUP_MAX)  # fmt: skip
+                acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows,
+                                    h.to(tl.int64) * exp_head_stride + page, held,
+                                    D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS)  # fmt: skip
             else:
                 acc = tl.full([BLOCK_N], _NOT_CACHED, dtype=tl.float32)
             if FORCE:  # selection priority: sink and recent pages above every score
@@ -142,11 +156,11 @@ if triton is not None:
 
     @triton.jit
     def _score_cached_kernel(
-        q_ptr, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
+        q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
         rows_ptr, req_slots_ptr, slot_page_ptr, row_stride, row_width,
-        num_kv_heads, max_pages, head_stride, sink_pages, recent_pages,
+        num_kv_heads, max_pages, head_stride, exp_head_stride, sink_pages, recent_pages,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
-        FORCE: tl.constexpr,
+        INT8_BOUNDS: tl.constexpr, FORCE: tl.constexpr,
     ):  # fmt: skip
         # After _score_kernel, one (request, kv head) per grid row and BLOCK_N slots of its cache
         # row per column: a request not due for a full selection gets the scores of the pages its
@@ -167,8 +181,9 @@ if triton is not None:
             held = (page >= 0) & (page < n)
             host = tl.load(pages_ptr + b * max_pages + page, mask=held, other=0).to(tl.int64)
             rows = h.to(tl.int64) * head_stride + host[:, None] * D + tl.arange(0, D)[None, :]
-            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, rows, held[:, None],
-                                D, G, BLOCK_N, KIND, GROUP_MAX)  # fmt: skip
+            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows,
+                                h.to(tl.int64) * exp_head_stride + host, held,
+                                D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS)  # fmt: skip
             if FORCE:
                 acc = tl.where((page < sink_pages) | (page >= n - recent_pages), float("inf"), acc)
             tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
@@ -225,13 +240,15 @@ def score_pages(
     columns = max(1, min(triton.cdiv(max_pages, block_n), triton.cdiv(SCORE_PROGRAMS, batch * heads)))
     grid = (batch * heads, columns)
     q, host_pages, num_pages = q.contiguous(), host_pages.contiguous(), num_pages.to(torch.int32)
-    summaries = [layer_summaries.get(name, dummy) for name in ("kmin", "kmax", "mean", "radius")]
+    summaries = [layer_summaries.get(name, dummy) for name in ("kmin", "kmax", "bound_exp", "mean", "radius")]
+    exp_head_stride = summaries[2].stride(0)
     reselect = dummy if reuse is None else reuse.reselect
-    meta = dict(D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max", FORCE=forced is not None,
-                num_warps=num_warps)  # fmt: skip
+    meta = dict(D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max",
+                INT8_BOUNDS="bound_exp" in layer_summaries and kind != 2, FORCE=forced is not None, num_warps=num_warps)  # fmt: skip
     _score_kernel[grid](
         q, *summaries, host_pages, num_pages, out, reselect,
-        heads, max_pages, ref.stride(0), *(forced or (0, 0)), REUSE=reuse is not None, FILL_TAIL=fill_tail, **meta,
+        heads, max_pages, ref.stride(0), exp_head_stride, *(forced or (0, 0)), REUSE=reuse is not None, FILL_TAIL=fill_tail,
+        **meta,
     )  # fmt: skip
     if reuse is not None:
         rows = reuse.rows
@@ -239,6 +256,6 @@ def score_pages(
             raise ValueError("reuse.rows must be [max_requests, Hkv, W] with contiguous (head, slot) rows")
         _score_cached_kernel[(batch * heads, triton.cdiv(rows.shape[2], block_n))](
             q, *summaries, host_pages, num_pages, out, reselect, rows, reuse.req_slots, reuse.slot_page,
-            rows.stride(0), rows.shape[2], heads, max_pages, ref.stride(0), *(forced or (0, 0)), **meta,
+            rows.stride(0), rows.shape[2], heads, max_pages, ref.stride(0), exp_head_stride, *(forced or (0, 0)), **meta,
         )  # fmt: skip
     return out

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_sglang.mem_cache import summaries as summaries_module
+
 try:  # Triton comes with CUDA builds of torch (and runs on the CPU in its interpreter).
     import triton
     import triton.language as tl
@@ -95,16 +97,18 @@ class SaveRuns:
 
 
 if triton is not None:
+    MIN_BOUND_ABS = tl.constexpr(summaries_module.MIN_BOUND_ABS)
+    LEVELS_MANTISSA = tl.constexpr(summaries_module._LEVELS_MANTISSA)
 
     @triton.jit
     def _index_runs_kernel(
         k_ptr, v_ptr, token_slots_ptr,
         run_start_ptr, run_len_ptr, run_req_ptr, run_page_ptr, run_offset_ptr,
-        kmin_ptr, kmax_ptr, mean_ptr, radius_ptr, count_ptr,
+        kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, count_ptr,
         directory_ptr, segments_ptr, cache_k_ptr, cache_v_ptr,
-        layer, num_layers, num_heads, num_dir, summary_head_stride,
+        layer, num_layers, num_heads, num_dir, summary_head_stride, exp_head_stride,
         P: tl.constexpr, D: tl.constexpr, SEG: tl.constexpr, WITH_MEAN: tl.constexpr, WITH_RADIUS: tl.constexpr,
-        STORE_CACHE: tl.constexpr,
+        STORE_CACHE: tl.constexpr, INT8_BOUNDS: tl.constexpr,
     ):  # fmt: skip
         # One program: one run (<= P tokens of one page) of one kv head.
         r = tl.program_id(0)
@@ -126,20 +130,40 @@ if triton is not None:
         keep = ok & (offset > 0) & (d < D)  # merge with the old values; offset 0 starts the page
         # The identities fill in float32: as `other` they would be cast to the bounds' type, and
         # fp8 e4m3 has no infinity (NaN).
-        old_min = tl.where(keep, tl.load(kmin_ptr + s, mask=keep, other=0.0).to(tl.float32), float("inf"))
-        old_max = tl.where(keep, tl.load(kmax_ptr + s, mask=keep, other=0.0).to(tl.float32), float("-inf"))
+        old_min = tl.load(kmin_ptr + s, mask=keep).to(tl.float32)  # masked lanes: replaced below
+        old_max = tl.load(kmax_ptr + s, mask=keep).to(tl.float32)
+        if INT8_BOUNDS:  # levels times the page's scale 2**e (summaries.dequantize_bounds): exact
+            e_at = h.to(tl.int64) * exp_head_stride + page
+            old_exp = tl.load(exp_ptr + e_at, mask=ok & (offset > 0), other=0).to(tl.int32)
+            old_scale = ((old_exp + 127) << 23).to(tl.float32, bitcast=True)
+            old_min, old_max = old_min * old_scale, old_max * old_scale
+        old_min = tl.where(keep, old_min, float("inf"))
+        old_max = tl.where(keep, old_max, float("-inf"))
         lo = tl.minimum(old_min, tl.min(tl.where(tok[:, None], x, float("inf")), axis=0))
         hi = tl.maximum(old_max, tl.max(tl.where(tok[:, None], x, float("-inf")), axis=0))
         c = offset.to(tl.float32)
         total = c + n.to(tl.float32)
         store = ok & (d < D)
+        if INT8_BOUNDS:  # requantized outward (summaries.quantize_bounds, bit for bit)
+            amax = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), MIN_BOUND_ABS)
+            bits = amax.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) - 133 + ((bits & 0x7FFFFF) > LEVELS_MANTISSA).to(tl.int32)
+            inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e
+            lo = tl.floor(lo * inv)
+            hi = tl.ceil(hi * inv)
+            tl.store(exp_ptr + h.to(tl.int64) * exp_head_stride + page, e.to(tl.int8), mask=ok)
+            scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            lo_value, hi_value = lo * scale, hi * scale
+        else:
+            lo_value = lo.to(kmin_ptr.dtype.element_ty).to(tl.float32)
+            hi_value = hi.to(kmax_ptr.dtype.element_ty).to(tl.float32)
         tl.store(kmin_ptr + s, lo.to(kmin_ptr.dtype.element_ty), mask=store)
         tl.store(kmax_ptr + s, hi.to(kmax_ptr.dtype.element_ty), mask=store)
         if WITH_MEAN:
             old_mean = tl.load(mean_ptr + s, mask=keep, other=0.0)
             tl.store(mean_ptr + s, (old_mean * c + tl.sum(x, axis=0)) / total, mask=store)
         if WITH_RADIUS:  # ArkVale: mean |k - centre| against the updated (stored) cuboid
-            centre = (lo.to(kmin_ptr.dtype.element_ty).to(tl.float32) + hi.to(kmax_ptr.dtype.element_ty).to(tl.float32)) * 0.5
+            centre = (lo_value + hi_value) * 0.5
             old_radius = tl.load(radius_ptr + s, mask=keep, other=0.0)
             dev = tl.sum(tl.where(tok[:, None], tl.abs(x - centre[None, :]), 0.0), axis=0)
             tl.store(radius_ptr + s, (old_radius * c + dev) / total, mask=store)
@@ -286,13 +310,14 @@ def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, t
     pt = cache.page_table
     lay = summaries.layer(layer)
     kmin = lay["kmin"]
+    exp = lay.get("bound_exp", summaries.layer_count(layer))  # a placeholder when bounds are exact
     _index_runs_kernel[(runs.num_runs, heads)](
         k, v, token_slots, runs.start, runs.length, runs.req_slot, runs.logical_page, runs.page_offset,
-        kmin, lay["kmax"], lay.get("mean", kmin), lay.get("radius", kmin), summaries.layer_count(layer),
+        kmin, lay["kmax"], exp, lay.get("mean", kmin), lay.get("radius", kmin), summaries.layer_count(layer),
         pt.directory, pt.segments, cache._k, cache._v,
-        layer, pt.num_layers, heads, pt.directory.shape[-1], kmin.stride(0),
+        layer, pt.num_layers, heads, pt.directory.shape[-1], kmin.stride(0), exp.stride(0),
         P=cache.page_size, D=dim, SEG=pt.segment_pages, WITH_MEAN="mean" in lay, WITH_RADIUS="radius" in lay,
-        STORE_CACHE=store_cache,
+        STORE_CACHE=store_cache, INT8_BOUNDS="bound_exp" in lay,
     )  # fmt: skip
 
 

@@ -3,40 +3,94 @@ the mean key (SparseServe's cuboid-mean), per (layer, kv head, host page).
 
 Storage types
 -------------
-- ``kmin``/``kmax`` are stored in the KV dtype itself (:func:`bound_dtype`): a min or max *is* one
-  of the keys, so this is exact for bf16, fp16 and fp8 alike; for fp8 it halves the bytes of bf16
-  bounds, and the bytes the scoring kernel reads.
+- ``kmin``/``kmax`` are stored in one of two bound formats (:data:`BOUND_FORMATS`):
+  ``"exact"``, the KV dtype itself (:func:`bound_dtype`): a min or max *is* one of the keys, so
+  this is exact for bf16, fp16 and fp8 alike; or ``"int8"``: int8 levels times a power-of-two
+  scale ``2**e`` per (page, kv head), ``bound_exp`` holding ``e``, the min rounded down and the max
+  up (:func:`quantize_bounds`), so every key of the page stays inside its box and Quest's score
+  stays an upper bound of ``q . k``. int8 halves the bytes of bf16 bounds, and the bytes the
+  scoring kernel reads every step; ``"auto"`` takes it for 16-bit KV (fp8 bounds are one byte
+  already, and exact). A page's bounds are requantized, outward again, whenever a token joins
+  it, which loosens them by at most a level each time the page's scale grows.
 - ``mean`` is float32: it is the one running statistic (updated as a page fills across decode
   steps), and bf16 would drift by a rounding error per update.
 
-Together that is ``(2 * itemsize + 4) / (2 * page_size * itemsize)`` of the KV bytes: 6.25 % for
+Exact bounds are ``(2 * itemsize + 4) / (2 * page_size * itemsize)`` of the KV bytes: 6.25 % for
 bf16 and 32-token pages, half of it the mean, which only the ``mean`` selector reads: the server
 keeps just the summaries its selector reads (``with_mean``, ``with_radius``; see
-``sparse_sglang.attention.kept_summaries``), 3.1 % for quest, for bf16 and fp8 keys alike. fp8 keys
-are summarized as stored, without their per-tensor scale: it would multiply all scores of a layer
-alike, so it does not change which pages rank highest.
+``sparse_sglang.attention.kept_summaries``), 3.1 % for quest with exact bf16 bounds, 1.6 % with
+int8 ones or fp8 keys. fp8 keys are summarized as stored, without their per-tensor scale: it would
+multiply all scores of a layer alike, so it does not change which pages rank highest.
 
 An empty page (no tokens yet, or reset) has the bounds :func:`empty_bounds` (``kmin = +inf``,
-``kmax = -inf``; ``+-448`` for e4m3, which has no infinity), ``mean = 0`` and count 0; scorers
-must only look at pages a request holds tokens in.
+``kmax = -inf``; ``+-448`` for e4m3, which has no infinity; int8 levels ``+-127`` at scale
+``2**127``, which read back as ``+-inf``), ``mean = 0`` and count 0; scorers must only look at
+pages a request holds tokens in.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sparse_sglang.config import BOUND_FORMATS
+INT8_LEVELS = 127  # largest |level| of an int8 bound
+EMPTY_EXP = 127  # scale exponent of an empty page: levels +-127 read back as +-inf in float32
+MIN_BOUND_ABS = 2.0**-100  # a page's scale covers at least this (an all-zero page gets a finite scale)
+# Float32 mantissa bits of 127 / 64 = 1.984375: a magnitude whose mantissa is larger needs the next
+# scale up (see bound_exponent).
+_LEVELS_MANTISSA = (INT8_LEVELS - 64) << 17
 
 
-def bound_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """Storage type of ``kmin``/``kmax`` for keys of ``kv_dtype``: the keys' own (exact; see module doc)."""
-    return kv_dtype
+def resolve_bound_format(bound_format: str, kv_dtype: torch.dtype) -> str:
+    """``"exact"`` or ``"int8"``: ``"auto"`` is int8 for 16-bit keys and exact otherwise (fp8 bounds
+    are one byte already; float32 ones are reference runs)."""
+    if bound_format not in BOUND_FORMATS:
+        raise ValueError(f"bound format must be one of {', '.join(BOUND_FORMATS)}, got {bound_format!r}")
+    if bound_format == "auto":
+        return "int8" if kv_dtype.itemsize == 2 else "exact"
+    return bound_format
+
+
+def bound_dtype(kv_dtype: torch.dtype, bound_format: str = "exact") -> torch.dtype:
+    """Storage type of ``kmin``/``kmax`` for keys of ``kv_dtype``: the keys' own (exact; see module
+    doc), or int8 levels."""
+    return torch.int8 if resolve_bound_format(bound_format, kv_dtype) == "int8" else kv_dtype
+
+
+def bound_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest ``e`` with ``amax <= 127 * 2**e`` (int32, elementwise, ``amax >= 0`` float32),
+    for ``amax`` at least :data:`MIN_BOUND_ABS`. Integer arithmetic on the float's bits, as the
+    index kernel does, so both give the same scales: with ``amax = m * 2**E`` (``1 <= m < 2``),
+    ``e = E - 6`` while ``m <= 127 / 64``, else ``E - 5``."""
+    bits = amax.float().clamp_min(MIN_BOUND_ABS).contiguous().view(torch.int32)
+    return ((bits >> 23) & 0xFF) - 133 + ((bits & 0x7FFFFF) > _LEVELS_MANTISSA).int()
+
+
+def quantize_bounds(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Finite bounds ``[..., D]`` (float32) as int8 levels and one scale exponent per ``[D]``
+    vector, rounded outward: ``levels_min * 2**e <= kmin`` and ``levels_max * 2**e >= kmax``.
+
+    Returns ``(levels_min, levels_max, e)``: int8 ``[..., D]`` twice and int8 ``[...]``."""
+    amax = torch.maximum(kmin.abs(), kmax.abs()).amax(dim=-1)
+    e = bound_exponent(amax)
+    inv = torch.ldexp(torch.ones_like(amax), -e).unsqueeze(-1)  # 2**-e: exact scaling
+    return (kmin * inv).floor().to(torch.int8), (kmax * inv).ceil().to(torch.int8), e.to(torch.int8)
+
+
+def dequantize_bounds(levels: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``levels * 2**e`` in float32 (``levels`` ``[..., D]``, ``e`` ``[...]``); exact, and
+    ``+-inf`` for an empty page's ``+-127`` at :data:`EMPTY_EXP`."""
+    return levels.float() * torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.int()).unsqueeze(-1)
 
 
 def empty_bounds(dtype: torch.dtype) -> tuple[float, float]:
     """``(kmin, kmax)`` of a page without keys, bounds stored as ``dtype``: the identities of min
     and max, ``(+inf, -inf)``, or, for a type without infinity (fp8 e4m3: inf casts to NaN),
     ``(+top, -top)`` of its largest finite value ``top``, which bounds every stored key (the store
-    saturates keys cast into fp8; ``KVStore.to_store_dtype``)."""
+    saturates keys cast into fp8; ``KVStore.to_store_dtype``). int8 levels: ``(+127, -127)``,
+    which read back as ``(+inf, -inf)`` at the empty scale :data:`EMPTY_EXP`."""
+    if dtype == torch.int8:
+        return float(INT8_LEVELS), float(-INT8_LEVELS)
     if torch.tensor(float("inf")).to(dtype).float().isinf():
         return float("inf"), float("-inf")
     top = torch.finfo(dtype).max
@@ -61,7 +115,8 @@ class PageSummaries:
     num_layers, num_kv_heads, num_pages, page_size, head_dim : int
         Shape of the host KV store the summaries describe.
     kv_dtype : torch.dtype
-        Type of the keys (bf16, fp16, fp8); sets the storage type of ``kmin``/``kmax``.
+        Type of the keys (bf16, fp16, fp8); with ``bound_format`` sets the storage type of
+        ``kmin``/``kmax``.
     device : torch.device or str
         Where the summaries live (the GPU in the server).
     with_radius : bool
@@ -69,11 +124,16 @@ class PageSummaries:
     with_mean : bool
         Keep the mean key (the ``mean`` selector reads it; the server keeps only what its selector
         reads: in float32 it is half the summaries' bytes).
+    bound_format : {"exact", "int8", "auto"}
+        How ``kmin``/``kmax`` are stored (module doc; :func:`resolve_bound_format`).
 
     Attributes
     ----------
     kmin, kmax : torch.Tensor
-        ``[num_layers, num_kv_heads, num_pages, head_dim]`` of :func:`bound_dtype`.
+        ``[num_layers, num_kv_heads, num_pages, head_dim]`` of :func:`bound_dtype`: the stored
+        bounds (int8 levels for the int8 format; :meth:`bounds` reads them as values).
+    bound_exp : torch.Tensor or None
+        ``[num_layers, num_kv_heads, num_pages]`` int8 scale exponents of int8 bounds.
     mean : torch.Tensor or None
         ``[num_layers, num_kv_heads, num_pages, head_dim]`` float32 when ``with_mean``.
     count : torch.Tensor
@@ -85,19 +145,24 @@ class PageSummaries:
     def __init__(
         self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
         kv_dtype: torch.dtype, device: torch.device | str = "cpu", *, with_radius: bool = False,
-        with_mean: bool = True,
+        with_mean: bool = True, bound_format: str = "exact",
     ):
         # One extra page at index num_pages: padding tokens fold into it, so updates need no masks.
         shape = (num_layers, num_kv_heads, num_pages + 1, head_dim)
         self.page_size, self.num_pages = page_size, num_pages
-        bounds = bound_dtype(kv_dtype)
+        self.bound_format = resolve_bound_format(bound_format, kv_dtype)
+        bounds = bound_dtype(kv_dtype, self.bound_format)
         self.empty_bounds = empty_bounds(bounds)
         self._kmin = torch.full(shape, self.empty_bounds[0], dtype=bounds, device=device)
         self._kmax = torch.full(shape, self.empty_bounds[1], dtype=bounds, device=device)
+        self._exp = None
+        if self.bound_format == "int8":
+            self._exp = torch.full(shape[:-1], EMPTY_EXP, dtype=torch.int8, device=device)
         self._mean = torch.zeros(shape, dtype=torch.float32, device=device) if with_mean else None
         self._count = torch.zeros(num_layers, num_pages + 1, dtype=torch.int32, device=device)
         self._radius = torch.zeros(shape, dtype=torch.float32, device=device) if with_radius else None
         self.kmin, self.kmax = self._kmin[:, :, :num_pages], self._kmax[:, :, :num_pages]
+        self.bound_exp = None if self._exp is None else self._exp[:, :, :num_pages]
         self.mean = None if self._mean is None else self._mean[:, :, :num_pages]
         self.count = self._count[:, :num_pages]
         self.radius = None if self._radius is None else self._radius[:, :, :num_pages]
@@ -106,6 +171,8 @@ class PageSummaries:
         """The summaries of one layer, ``[num_kv_heads, num_pages + 1, head_dim]`` each (the
         row stride the scoring kernel reads; page ``num_pages`` is padding)."""
         out = {"kmin": self._kmin[layer], "kmax": self._kmax[layer]}
+        if self._exp is not None:
+            out["bound_exp"] = self._exp[layer]  # [num_kv_heads, num_pages + 1]
         if self._mean is not None:
             out["mean"] = self._mean[layer]
         if self._radius is not None:
@@ -118,7 +185,7 @@ class PageSummaries:
 
     @property
     def nbytes(self) -> int:
-        parts = (self._kmin, self._kmax, self._mean, self._count, self._radius)
+        parts = (self._kmin, self._kmax, self._exp, self._mean, self._count, self._radius)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def update(self, layer: int, k: torch.Tensor, token_slots: torch.Tensor) -> None:
@@ -151,6 +218,8 @@ class PageSummaries:
         page = torch.where(valid, slots // self.page_size, self.num_pages)  # padding -> spare page
         fresh = torch.where(valid & (slots % self.page_size == 0), page, self.num_pages)
         self._kmin[layer][:, fresh], self._kmax[layer][:, fresh] = self.empty_bounds
+        if self._exp is not None:
+            self._exp[layer][:, fresh] = EMPTY_EXP
         if self._mean is not None:
             self._mean[layer][:, fresh] = 0.0
         self._count[layer][fresh] = 0
@@ -167,20 +236,30 @@ class PageSummaries:
             mean = self._mean[layer]  # [H, N + 1, D]
             mean.index_add_(1, page, (kf - mean[:, page]) / scale)
         if self._radius is not None:
-            centre = (self._kmax[layer][:, page].float() + self._kmin[layer][:, page].float()) / 2
+            lo, hi = self._stored_values(layer, page)
+            centre = (hi + lo) / 2
             radius = self._radius[layer]
             radius.index_add_(1, page, ((kf - centre).abs() - radius[:, page]) / scale)
+
+    def _stored_values(self, layer: int, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax)`` of ``page`` ``[T]`` as stored, in float32 ``[H, T, D]`` (int8 levels
+        times their scales; exact either way)."""
+        lo, hi = self._kmin[layer][:, page], self._kmax[layer][:, page]
+        if self._exp is None:
+            return lo.float(), hi.float()
+        e = self._exp[layer][:, page]
+        return dequantize_bounds(lo, e), dequantize_bounds(hi, e)
 
     def _merge_bounds(self, layer: int, page: torch.Tensor, kf: torch.Tensor) -> None:
         """Fold keys ``kf`` ``[H, T, D]`` (float32) into the bounds of their pages ``page`` ``[T]``
         (repeated when a page gets several tokens).
 
         torch has no ``scatter_reduce`` (nor ``index_fill_``) for fp8, so the bounds of the touched
-        pages are gathered in float32 (exact for every bound type), reduced there and written back.
-        Each token's keys reduce into the row of one representative token of its page (the page's
-        first in sorted order); then every token writes its page's result, the same value for all
-        of a page's tokens, so the duplicate writes do not race. Fixed shapes, no host
-        synchronization (CUDA-graph safe)."""
+        pages are gathered in float32 (exact for every bound type), reduced there and written back
+        (int8 ones requantized outward, :func:`quantize_bounds`). Each token's keys reduce into the
+        row of one representative token of its page (the page's first in sorted order); then every
+        token writes its page's result, the same value for all of a page's tokens, so the
+        duplicate writes do not race. Fixed shapes, no host synchronization (CUDA-graph safe)."""
         order = page.argsort()
         sorted_page = page[order]
         position = torch.arange(page.numel(), device=page.device)
@@ -190,25 +269,52 @@ class PageSummaries:
         representative = torch.empty_like(order)
         representative[order] = order[first]
         index = representative.view(1, -1, 1).expand_as(kf)
-        for bound, reduce in ((self._kmin[layer], "amin"), (self._kmax[layer], "amax")):
-            merged = bound[:, page].float().scatter_reduce_(1, index, kf, reduce)  # rows of representatives
-            bound[:, page] = merged[:, representative].to(bound.dtype)  # exact: min/max of stored values
+        old = self._stored_values(layer, page)
+        lo, hi = (value.scatter_reduce_(1, index, kf, reduce)[:, representative]  # rows of representatives
+                  for value, reduce in zip(old, ("amin", "amax")))  # fmt: skip
+        kmin, kmax = self._kmin[layer], self._kmax[layer]
+        if self._exp is None:
+            kmin[:, page], kmax[:, page] = lo.to(kmin.dtype), hi.to(kmax.dtype)  # exact: min/max of stored values
+            return
+        kmin[:, page], kmax[:, page], self._exp[layer][:, page] = quantize_bounds(lo, hi)
 
     def reset(self, pages: torch.Tensor) -> None:
         """Empty the summaries of ``pages`` (host page ids, ``[n]``) in every layer and head,
         e.g. when the allocator frees them (indexed assignment: fp8 has no ``index_fill_``)."""
         pages = pages.to(self.count.device).long()
         self.kmin[:, :, pages], self.kmax[:, :, pages] = self.empty_bounds
+        if self.bound_exp is not None:
+            self.bound_exp[:, :, pages] = EMPTY_EXP
         if self.mean is not None:
             self.mean[:, :, pages] = 0.0
         self.count[:, pages] = 0
         if self.radius is not None:
             self.radius[:, :, pages] = 0.0
 
+    def bounds(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax)`` of one layer's pages as values, ``[num_kv_heads, num_pages, head_dim]``
+        float32 (int8 levels times their scales)."""
+        if self.bound_exp is None:
+            return self.kmin[layer].float(), self.kmax[layer].float()
+        e = self.bound_exp[layer]
+        return dequantize_bounds(self.kmin[layer], e), dequantize_bounds(self.kmax[layer], e)
+
+    def set_bounds(self, layer: int, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
+        """Overwrite one layer's page bounds with ``kmin <= kmax`` ``[num_kv_heads, num_pages,
+        head_dim]`` (finite; stored rounded outward, e.g. random bounds for timing runs)."""
+        if self.bound_exp is None:
+            self.kmin[layer].copy_(kmin)
+            self.kmax[layer].copy_(kmax)
+            return
+        lo, hi, e = quantize_bounds(kmin.float(), kmax.float())
+        self.kmin[layer].copy_(lo)
+        self.kmax[layer].copy_(hi)
+        self.bound_exp[layer].copy_(e)
+
     def center(self, layer: int) -> torch.Tensor:
         """Cuboid centres of one layer, ``[num_kv_heads, num_pages, head_dim]`` float32."""
-        return cuboid_center(self.kmin[layer], self.kmax[layer])
+        return cuboid_center(*self.bounds(layer))
 
     def half_extent(self, layer: int) -> torch.Tensor:
         """Cuboid half-extents of one layer, ``[num_kv_heads, num_pages, head_dim]`` float32."""
-        return cuboid_half_extent(self.kmin[layer], self.kmax[layer])
+        return cuboid_half_extent(*self.bounds(layer))

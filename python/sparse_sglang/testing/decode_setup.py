@@ -38,7 +38,7 @@ def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_co
         dtype=dtype, num_host_pages=max_batch * max_pages + 1, num_slots=max_batch * shape.num_layers * shape.num_kv_heads * width,
         max_requests=max_batch + 1, row_width=width, max_pages=max_pages, max_save_tokens=8192,
     )  # fmt: skip
-    return SparseKVStore(s, "cuda", **kept_summaries(config.selector))
+    return SparseKVStore(s, "cuda", **kept_summaries(config.selector), bound_format=config.bound_format)
 
 
 class DecodeBench:
@@ -89,10 +89,9 @@ class DecodeBench:
         for layer in range(summ.kmin.shape[0]):  # a layer at a time: the float32 temporaries stay small
             lo = torch.randn(summ.kmin[layer].shape, device="cuda", generator=generator)
             # Summed in float32 (fp8 tensors have no add); rounding is monotone, so kmax >= kmin.
-            summ.kmin[layer].copy_(lo)
-            summ.kmax[layer].copy_(lo + torch.rand(lo.shape, device="cuda", generator=generator))
+            summ.set_bounds(layer, lo, lo + torch.rand(lo.shape, device="cuda", generator=generator))
             if summ.mean is not None:
-                summ.mean[layer].copy_((summ.kmin[layer].float() + summ.kmax[layer].float()) / 2)
+                summ.mean[layer].copy_(summ.center(layer))
 
     def evict(self, layer: int, page_ids: torch.Tensor, fraction: float, generator: torch.Generator) -> int:
         """Unmap ``fraction`` of the selected pages ``[B, Hkv, K]`` of ``layer`` (the next step misses
