@@ -63,11 +63,12 @@ def test_short_context_models_cache_every_page_of_a_request():
     assert plan.selection_pages == plan.shape.row_width == plan.shape.max_pages == 32
 
 
+@pytest.mark.parametrize("bound_format", ["exact", "auto"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_store_save_updates_host_summaries_and_cached_pages(fused):
+def test_store_save_updates_host_summaries_and_cached_pages(fused, bound_format):
     plan = plan_memory(SparseConfig(host_cache_gb=0.01, gpu_cache_gb=0.01), gpu_kv_bytes=GIB, num_layers=2,
                        num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, context_len=256)  # fmt: skip
-    store = SparseKVStore(plan.shape, "cpu", fused=fused)  # fused on CPU: Triton's interpreter
+    store = SparseKVStore(plan.shape, "cpu", fused=fused, bound_format=bound_format)  # fused on CPU: Triton's interpreter
     cache = store.cache
     cache.open_request(1, 2)
     cache.write_allocate(1, 0, 1)  # page 0 cached, page 1 host-only
@@ -80,7 +81,13 @@ def test_store_save_updates_host_summaries_and_cached_pages(fused):
     assert torch.equal(store.host.k[1, :, 5, :2], k[:2].transpose(0, 1))
     assert torch.equal(store.host.v[1, :, 7, 0], v[2])
     assert store.summaries.count[1, 5] == 2 and store.summaries.count[1, 7] == 1
-    assert torch.equal(store.summaries.kmax[1, :, 5], k[:2].amax(0))
+    kmin, kmax = (bound[:, 5] for bound in store.summaries.bounds(1))
+    if bound_format == "exact":
+        assert torch.equal(kmax, k[:2].amax(0).float())
+    else:  # int8 levels (the default for bf16 KV): the keys inside, within a level of each side
+        level = torch.ldexp(torch.ones(2, 1), store.summaries.bound_exp[1, :, 5].int().view(2, 1))
+        assert (kmin <= k[:2].amin(0)).all() and (kmax >= k[:2].amax(0)).all()
+        assert (kmax - k[:2].amax(0) <= level).all() and (k[:2].amin(0) - kmin <= level).all()
     slot = cache.page_table.lookup(1, 1, torch.arange(2), 0).long()
     assert torch.equal(cache.k[slot, :2], k[:2].transpose(0, 1))
     assert (cache.page_table.lookup(1, 1, torch.arange(2), 1) == -1).all()

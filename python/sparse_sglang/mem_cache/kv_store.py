@@ -70,7 +70,7 @@ class SparseKVStore:
 
     def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False,
                  with_mean: bool = True, fused: bool | None = None, lru_buckets: int = 0,
-                 lru_steps_per_bucket: int = 1, bound_format: str = "exact"):  # fmt: skip
+                 lru_steps_per_bucket: int = 1, bound_format: str = "auto"):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
