@@ -72,6 +72,8 @@ def score_pages_reference(
 
 
 if triton is not None:
+    from sparse_sglang.mem_cache.kernels import pow2
+
     _NOT_CACHED = tl.constexpr(NOT_CACHED)
 
     @triton.jit
@@ -93,8 +95,8 @@ if triton is not None:
             hi = tl.load(kmax_ptr + rows, mask=mask).to(tl.float32)
             if INT8_BOUNDS:  # levels times the page's 2**e (summaries.dequantize_bounds)
                 e = tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32)
-                scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
-                lo, hi = lo * scale[:, None], hi * scale[:, None]
+                scale = pow2(e)[:, None]
+                lo, hi = lo * scale, hi * scale
             centre = (hi + lo) * 0.5
             if KIND == 1:
                 radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)

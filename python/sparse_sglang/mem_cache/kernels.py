@@ -101,6 +101,12 @@ if triton is not None:
     LEVELS_MANTISSA = tl.constexpr(summaries_module._LEVELS_MANTISSA)
 
     @triton.jit
+    def pow2(e):
+        """``2.0**e`` in float32 for an int32 ``e`` in [-126, 127], built from its exponent bits:
+        exact (int8 bounds' scales; summaries.dequantize_bounds)."""
+        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _index_runs_kernel(
         k_ptr, v_ptr, token_slots_ptr,
         run_start_ptr, run_len_ptr, run_req_ptr, run_page_ptr, run_offset_ptr,
@@ -135,8 +141,7 @@ if triton is not None:
         if INT8_BOUNDS:  # levels times the page's scale 2**e (summaries.dequantize_bounds): exact
             e_at = h.to(tl.int64) * exp_head_stride + page
             old_exp = tl.load(exp_ptr + e_at, mask=ok & (offset > 0), other=0).to(tl.int32)
-            old_scale = ((old_exp + 127) << 23).to(tl.float32, bitcast=True)
-            old_min, old_max = old_min * old_scale, old_max * old_scale
+            old_min, old_max = old_min * pow2(old_exp), old_max * pow2(old_exp)
         old_min = tl.where(keep, old_min, float("inf"))
         old_max = tl.where(keep, old_max, float("-inf"))
         lo = tl.minimum(old_min, tl.min(tl.where(tok[:, None], x, float("inf")), axis=0))
@@ -148,12 +153,10 @@ if triton is not None:
             amax = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), MIN_BOUND_ABS)
             bits = amax.to(tl.int32, bitcast=True)
             e = ((bits >> 23) & 0xFF) - 133 + ((bits & 0x7FFFFF) > LEVELS_MANTISSA).to(tl.int32)
-            inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e
-            lo = tl.floor(lo * inv)
-            hi = tl.ceil(hi * inv)
+            lo = tl.floor(lo * pow2(-e))
+            hi = tl.ceil(hi * pow2(-e))
             tl.store(exp_ptr + h.to(tl.int64) * exp_head_stride + page, e.to(tl.int8), mask=ok)
-            scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
-            lo_value, hi_value = lo * scale, hi * scale
+            lo_value, hi_value = lo * pow2(e), hi * pow2(e)
         else:
             lo_value = lo.to(kmin_ptr.dtype.element_ty).to(tl.float32)
             hi_value = hi.to(kmax_ptr.dtype.element_ty).to(tl.float32)

@@ -241,9 +241,9 @@ class PageSummaries:
             radius = self._radius[layer]
             radius.index_add_(1, page, ((kf - centre).abs() - radius[:, page]) / scale)
 
-    def _stored_values(self, layer: int, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kmin, kmax)`` of ``page`` ``[T]`` as stored, in float32 ``[H, T, D]`` (int8 levels
-        times their scales; exact either way)."""
+    def _stored_values(self, layer: int, page: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax)`` of ``page`` (``[T]`` ids or a slice) as stored, in float32 ``[H, T, D]``
+        (int8 levels times their scales; exact either way)."""
         lo, hi = self._kmin[layer][:, page], self._kmax[layer][:, page]
         if self._exp is None:
             return lo.float(), hi.float()
@@ -294,10 +294,7 @@ class PageSummaries:
     def bounds(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of one layer's pages as values, ``[num_kv_heads, num_pages, head_dim]``
         float32 (int8 levels times their scales)."""
-        if self.bound_exp is None:
-            return self.kmin[layer].float(), self.kmax[layer].float()
-        e = self.bound_exp[layer]
-        return dequantize_bounds(self.kmin[layer], e), dequantize_bounds(self.kmax[layer], e)
+        return self._stored_values(layer, slice(0, self.num_pages))
 
     def set_bounds(self, layer: int, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
         """Overwrite one layer's page bounds with ``kmin <= kmax`` ``[num_kv_heads, num_pages,
