@@ -87,6 +87,48 @@ if triton is not None:
         # 1 arkvale, 2 mean. Pages not ``held`` score anything: callers mask them.
         offs_d = tl.arange(0, D)
         mask = held[:, None]
+        if not GROUP_MAX:
+            # Summed over the group, q_g . c + |q_g| . r is linear in the query: one pass with
+            # qs = sum of q_g and qa = sum of |q_g| instead of G passes and G reductions.
+            qs = tl.zeros([D], dtype=tl.float32)
+            qa = tl.zeros([D], dtype=tl.float32)
+            for g in tl.static_range(G):
+                qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
+                qs += qg
+                qa += tl.abs(qg)
+            if KIND == 0:
+                # Quest: c = (hi + lo) / 2, r = (hi - lo) / 2, so qs . c + qa . r = hi . u + lo . v;
+                # int8 levels take their page's 2**e once, on the sum.
+                u, v = (qs + qa) * 0.5, (qs - qa) * 0.5
+                hi = tl.load(kmax_ptr + rows, mask=mask).to(tl.float32)
+                lo = tl.load(kmin_ptr + rows, mask=mask).to(tl.float32)
+                acc = tl.sum(hi * u[None, :] + lo * v[None, :], axis=1)
+                if INT8_BOUNDS:
+                    acc = acc * pow2(tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32))
+            elif KIND == 1:
+                lo = tl.load(kmin_ptr + rows, mask=mask).to(tl.float32)
+                hi = tl.load(kmax_ptr + rows, mask=mask).to(tl.float32)
+                half = tl.full([BLOCK_N], 0.5, dtype=tl.float32)
+                if INT8_BOUNDS:
+                    half = half * pow2(tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32))
+                radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+                acc = tl.sum((hi + lo) * qs[None, :], axis=1) * half + tl.sum(radius * qa[None, :], axis=1)
+            else:
+                centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+                acc = tl.sum(centre * qs[None, :], axis=1)
+        else:
+            acc = _group_max_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows, exp_rows, held,
+                                    D, G, BLOCK_N, KIND, INT8_BOUNDS)  # fmt: skip
+        return acc
+
+    @triton.jit
+    def _group_max_scores(
+        q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows, exp_rows, held,
+        D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, INT8_BOUNDS: tl.constexpr,
+    ):  # fmt: skip
+        # The group's max is not linear: the cuboid bound per query head, then the max.
+        offs_d = tl.arange(0, D)
+        mask = held[:, None]
         if KIND == 2:
             centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
             radius = tl.zeros([BLOCK_N, D], dtype=tl.float32)
@@ -102,12 +144,11 @@ if triton is not None:
                 radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
             else:
                 radius = (hi - lo) * 0.5
-        acc = tl.full([BLOCK_N], float("-inf") if GROUP_MAX else 0.0, dtype=tl.float32)
+        acc = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
         for g in tl.static_range(G):
             qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
             # q . c + |q| . r: the max of q . k over the cuboid (selectors.cuboid_score).
-            s = tl.sum(centre * qg[None, :] + radius * tl.abs(qg)[None, :], axis=1)
-            acc = tl.maximum(acc, s) if GROUP_MAX else acc + s
+            acc = tl.maximum(acc, tl.sum(centre * qg[None, :] + radius * tl.abs(qg)[None, :], axis=1))
         return acc
 
     @triton.jit
