@@ -56,11 +56,12 @@ def test_save_runs_split_each_request_at_its_page_boundaries():
 def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius, with_mean, bound_format):
     """Prefill batches with prefixes, then decode steps: the fused kernel leaves the summaries and
     the cached blocks as the torch reference does (fp8: bounds stored in fp8, compared as floats;
-    int8: the same levels and scales, bit for bit)."""
+    int8: the same levels and scales, bit for bit); a page started anew ends no built super-page."""
     gen = torch.Generator().manual_seed(3)
     layers, heads, page, dim, host_pages = 2, 2, 8, 16, 40
     ref_summ = PageSummaries(layers, heads, host_pages, page, dim, dtype, DEVICE, with_radius=with_radius, with_mean=with_mean,
-                             bound_format=bound_format)  # fmt: skip
+                             bound_format=bound_format, coarse_pages=2)  # fmt: skip
+    ref_summ.coarse_first.fill_(7)  # as if every page ended a built super-page
     ref_cache = make_cache(80, layers, heads, page, dim, dtype, width=4)
     summ, cache = copy.deepcopy(ref_summ), copy.deepcopy(ref_cache)
     reqs = {1: 0, 3: 0}  # request slot -> tokens saved so far
@@ -104,6 +105,9 @@ def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius,
     else:
         assert summ.bound_exp is None and "bound_exp" not in summ.layer(0)
     assert torch.equal(summ.count[:, held], ref_summ.count[:, held])
+    assert torch.equal(summ.coarse_first, ref_summ.coarse_first)
+    started = [p for r, pages in page_of.items() for p in pages[: math.ceil(reqs[r] / page)]]
+    assert (summ.coarse_first[started] == -1).all() and (summ.coarse_first == 7).sum() == host_pages - len(started)
     if with_mean:
         torch.testing.assert_close(summ.mean[:, :, held], ref_summ.mean[:, :, held], rtol=1e-5, atol=1e-5)
     else:

@@ -148,13 +148,15 @@ def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector
             torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("coarse", [0, 4], ids=["page-by-page", "coarse-first"])
 @pytest.mark.parametrize("interval", [1, 3])
-def test_fused_and_reference_paths_give_the_same_steps(interval):
+def test_fused_and_reference_paths_give_the_same_steps(interval, coarse):
     """Mixed lengths (one request holds fewer pages than the budget), misses every step: each path
     attends to exactly the pages it selected, and both select the same pages (up to exact score
-    ties); with ``reselect_interval`` 3 the steps between full selections choose among cached pages."""
+    ties); with ``reselect_interval`` 3 the steps between full selections choose among cached pages;
+    with ``coarse_pages`` 4 both score 4-page super-pages first (11 built, 8 kept)."""
     gen = torch.Generator(device="cuda").manual_seed(4)
-    config = SparseConfig(token_budget=256, host_cache_gb=1.0, reselect_interval=interval)
+    config = SparseConfig(token_budget=256, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse)
     runs = {path: bench(config, batch=2, context=1500, fused=path == "fused") for path in ("fused", "reference")}
     kv = [random_kv(2, 1501, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():
@@ -173,6 +175,7 @@ def test_fused_and_reference_paths_give_the_same_steps(interval):
         for path, b in runs.items():
             b.store.cache.next_step()
             b.decoder.plan(b.req_slots, seq_lens, host_pages)
+            assert b.decoder.use_coarse == bool(coarse)
             for layer, (k, v) in enumerate(kv):
                 out = b.decoder.run(layer, qs[layer])
                 pages = torch.where(selected[path, layer] < b.decoder.num_pages.view(-1, 1, 1), selected[path, layer], -1)
@@ -252,14 +255,15 @@ def test_score_kernel_equals_the_torch_selectors(selector, group_reduce):
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("coarse", [0, 4], ids=["page-by-page", "coarse-first"])
 @pytest.mark.parametrize("interval", [1, 3])
-def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval):
+def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse):
     """Graph mode (static buffers, every page scored, slot-0 padding row): a captured step replayed
     over several steps attends to exactly the pages it selected, and selects what the eager fused
     path does (up to exact score ties), also when the steps between full selections reuse the cache
-    rows (``reselect_interval`` 3)."""
+    rows (``reselect_interval`` 3), and when super-pages are scored first (``coarse_pages`` 4)."""
     gen = torch.Generator(device="cuda").manual_seed(6)
-    config = SparseConfig(token_budget=512, host_cache_gb=1.0, reselect_interval=interval)
+    config = SparseConfig(token_budget=512, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse)
     runs = {mode: bench(config, batch=3, context=3000) for mode in ("eager", "graph")}
     kv = [random_kv(3, 3001, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():

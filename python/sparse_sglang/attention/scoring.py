@@ -154,9 +154,10 @@ if triton is not None:
     @triton.jit
     def _score_kernel(
         q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
-        num_kv_heads, max_pages, head_stride, exp_head_stride, sink_pages, recent_pages,
+        num_kv_heads, max_pages, pages_stride, page_step, head_stride, exp_head_stride, sink_pages, recent_pages,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
         INT8_BOUNDS: tl.constexpr, FORCE: tl.constexpr, REUSE: tl.constexpr, FILL_TAIL: tl.constexpr,
+        ONLY_REUSED: tl.constexpr = False,
     ):  # fmt: skip
         # One (request, kv head) per grid row, its pages split among the grid's columns: column c
         # scores blocks c, c + columns, ... of BLOCK_N pages up to the request's own page count,
@@ -166,7 +167,10 @@ if triton is not None:
         # (reselect[b] false) reads no summary here: its pages get NOT_CACHED (forced ones +inf)
         # and _score_cached_kernel then scores the pages its cache row holds (keep_cached).
         # FILL_TAIL false leaves the row past the request's last block unwritten (a ragged
-        # top-k reads each row only up to its request's pages).
+        # top-k reads each row only up to its request's pages). ONLY_REUSED (with REUSE): rows due
+        # for a full selection are left alone (the coarse path scores them). Page j of request b
+        # is host page pages_ptr[b * pages_stride + j * page_step] (page_step > 1: the last pages
+        # of super-pages, whose rows hold the coarse bounds).
         bh = tl.program_id(0)
         column, columns = tl.program_id(1), tl.num_programs(1)
         b = bh // num_kv_heads
@@ -176,12 +180,14 @@ if triton is not None:
         scored = True
         if REUSE:
             scored = tl.load(reselect_ptr + b).to(tl.int32) != 0
+        if ONLY_REUSED and scored:
+            n = 0
         blocks_held = tl.cdiv(n, BLOCK_N)
         for blk in range(column, blocks_held, columns):
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             held = offs_n < n
             if scored:
-                page = tl.load(pages_ptr + b * max_pages + offs_n, mask=held, other=0).to(tl.int64)
+                page = tl.load(pages_ptr + b * pages_stride + offs_n * page_step, mask=held, other=0).to(tl.int64)
                 rows = h.to(tl.int64) * head_stride + page[:, None] * D + offs_d[None, :]
                 acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows,
                                     h.to(tl.int64) * exp_head_stride + page, held,
@@ -232,6 +238,46 @@ if triton is not None:
             tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _score_candidates_kernel(
+        q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
+        supers_ptr, built_ptr, num_kv_heads, max_pages, pages_stride, head_stride, exp_head_stride,
+        sink_pages, recent_pages, num_supers, tail,
+        S: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr,
+        GROUP_MAX: tl.constexpr, INT8_BOUNDS: tl.constexpr, REUSE: tl.constexpr,
+    ):  # fmt: skip
+        # One (request, kv head) per grid row, BLOCK_N candidate pages per column: candidate j <
+        # num_supers * S is page j % S of the row's (j // S)-th chosen super-page (supers_ptr,
+        # [rows, num_supers]: -1 or >= built = none), the next `tail` ones are the pages from
+        # built * S on (the recent and partial pages no super-page covers). Each candidate's
+        # selection priority (forced pages +inf) lands at its page in out_ptr, whose other entries
+        # the caller filled with -inf. Rows reusing their selection (REUSE) are left alone.
+        bh = tl.program_id(0)
+        b = bh // num_kv_heads
+        h = bh % num_kv_heads
+        due = True
+        if REUSE:
+            due = tl.load(reselect_ptr + b).to(tl.int32) != 0
+        if due:
+            n = tl.load(num_pages_ptr + b)
+            built = tl.load(built_ptr + b)
+            j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            in_supers = j < num_supers * S
+            sp = tl.load(supers_ptr + bh * num_supers + j // S, mask=in_supers, other=-1)
+            page = tl.where(in_supers, sp * S + j % S, built * S + j - num_supers * S)
+            held = tl.where(in_supers, (sp >= 0) & (sp < built), j < num_supers * S + tail) & (page < n)
+            page = tl.where(held, page, 0)
+            host = tl.load(pages_ptr + b * pages_stride + page, mask=held, other=0).to(tl.int64)
+            rows = h.to(tl.int64) * head_stride + host[:, None] * D + tl.arange(0, D)[None, :]
+            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows,
+                                h.to(tl.int64) * exp_head_stride + host, held,
+                                D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS)  # fmt: skip
+            acc = tl.where((page < sink_pages) | (page >= n - recent_pages), float("inf"), acc)
+            tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
+
+
 # Programs one score launch aims for (grid rows x columns): ~16 per SM of an H100's 132, enough to
 # keep the memory system busy; a batch with fewer (request, kv head) rows splits each row wider.
 SCORE_PROGRAMS = 2048
@@ -248,7 +294,7 @@ def score_pages(
     selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
     num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
     forced: tuple[int, int] | None = None, reuse: CachedRows | None = None, use_kernel: bool | None = None,
-    fill_tail: bool = True, block_n: int | None = None, num_warps: int | None = None,
+    fill_tail: bool = True, block_n: int | None = None, num_warps: int | None = None, only_reused: bool = False,
 ) -> torch.Tensor:
     """:func:`score_pages_reference` in one Triton kernel (CUDA tensors; same arguments).
 
@@ -263,7 +309,8 @@ def score_pages(
     ``fill_tail=False`` lets the kernel leave each row past its request's pages unwritten (for a
     ragged top-k that reads only up to each request's pages; the torch path writes ``-inf`` anyway).
     ``block_n`` (pages per program) and ``num_warps`` override the launch (``benchmark/decode_kernels.py``
-    sweeps them).
+    sweeps them). ``only_reused`` (kernel path, with ``reuse``) writes only the rows reusing their
+    selection (:func:`score_candidates` scores the others).
     """
     if use_kernel is None:
         use_kernel = q.is_cuda
@@ -290,8 +337,8 @@ def score_pages(
                 INT8_BOUNDS="bound_exp" in layer_summaries and kind != 2, FORCE=forced is not None, num_warps=num_warps)  # fmt: skip
     _score_kernel[grid](
         q, *summaries, host_pages, num_pages, out, reselect,
-        heads, max_pages, ref.stride(0), exp_head_stride, *(forced or (0, 0)), REUSE=reuse is not None, FILL_TAIL=fill_tail,
-        **meta,
+        heads, max_pages, host_pages.stride(0), 1, ref.stride(0), exp_head_stride, *(forced or (0, 0)),
+        REUSE=reuse is not None, FILL_TAIL=fill_tail, ONLY_REUSED=only_reused, **meta,
     )  # fmt: skip
     if reuse is not None:
         rows = reuse.rows
@@ -301,4 +348,105 @@ def score_pages(
             q, *summaries, host_pages, num_pages, out, reselect, rows, reuse.req_slots, reuse.slot_page,
             rows.stride(0), rows.shape[2], heads, max_pages, ref.stride(0), exp_head_stride, *(forced or (0, 0)), **meta,
         )  # fmt: skip
+    return out
+
+
+def coarse_host_pages(host_pages: torch.Tensor, coarse_pages: int) -> torch.Tensor:
+    """``[B, N // S]`` host page of the last page of each super-page (its rows hold the coarse
+    bounds; a strided view of ``host_pages``)."""
+    return host_pages[:, coarse_pages - 1 :: coarse_pages][:, : host_pages.shape[1] // coarse_pages]
+
+
+def score_coarse(
+    q: torch.Tensor, coarse_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor, built: torch.Tensor,
+    coarse_pages: int, sink_pages: int, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
+    reselect: torch.Tensor | None = None, use_kernel: bool | None = None,
+) -> torch.Tensor:
+    """Quest scores of each request's first ``built[b]`` super-pages of ``coarse_pages`` pages,
+    from their coarse bounds (:meth:`PageSummaries.coarse_layer`), whatever the selector (the
+    bounds bound every key of the super-page, so its score bounds its pages'); the super-pages
+    holding sink pages score ``+inf``. ``[B, Hkv, N // S]`` float32, ``-inf`` past ``built``.
+    ``reselect`` (``[B]`` bool): rows of requests reusing their selection are not read (any value).
+    """
+    if use_kernel is None:
+        use_kernel = q.is_cuda
+    supers = coarse_host_pages(host_pages, coarse_pages)
+    sink_supers = -(-sink_pages // coarse_pages)
+    if not use_kernel or triton is None:
+        scores = score_pages_reference("quest", q, coarse_summaries, supers, built, group_reduce)
+        return force_pages(scores, built, sink_supers, 0) if sink_supers else scores
+    batch, heads, group, dim = q.shape
+    width = supers.shape[1]
+    if out is None:
+        out = torch.empty(batch, heads, width, dtype=torch.float32, device=q.device)
+    block_n, num_warps = score_launch(dim)
+    columns = max(1, min(triton.cdiv(width, block_n), triton.cdiv(SCORE_PROGRAMS, batch * heads)))
+    kmin = coarse_summaries["kmin"]
+    exp = coarse_summaries.get("bound_exp", kmin)
+    _score_kernel[(batch * heads, columns)](
+        q.contiguous(), kmin, coarse_summaries["kmax"], exp, kmin, kmin, supers, built, out,
+        kmin if reselect is None else reselect,
+        heads, width, supers.stride(0), supers.stride(1), kmin.stride(0), exp.stride(0), sink_supers, 0,
+        D=dim, G=group, BLOCK_N=block_n, KIND=0, GROUP_MAX=group_reduce == "max", INT8_BOUNDS="bound_exp" in coarse_summaries,
+        FORCE=sink_supers > 0, REUSE=reselect is not None, FILL_TAIL=True, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def candidate_pages(supers: torch.Tensor, built: torch.Tensor, num_pages: torch.Tensor, coarse_pages: int,
+                    max_pages: int) -> torch.Tensor:  # fmt: skip
+    """``[B, Hkv, max_pages]`` bool: the pages of the chosen super-pages ``supers`` ``[B, Hkv, M]``
+    (``-1`` or ``>= built`` = none) and every page from ``built * S`` on, within each request's pages."""
+    batch, heads, _ = supers.shape
+    device = supers.device
+    page = torch.arange(max_pages, device=device)
+    chosen = torch.zeros(batch, heads, max_pages // coarse_pages + 1, dtype=torch.bool, device=device)
+    valid = (supers >= 0) & (supers < built.view(-1, 1, 1).to(device))
+    chosen.scatter_(-1, torch.where(valid, supers, chosen.shape[-1] - 1).long(), True)
+    chosen[..., -1] = False
+    start = (built.to(device).long() * coarse_pages).view(-1, 1, 1)
+    keep = chosen[..., (page // coarse_pages).clamp(max=chosen.shape[-1] - 1)] | (page >= start)
+    return keep & (page < num_pages.to(device).view(-1, 1, 1))
+
+
+def score_candidates(
+    selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
+    num_pages: torch.Tensor, supers: torch.Tensor, built: torch.Tensor, coarse_pages: int, tail: int,
+    group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
+    forced: tuple[int, int] = (0, 1), reuse: CachedRows | None = None, use_kernel: bool | None = None,
+) -> torch.Tensor:
+    """Selection priorities (:func:`score_pages` with ``forced``) of only the candidate pages
+    (:func:`candidate_pages`), ``-inf`` elsewhere: the second, fine pass of a coarse-first
+    selection. Rows reusing their selection (``reuse``) get :func:`score_pages`'s priorities.
+    ``tail`` is the most pages a request holds from ``built * S`` on (``S + recent_pages - 1``
+    when ``built`` is :func:`~sparse_sglang.mem_cache.summaries.coarse_built`'s)."""
+    if use_kernel is None:
+        use_kernel = q.is_cuda
+    host_pages, max_pages = host_pages.contiguous(), host_pages.shape[1]
+    if not use_kernel or triton is None:
+        scores = score_pages(selector, q, layer_summaries, host_pages, num_pages, group_reduce, forced=forced,
+                             reuse=reuse, use_kernel=False)  # fmt: skip
+        keep = candidate_pages(supers, built, num_pages, coarse_pages, max_pages)
+        if reuse is not None:  # rows reusing their selection keep score_pages' priorities
+            keep = keep | ~reuse.reselect.to(keep.device).view(-1, 1, 1)
+        return scores.masked_fill(~keep, -math.inf)
+    batch, heads, group, dim = q.shape
+    if out is None:
+        out = torch.empty(batch, heads, max_pages, dtype=torch.float32, device=q.device)
+    out.fill_(-math.inf)
+    kind = KERNEL_SELECTORS.index(selector)
+    block_n, num_warps = score_launch(dim)
+    summaries = [layer_summaries.get(name, layer_summaries["kmin"]) for name in ("kmin", "kmax", "bound_exp", "mean", "radius")]
+    int8 = "bound_exp" in layer_summaries and kind != 2
+    reselect = summaries[0] if reuse is None else reuse.reselect
+    num_pages, num_supers = num_pages.to(torch.int32), supers.shape[-1]
+    _score_candidates_kernel[(batch * heads, triton.cdiv(num_supers * coarse_pages + tail, block_n))](
+        q.contiguous(), *summaries, host_pages, num_pages, out, reselect, supers, built,
+        heads, max_pages, host_pages.stride(0), summaries[0].stride(0), summaries[2].stride(0), *forced, num_supers, tail,
+        S=coarse_pages, D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max",
+        INT8_BOUNDS=int8, REUSE=reuse is not None, num_warps=num_warps,
+    )  # fmt: skip
+    if reuse is not None:  # the rows reusing their selection, as score_pages scores them
+        score_pages(selector, q, layer_summaries, host_pages, num_pages, group_reduce, out=out, forced=forced,
+                    reuse=reuse, use_kernel=True, fill_tail=False, only_reused=True)  # fmt: skip
     return out

@@ -9,7 +9,11 @@ runs once per layer, on the device only:
    included) and the top-scored rest: ``K`` pages (the score kernel ranks the forced pages
    first, a top-k takes ``K``; :func:`select_pages` is the reference). With
    ``reselect_interval`` N > 1 a request selects from all its pages once every N of its steps and
-   in between only among the pages its cache row holds (:func:`keep_cached`);
+   in between only among the pages its cache row holds (:func:`keep_cached`). With
+   ``coarse_pages`` S > 0 the score is coarse first: super-pages of S pages are scored from their
+   joint bounds (:func:`score_coarse`; each super-page's bounds are built once, in ``plan``), a
+   top-k keeps ``coarse_candidates`` budgets' worth of them, and only their pages and the newest
+   ones are scored page by page (:func:`score_candidates`);
 3. **Retrieve**: hits come from the GPU page cache, misses are loaded by FlashH2D into LRU slots
    of the request's cache row (one fused kernel, :func:`retrieve_pages`, finds them and writes
    FlashInfer's indices; :meth:`GPUPageCache.retrieve` is the reference);
@@ -25,11 +29,19 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sparse_sglang.attention.scoring import score_pages
+from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.config import SparseConfig
-from sparse_sglang.mem_cache.kernels import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
+from sparse_sglang.mem_cache.kernels import (
+    MAX_RETRIEVE_CELLS,
+    build_coarse,
+    fits_fused_retrieve,
+    next_pow2,
+    retrieve_pages,
+)
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
+from sparse_sglang.mem_cache.summaries import coarse_built
+from sparse_sglang.mem_cache.summaries import coarse_built
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
 
 
@@ -117,6 +129,14 @@ class SparseDecoder:
         recent = min(config.recent_pages, self.width)
         self.forced = (min(config.sink_pages, self.width - recent), recent)  # (sink, recent) pages
         self.interval = config.reselect_interval
+        # Coarse-first selection, where a request can hold more super-pages than it keeps.
+        self.coarse = config.coarse_pages if store.summaries.coarse_pages else 0
+        self.supers = config.coarse_supers(self.width) if self.coarse else 0
+        if self.coarse and shape.max_pages // self.coarse <= self.supers:
+            self.coarse = 0
+        self.coarse_tail = self.coarse + self.forced[1] - 1  # most pages a request holds from built * S on
+        self.use_coarse = False  # this step (plan)
+        self.built = self.built_rows = None  # [B], [B * Hkv] int32: complete super-pages per request
         # Per step (plan). reselect: [B] bool, which requests select from all their pages (None:
         # every request, interval 1).
         self.reselect = None
@@ -172,6 +192,8 @@ class SparseDecoder:
             "row_pages": torch.ones(rows, dtype=torch.int32, device=device),
             "host_pages": torch.zeros(max_batch, pages, dtype=torch.int32, device=device),
             "reselect": torch.ones(max_batch, dtype=torch.bool, device=device),
+            "built": torch.zeros(max_batch, dtype=torch.int32, device=device),
+            "built_rows": torch.zeros(rows, dtype=torch.int32, device=device),
         }
 
     def _graph_wrapper(self, batch: int):
@@ -245,6 +267,7 @@ class SparseDecoder:
             self.host_pages[:, : host_pages.shape[1]].copy_(host_pages)
             self.max_pages = self.host_pages.shape[1]
             self.exact = False
+            self._plan_coarse(num_pages_dev, num_pages_cpu, g)
             return
         self.reselect = reselect
         self.indptr = indptr.to(device, non_blocking=True)
@@ -253,10 +276,36 @@ class SparseDecoder:
         self.row_pages = num_pages_dev.repeat_interleave(heads)
         self.max_pages = int(num_pages_cpu.max())
         self.exact = self.config.exact_shortcut and self.max_pages <= width
+        self._plan_coarse(num_pages_dev, num_pages_cpu)
         if self.exact:
             # Every page is selected: no scoring (pages >= n are padding).
             pages = torch.arange(width, device=device).view(1, 1, width)
             self.all_pages = torch.where(pages < self.num_pages.view(-1, 1, 1), pages, -1).expand(batch, heads, width)
+
+    def _plan_coarse(self, num_pages: torch.Tensor, num_pages_cpu: torch.Tensor, g: dict | None = None) -> None:
+        """Complete super-pages per request, and their coarse bounds built where missing (one
+        launch for every layer: new super-pages since the last step, all of a new request's)."""
+        self.use_coarse = False
+        if not self.coarse or self.exact:
+            return
+        recent = self.forced[1]
+        built = coarse_built(num_pages, self.coarse, recent)
+        max_built = max(0, int(num_pages_cpu.max()) - recent) // self.coarse
+        if g is not None:  # a CUDA-graph step takes the coarse path whatever its lengths
+            self.built, self.built_rows = g["built"][: self.batch], g["built_rows"][: self.batch * self.num_kv_heads]
+            self.built.copy_(built)
+            self.built_rows.copy_(built.repeat_interleave(self.num_kv_heads))
+            self.use_coarse = True
+        else:
+            self.built, self.built_rows = built, built.repeat_interleave(self.num_kv_heads)
+            self.use_coarse = max_built > self.supers  # else every super-page would be kept
+        if max_built == 0 or torch.cuda.is_current_stream_capturing():  # capture: no real pages
+            return
+        summaries = self.store.summaries
+        if self.fused:
+            build_coarse(summaries, self.host_pages, self.built, max_built)
+        else:
+            summaries.build_coarse(self.host_pages, self.built)
 
     def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """``[B, Hkv, K]`` logical pages one layer attends (``-1`` padded; ascending on the
@@ -272,7 +321,10 @@ class SparseDecoder:
         qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
         summaries = self.store.summaries.layer(layer)
         if not self.fused:
-            scores = self._keep_cached(layer, score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages))
+            scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages)
+            if self.use_coarse:  # only the candidates of requests due for a full selection
+                scores = scores.masked_fill(~self._coarse_candidates_reference(layer, qg), -math.inf)
+            scores = self._keep_cached(layer, scores)
             return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
         # FlashInfer's ragged top-k reads each row up to its request's pages, so the score kernel
         # leaves the rest of the row unwritten; torch.topk reads whole rows, so there the rest
@@ -282,11 +334,29 @@ class SparseDecoder:
         # GPU tests compare them).
         ragged = self.topk == "flashinfer"
         reuse = None if self.reselect is None else self.store.cache.cached_rows(layer, self.req_slots, self.reselect)
+        if self.use_coarse:
+            host_pages = self.host_pages[:, : self.max_pages]
+            coarse = score_coarse(qg, self.store.summaries.coarse_layer(layer), host_pages, self.built, self.coarse,
+                                  self.forced[0], reselect=self.reselect)  # fmt: skip
+            supers = topk_pages(coarse, self.supers, self.topk, self.built_rows, self.topk_offsets)
+            priority = score_candidates(self.selector, qg, summaries, host_pages, self.num_pages, supers, self.built,
+                                        self.coarse, self.coarse_tail, forced=self.forced, reuse=reuse)  # fmt: skip
+            return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
         priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
                                forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
         if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
             priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
         return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
+
+    def _coarse_candidates_reference(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, N]`` bool: the pages the coarse pass leaves to score (all of a request
+        reusing its selection), in plain torch (``torch.topk`` breaks ties its own way)."""
+        coarse = score_coarse(qg, self.store.summaries.coarse_layer(layer), self.host_pages, self.built, self.coarse,
+                              self.forced[0], use_kernel=False)  # fmt: skip
+        top = coarse.topk(min(self.supers, coarse.shape[-1]), dim=-1)
+        supers = torch.where(top.values > -math.inf, top.indices, -1)
+        keep = candidate_pages(supers, self.built, self.num_pages, self.coarse, self.host_pages.shape[1])
+        return keep if self.reselect is None else keep | ~self.reselect.view(-1, 1, 1)
 
     def _keep_cached(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
         if self.reselect is None:

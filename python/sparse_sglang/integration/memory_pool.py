@@ -153,7 +153,8 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     logger.info("sparse memory plan: %s", plan.describe())
     note_host_store(plan.max_total_tokens, sparse.host_cache_gb, model.context_len)
     store = SparseKVStore(plan.shape, runner.device, **kept_summaries(sparse.selector), lru_buckets=sparse.cache_lru_buckets,
-                          lru_steps_per_bucket=sparse.cache_lru_steps_per_bucket, bound_format=sparse.bound_format)  # fmt: skip
+                          lru_steps_per_bucket=sparse.cache_lru_steps_per_bucket, bound_format=sparse.bound_format,
+                          coarse_pages=sparse.coarse_pages)  # fmt: skip
     pool = SparseTokenToKVPool(store, plan.max_total_tokens, runner.device,
                                conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip
     runner.req_to_token_pool = conf._build_req_to_token_pool(max_num_reqs=plan.max_running_requests)

@@ -107,14 +107,23 @@ if triton is not None:
         return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def quantize_outward(lo, hi):
+        """``lo``/``hi`` ``[D]`` float32 bounds as int8 levels (floats) and their scale exponent,
+        rounded outward (summaries.quantize_bounds, bit for bit)."""
+        amax = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), MIN_BOUND_ABS)
+        bits = amax.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 133 + ((bits & 0x7FFFFF) > LEVELS_MANTISSA).to(tl.int32)
+        return tl.floor(lo * pow2(-e)), tl.ceil(hi * pow2(-e)), e
+
+    @triton.jit
     def _index_runs_kernel(
         k_ptr, v_ptr, token_slots_ptr,
         run_start_ptr, run_len_ptr, run_req_ptr, run_page_ptr, run_offset_ptr,
-        kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, count_ptr,
+        kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, count_ptr, coarse_first_ptr,
         directory_ptr, segments_ptr, cache_k_ptr, cache_v_ptr,
         layer, num_layers, num_heads, num_dir, summary_head_stride, exp_head_stride,
         P: tl.constexpr, D: tl.constexpr, SEG: tl.constexpr, WITH_MEAN: tl.constexpr, WITH_RADIUS: tl.constexpr,
-        STORE_CACHE: tl.constexpr, INT8_BOUNDS: tl.constexpr,
+        STORE_CACHE: tl.constexpr, INT8_BOUNDS: tl.constexpr, COARSE: tl.constexpr,
     ):  # fmt: skip
         # One program: one run (<= P tokens of one page) of one kv head.
         r = tl.program_id(0)
@@ -150,11 +159,7 @@ if triton is not None:
         total = c + n.to(tl.float32)
         store = ok & (d < D)
         if INT8_BOUNDS:  # requantized outward (summaries.quantize_bounds, bit for bit)
-            amax = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), MIN_BOUND_ABS)
-            bits = amax.to(tl.int32, bitcast=True)
-            e = ((bits >> 23) & 0xFF) - 133 + ((bits & 0x7FFFFF) > LEVELS_MANTISSA).to(tl.int32)
-            lo = tl.floor(lo * pow2(-e))
-            hi = tl.ceil(hi * pow2(-e))
+            lo, hi, e = quantize_outward(lo, hi)
             tl.store(exp_ptr + h.to(tl.int64) * exp_head_stride + page, e.to(tl.int8), mask=ok)
             lo_value, hi_value = lo * pow2(e), hi * pow2(e)
         else:
@@ -172,6 +177,8 @@ if triton is not None:
             tl.store(radius_ptr + s, (old_radius * c + dev) / total, mask=store)
         if h == 0:
             tl.store(count_ptr + page, (offset + n).to(tl.int32), mask=ok)
+            if COARSE:  # a page started anew ends no built super-page (PageSummaries.update)
+                tl.store(coarse_first_ptr + page, -1, mask=ok & (offset == 0))
 
         if STORE_CACHE:  # write-through into the page's cache block, if the page is cached
             req = tl.load(run_req_ptr + r).to(tl.int64)
@@ -272,6 +279,67 @@ if triton is not None:
         tl.store(miss_dst_ptr + bh * K + j, tl.where(miss, dst, -1), mask=j < K)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _build_coarse_kernel(
+        host_pages_ptr, built_ptr, kmin_ptr, kmax_ptr, exp_ptr, ckmin_ptr, ckmax_ptr, cexp_ptr, first_ptr,
+        host_pages_stride, num_layers, num_heads, layer_stride, head_stride, exp_layer_stride, exp_head_stride,
+        S: tl.constexpr, D: tl.constexpr, INT8_BOUNDS: tl.constexpr,
+    ):  # fmt: skip
+        # One program: super-page s of request b, built unless its last page's coarse_first names
+        # its first page already (then nothing since has changed its pages: PageSummaries.update).
+        # Requests sharing a radix prefix may build the same super-page at once: same values.
+        b = tl.program_id(0)
+        sp = tl.program_id(1)
+        if sp < tl.load(built_ptr + b):
+            row = b.to(tl.int64) * host_pages_stride + sp * S
+            pages = tl.load(host_pages_ptr + row + tl.arange(0, S)).to(tl.int64)
+            first = tl.load(host_pages_ptr + row).to(tl.int32)
+            last = tl.load(host_pages_ptr + row + S - 1).to(tl.int64)
+            if tl.load(first_ptr + last) != first:
+                d = tl.arange(0, D)
+                for lh in range(num_layers * num_heads):
+                    layer = lh // num_heads
+                    h = lh % num_heads
+                    base = layer.to(tl.int64) * layer_stride + h.to(tl.int64) * head_stride
+                    rows = base + pages[:, None] * D + d[None, :]
+                    lo = tl.load(kmin_ptr + rows).to(tl.float32)
+                    hi = tl.load(kmax_ptr + rows).to(tl.float32)
+                    out = base + last * D + d
+                    if INT8_BOUNDS:
+                        e_at = layer.to(tl.int64) * exp_layer_stride + h.to(tl.int64) * exp_head_stride
+                        scale = pow2(tl.load(exp_ptr + e_at + pages).to(tl.int32))[:, None]
+                        lo_q, hi_q, e = quantize_outward(tl.min(lo * scale, axis=0), tl.max(hi * scale, axis=0))
+                        tl.store(ckmin_ptr + out, lo_q.to(tl.int8))
+                        tl.store(ckmax_ptr + out, hi_q.to(tl.int8))
+                        tl.store(cexp_ptr + e_at + last, e.to(tl.int8))
+                    else:  # the min of stored values is a stored value: exact in the bounds' type
+                        tl.store(ckmin_ptr + out, tl.min(lo, axis=0).to(ckmin_ptr.dtype.element_ty))
+                        tl.store(ckmax_ptr + out, tl.max(hi, axis=0).to(ckmax_ptr.dtype.element_ty))
+                tl.store(first_ptr + last, first)
+
+
+def build_coarse(summaries, host_pages: torch.Tensor, built: torch.Tensor, max_built: int) -> None:
+    """:meth:`PageSummaries.build_coarse <sparse_sglang.mem_cache.PageSummaries.build_coarse>` in
+    one launch, every layer at once: only the super-pages not built yet read their pages' bounds
+    (after a prefill, all of a request's; then one every ``coarse_pages`` pages). ``max_built``
+    (a host int, at least every ``built[b]``) sizes the grid."""
+    if max_built <= 0:
+        return
+    kmin, kmax = summaries._kmin, summaries._kmax
+    coarse = summaries._coarse
+    exp = summaries._exp if summaries._exp is not None else summaries._count
+    cexp = coarse.get("bound_exp", exp)
+    assert host_pages.stride(1) == 1 and kmin.is_contiguous() and exp.is_contiguous()
+    layers, heads, _, dim = kmin.shape
+    _build_coarse_kernel[(host_pages.shape[0], max_built)](
+        host_pages, built, kmin, kmax, exp, coarse["kmin"], coarse["kmax"], cexp, summaries._coarse_first,
+        host_pages.stride(0), layers, heads, kmin.stride(0), kmin.stride(1), exp.stride(0), exp.stride(1),
+        S=summaries.coarse_pages, D=dim, INT8_BOUNDS=summaries._exp is not None,
+    )  # fmt: skip
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (Triton block sizes)."""
     return 1 << max(0, (n - 1).bit_length())
@@ -317,10 +385,10 @@ def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, t
     _index_runs_kernel[(runs.num_runs, heads)](
         k, v, token_slots, runs.start, runs.length, runs.req_slot, runs.logical_page, runs.page_offset,
         kmin, lay["kmax"], exp, lay.get("mean", kmin), lay.get("radius", kmin), summaries.layer_count(layer),
-        pt.directory, pt.segments, cache._k, cache._v,
+        summaries.layer_count(layer) if summaries.coarse_first is None else summaries._coarse_first, pt.directory, pt.segments, cache._k, cache._v,
         layer, pt.num_layers, heads, pt.directory.shape[-1], kmin.stride(0), exp.stride(0),
         P=cache.page_size, D=dim, SEG=pt.segment_pages, WITH_MEAN="mean" in lay, WITH_RADIUS="radius" in lay,
-        STORE_CACHE=store_cache, INT8_BOUNDS="bound_exp" in lay,
+        STORE_CACHE=store_cache, INT8_BOUNDS="bound_exp" in lay, COARSE=summaries.coarse_first is not None,
     )  # fmt: skip
 
 

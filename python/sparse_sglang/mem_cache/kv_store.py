@@ -66,11 +66,13 @@ class SparseKVStore:
         The GPU page cache's replacement order (:meth:`GPUPageCache.recency`; 0 = exact LRU).
     bound_format : {"exact", "int8", "auto"}
         How the summaries store page key bounds (``--sparse-bound-format``; :class:`PageSummaries`).
+    coarse_pages : int
+        Also keep coarse bounds of super-pages of this many pages (``--sparse-coarse-pages``; 0 = none).
     """
 
     def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False,
                  with_mean: bool = True, fused: bool | None = None, lru_buckets: int = 0,
-                 lru_steps_per_bucket: int = 1, bound_format: str = "auto"):  # fmt: skip
+                 lru_steps_per_bucket: int = 1, bound_format: str = "auto", coarse_pages: int = 0):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
@@ -78,7 +80,7 @@ class SparseKVStore:
         self.host = HostKVPool(s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype, pin=on_gpu)
         self.summaries = PageSummaries(s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype,
                                        self.device, with_radius=with_radius, with_mean=with_mean,
-                                       bound_format=bound_format)  # fmt: skip
+                                       bound_format=bound_format, coarse_pages=coarse_pages)  # fmt: skip
         self.cache = GPUPageCache(
             s.num_slots, s.num_layers, s.num_kv_heads, s.page_size, s.head_dim, s.dtype,
             max_requests=s.max_requests, row_width=s.row_width, max_pages=s.max_pages,

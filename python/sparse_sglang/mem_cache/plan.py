@@ -93,14 +93,16 @@ def prefix_staging_tokens(config: SparseConfig, context_len: int) -> int:
 
 def fixed_gpu_bytes(
     host_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, staging_tokens: int,
-    with_radius: bool = False, with_mean: bool = True, bound_format: str = "exact",
+    with_radius: bool = False, with_mean: bool = True, bound_format: str = "exact", coarse_pages: int = 0,
 ) -> tuple[int, int, int]:
     """GPU bytes besides the page cache: ``(summaries, prefix staging, page table)`` for a host
     store of ``host_pages`` pages (summaries of every host page stay resident)."""
     bounds = bound_dtype(dtype, bound_format)
     per_channel = 2 * bounds.itemsize + (4 if with_mean else 0) + (4 if with_radius else 0)
-    per_page = head_dim * per_channel + (1 if bounds == torch.int8 else 0)  # + int8 scale exponent
+    bound_bytes = head_dim * 2 * bounds.itemsize + (1 if bounds == torch.int8 else 0)  # + int8 scale exponent
+    per_page = head_dim * (per_channel - 2 * bounds.itemsize) + bound_bytes * (2 if coarse_pages else 1)  # coarse: bounds twice
     summary = num_layers * num_kv_heads * (host_pages + 1) * per_page + num_layers * (host_pages + 1) * 4
+    summary += (host_pages + 1) * 4 if coarse_pages else 0  # coarse_first
     attend = kv_compute_dtype(dtype)  # + the copy the prefix is attended from, when it has another dtype
     staging = 2 * staging_tokens * num_kv_heads * head_dim * (dtype.itemsize + (attend.itemsize if attend != dtype else 0))
     table = num_layers * num_kv_heads * (host_pages + 64) * 4 * 2  # segments + directory, roughly
@@ -144,7 +146,7 @@ def plan_memory(
     staging_tokens = prefix_staging_tokens(config, context_len)
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
                                                                 staging_tokens, with_radius, with_mean,
-                                                                config.bound_format)  # fmt: skip
+                                                                config.bound_format, config.coarse_pages)  # fmt: skip
     if config.gpu_cache_gb is not None:
         cache_bytes = int(config.gpu_cache_gb * GIB)
     else:

@@ -126,6 +126,9 @@ class PageSummaries:
         reads: in float32 it is half the summaries' bytes).
     bound_format : {"exact", "int8", "auto"}
         How ``kmin``/``kmax`` are stored (module doc; :func:`resolve_bound_format`).
+    coarse_pages : int
+        ``S > 0`` also keeps coarse bounds: those of ``S`` consecutive pages of a request (a
+        super-page), stored in the rows of its last page (see "Coarse bounds" in the module doc).
 
     Attributes
     ----------
@@ -140,12 +143,18 @@ class PageSummaries:
         ``[num_layers, num_pages]`` int32: tokens summarized per (layer, page).
     radius : torch.Tensor or None
         ``[num_layers, num_kv_heads, num_pages, head_dim]`` float32 when ``with_radius``.
+    coarse_kmin, coarse_kmax, coarse_exp : torch.Tensor or None
+        With ``coarse_pages``: bounds of the super-page ending at each page, shaped and stored as
+        ``kmin``/``kmax``/``bound_exp``.
+    coarse_first : torch.Tensor or None
+        ``[num_pages]`` int32: the host page that starts the super-page whose coarse bounds the
+        page's rows hold, ``-1`` when they hold none.
     """
 
     def __init__(
         self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
         kv_dtype: torch.dtype, device: torch.device | str = "cpu", *, with_radius: bool = False,
-        with_mean: bool = True, bound_format: str = "exact",
+        with_mean: bool = True, bound_format: str = "exact", coarse_pages: int = 0,
     ):
         # One extra page at index num_pages: padding tokens fold into it, so updates need no masks.
         shape = (num_layers, num_kv_heads, num_pages + 1, head_dim)
@@ -166,6 +175,20 @@ class PageSummaries:
         self.mean = None if self._mean is None else self._mean[:, :, :num_pages]
         self.count = self._count[:, :num_pages]
         self.radius = None if self._radius is None else self._radius[:, :, :num_pages]
+        self.coarse_pages = coarse_pages
+        self._coarse = None
+        if coarse_pages:
+            self._coarse = {"kmin": torch.full_like(self._kmin, self.empty_bounds[0]),
+                            "kmax": torch.full_like(self._kmax, self.empty_bounds[1])}  # fmt: skip
+            if self._exp is not None:
+                self._coarse["bound_exp"] = torch.full_like(self._exp, EMPTY_EXP)
+            self._coarse_first = torch.full((num_pages + 1,), -1, dtype=torch.int32, device=device)
+            self.coarse_first = self._coarse_first[:num_pages]
+        self.coarse_kmin, self.coarse_kmax, self.coarse_exp = (
+            None if self._coarse is None or name not in self._coarse else self._coarse[name][:, :, :num_pages]
+            for name in ("kmin", "kmax", "bound_exp"))
+        if self._coarse is None:
+            self.coarse_first = None
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         """The summaries of one layer, ``[num_kv_heads, num_pages + 1, head_dim]`` each (the
@@ -179,6 +202,11 @@ class PageSummaries:
             out["radius"] = self._radius[layer]
         return out
 
+    def coarse_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """The coarse bounds of one layer, keyed like :meth:`layer`'s (``kmin``, ``kmax``,
+        ``bound_exp``), so the score kernel reads them as it reads pages'."""
+        return {name: t[layer] for name, t in self._coarse.items()}
+
     def layer_count(self, layer: int) -> torch.Tensor:
         """Tokens summarized per page of one layer, ``[num_pages + 1]`` int32 (padding page last)."""
         return self._count[layer]
@@ -186,6 +214,8 @@ class PageSummaries:
     @property
     def nbytes(self) -> int:
         parts = (self._kmin, self._kmax, self._exp, self._mean, self._count, self._radius)
+        if self._coarse is not None:
+            parts += (*self._coarse.values(), self._coarse_first)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def update(self, layer: int, k: torch.Tensor, token_slots: torch.Tensor) -> None:
@@ -225,6 +255,8 @@ class PageSummaries:
         self._count[layer][fresh] = 0
         if self._radius is not None:
             self._radius[layer][:, fresh] = 0.0
+        if self._coarse is not None:  # a page started anew ends no built super-page
+            self._coarse_first[fresh] = -1
 
         kf = k.float().transpose(0, 1)  # [H, T, D]
         self._merge_bounds(layer, page, kf)
@@ -290,6 +322,8 @@ class PageSummaries:
         self.count[:, pages] = 0
         if self.radius is not None:
             self.radius[:, :, pages] = 0.0
+        if self.coarse_first is not None:
+            self.coarse_first[pages] = -1
 
     def bounds(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of one layer's pages as values, ``[num_kv_heads, num_pages, head_dim]``
@@ -298,7 +332,10 @@ class PageSummaries:
 
     def set_bounds(self, layer: int, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
         """Overwrite one layer's page bounds with ``kmin <= kmax`` ``[num_kv_heads, num_pages,
-        head_dim]`` (finite; stored rounded outward, e.g. random bounds for timing runs)."""
+        head_dim]`` (finite; stored rounded outward, e.g. random bounds for timing runs). Coarse
+        bounds are rebuilt at the next :meth:`build_coarse`."""
+        if self.coarse_first is not None:
+            self.coarse_first.fill_(-1)
         if self.bound_exp is None:
             self.kmin[layer].copy_(kmin)
             self.kmax[layer].copy_(kmax)
@@ -315,3 +352,42 @@ class PageSummaries:
     def half_extent(self, layer: int) -> torch.Tensor:
         """Cuboid half-extents of one layer, ``[num_kv_heads, num_pages, head_dim]`` float32."""
         return cuboid_half_extent(*self.bounds(layer))
+
+    def build_coarse(self, host_pages: torch.Tensor, built: torch.Tensor) -> None:
+        """Coarse bounds of every super-page ``s < built[b]`` of every request (plain torch; the
+        decode step's kernel, :func:`~sparse_sglang.mem_cache.kernels.build_coarse`, builds only
+        those whose ``coarse_first`` does not match, with the same result).
+
+        Parameters
+        ----------
+        host_pages : torch.Tensor
+            ``[B, N]`` host page of each logical page of each request.
+        built : torch.Tensor
+            ``[B]`` complete super-pages to build per request (:func:`coarse_built`).
+        """
+        s = self.coarse_pages
+        supers = host_pages.shape[1] // s
+        idx = torch.arange(supers, device=host_pages.device)
+        todo = idx.view(1, -1) < built.to(host_pages.device).view(-1, 1)  # [B, supers]
+        pages = host_pages[:, : supers * s].long().view(-1, supers, s)[todo]  # [M, S]
+        if pages.numel() == 0:
+            return
+        last = pages[:, -1]
+        for layer in range(self._kmin.shape[0]):
+            lo, hi = self._stored_values(layer, pages.reshape(-1))  # [H, M * S, D]
+            heads, _, dim = lo.shape
+            lo = lo.view(heads, -1, s, dim).amin(2)
+            hi = hi.view(heads, -1, s, dim).amax(2)
+            coarse = self._coarse
+            if self._exp is None:
+                coarse["kmin"][layer][:, last], coarse["kmax"][layer][:, last] = lo.to(self._kmin.dtype), hi.to(self._kmax.dtype)
+            else:
+                coarse["kmin"][layer][:, last], coarse["kmax"][layer][:, last], coarse["bound_exp"][layer][:, last] = quantize_bounds(lo, hi)
+        self._coarse_first[last] = pages[:, 0].to(torch.int32)
+
+
+def coarse_built(num_pages: torch.Tensor, coarse_pages: int, recent_pages: int) -> torch.Tensor:
+    """Complete super-pages of ``coarse_pages`` pages each request scores coarsely: those wholly
+    before its ``recent_pages`` newest pages (so the partial newest page, and the recent pages a
+    selection keeps anyway, are always scored page by page). ``[B]`` int32."""
+    return ((num_pages.to(torch.int32) - recent_pages).clamp_min(0) // coarse_pages).to(torch.int32)

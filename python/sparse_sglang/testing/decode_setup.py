@@ -38,7 +38,8 @@ def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_co
         dtype=dtype, num_host_pages=max_batch * max_pages + 1, num_slots=max_batch * shape.num_layers * shape.num_kv_heads * width,
         max_requests=max_batch + 1, row_width=width, max_pages=max_pages, max_save_tokens=8192,
     )  # fmt: skip
-    return SparseKVStore(s, "cuda", **kept_summaries(config.selector), bound_format=config.bound_format)
+    return SparseKVStore(s, "cuda", **kept_summaries(config.selector), bound_format=config.bound_format,
+                         coarse_pages=config.coarse_pages)
 
 
 class DecodeBench:
