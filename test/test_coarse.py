@@ -139,7 +139,13 @@ def test_config_and_memory_of_coarse_selection():
         SparseConfig(host_cache_gb=1.0, coarse_pages=6)
     with pytest.raises(SparseConfigError, match="coarse-candidates"):
         SparseConfig(host_cache_gb=1.0, coarse_pages=8, coarse_candidates=0.5)
-    assert SparseConfig(host_cache_gb=1.0, coarse_pages=8).coarse_supers(64) == 32
+    config = SparseConfig(host_cache_gb=1.0, coarse_pages=8)
+    assert config.coarse_supers(64) == 32
+    # Only where it spares the page-by-page score enough pages: batch 8 at 128K, not batch 1.
+    assert config.coarse_pays(8, 4096, 64) and not config.coarse_pays(1, 4096, 64)
+    assert not SparseConfig(host_cache_gb=1.0).coarse_pays(32, 4096, 64)  # off
+    with pytest.raises(SparseConfigError, match="coarse-min-pages"):
+        SparseConfig(host_cache_gb=1.0, coarse_min_pages=-1)
     for bound_format in ("int8", "exact"):
         plain = PageSummaries(3, 2, 100, 32, 64, torch.bfloat16, with_mean=False, bound_format=bound_format)
         coarse = PageSummaries(3, 2, 100, 32, 64, torch.bfloat16, with_mean=False, bound_format=bound_format, coarse_pages=8)

@@ -156,7 +156,8 @@ def test_fused_and_reference_paths_give_the_same_steps(interval, coarse):
     ties); with ``reselect_interval`` 3 the steps between full selections choose among cached pages;
     with ``coarse_pages`` 4 both score 4-page super-pages first (11 built, 8 kept)."""
     gen = torch.Generator(device="cuda").manual_seed(4)
-    config = SparseConfig(token_budget=256, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse)
+    config = SparseConfig(token_budget=256, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse,
+                          coarse_min_pages=0)
     runs = {path: bench(config, batch=2, context=1500, fused=path == "fused") for path in ("fused", "reference")}
     kv = [random_kv(2, 1501, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():
@@ -263,7 +264,8 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse)
     path does (up to exact score ties), also when the steps between full selections reuse the cache
     rows (``reselect_interval`` 3), and when super-pages are scored first (``coarse_pages`` 4)."""
     gen = torch.Generator(device="cuda").manual_seed(6)
-    config = SparseConfig(token_budget=512, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse)
+    config = SparseConfig(token_budget=512, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse,
+                          coarse_min_pages=0)
     runs = {mode: bench(config, batch=3, context=3000) for mode in ("eager", "graph")}
     kv = [random_kv(3, 3001, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():

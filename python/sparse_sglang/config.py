@@ -90,6 +90,7 @@ class SparseConfig:
     bound_format: str = knob("auto", help=f"How the GPU keeps each page's key bounds (Quest's min/max, which scoring reads for every page every step): {' | '.join(BOUND_FORMATS)}. exact = in the KV dtype; int8 = int8 levels times a power-of-two scale per (page, kv head), the min rounded down and the max up, so they still bound every key: half the bytes of bf16 bounds (mean recall at budget 512 on SmolLM2 0.8066 against 0.8069 exact, benchmark/results/summary-precision-2026-11-23.json); auto = int8 for 16-bit KV, exact for fp8 (one byte already).")
     coarse_pages: int = knob(0, help="Coarse-first selection: S > 0 scores super-pages of S consecutive pages (a request's, whole, before its recent pages) from their joint key bounds first, keeps the best --sparse-coarse-candidates x budget pages' worth of them, and scores only their pages (plus the newest ones) page by page; the bounds of a super-page bound its pages', so a page scoring high keeps its super-page near the top. Reads ~1/S of the bounds instead of all; costs a second set of bounds in GPU memory (the summaries' bounds twice). 0 = score every page.")
     coarse_candidates: float = knob(4.0, help="Coarse-first selection (--sparse-coarse-pages > 0): pages the coarse pass keeps for the fine one, as a multiple of the budget's pages (rounded up to whole super-pages).")
+    coarse_min_pages: int = knob(24576, help="Coarse-first selection runs on decode steps (CUDA graphs: batch sizes, at the longest context) where it spares the page-by-page score at least this many pages (batch x pages past the candidates); below, its two extra launches cost more than the bytes it saves (H100, decode-2026-11-24-coarse8.json: batch 1 at 128K lost 4 us per layer, batch 8 at 128K gained 20 us, batch 32 at 32K broke even).")
     sink_pages: int = knob(1, help="Leading pages every decode step keeps (attention sinks).")
     recent_pages: int = knob(2, help="Newest pages every decode step keeps, the partial newest page included (>= 1).")
     exact_shortcut: bool = knob(True, help="Skip scoring when every request's context fits in the budget (all pages are attended anyway); false checks the selection machinery.")
@@ -134,6 +135,8 @@ class SparseConfig:
             )
         if self.coarse_pages < 0 or self.coarse_pages & (self.coarse_pages - 1):
             raise SparseConfigError("coarse_pages", f"must be 0 (off) or a power of two, got {self.coarse_pages}")
+        if self.coarse_min_pages < 0:
+            raise SparseConfigError("coarse_min_pages", f"must be >= 0, got {self.coarse_min_pages}")
         if self.coarse_candidates < 1:
             raise SparseConfigError("coarse_candidates", f"must be >= 1 (the fine pass needs a budget's pages), got {self.coarse_candidates}")
         if self.reselect_interval < 1:
@@ -179,6 +182,14 @@ class SparseConfig:
     def coarse_supers(self, selected_pages: int) -> int:
         """Super-pages the coarse pass keeps when a step selects ``selected_pages`` pages."""
         return math.ceil(self.coarse_candidates * selected_pages / self.coarse_pages)
+
+    def coarse_pays(self, batch: int, max_pages: int, selected_pages: int) -> bool:
+        """Whether a step of ``batch`` requests holding up to ``max_pages`` pages takes the
+        coarse-first path (``--sparse-coarse-min-pages``)."""
+        if not self.coarse_pages:
+            return False
+        kept = self.coarse_supers(selected_pages) * self.coarse_pages
+        return batch * (max_pages - kept) >= max(1, self.coarse_min_pages)
 
     @property
     def budget_pages(self) -> int:

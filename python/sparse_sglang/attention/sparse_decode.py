@@ -291,15 +291,16 @@ class SparseDecoder:
         recent = self.forced[1]
         built = coarse_built(num_pages, self.coarse, recent)
         max_built = max(0, int(num_pages_cpu.max()) - recent) // self.coarse
-        if g is not None:  # a CUDA-graph step takes the coarse path whatever its lengths
+        if g is not None:  # a CUDA graph's path is fixed per batch size, for the longest context
             self.built, self.built_rows = g["built"][: self.batch], g["built_rows"][: self.batch * self.num_kv_heads]
             self.built.copy_(built)
             self.built_rows.copy_(built.repeat_interleave(self.num_kv_heads))
-            self.use_coarse = True
+            self.use_coarse = self.config.coarse_pays(self.batch, self.max_pages, self.width)
         else:
             self.built, self.built_rows = built, built.repeat_interleave(self.num_kv_heads)
-            self.use_coarse = max_built > self.supers  # else every super-page would be kept
-        if max_built == 0 or torch.cuda.is_current_stream_capturing():  # capture: no real pages
+            # max_built > supers: else every super-page would be kept
+            self.use_coarse = max_built > self.supers and self.config.coarse_pays(self.batch, self.max_pages, self.width)
+        if not self.use_coarse or max_built == 0 or torch.cuda.is_current_stream_capturing():  # capture: no real pages
             return
         summaries = self.store.summaries
         if self.fused:
