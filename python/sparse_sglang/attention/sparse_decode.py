@@ -41,7 +41,6 @@ from sparse_sglang.mem_cache.kernels import (
 )
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.summaries import coarse_built
-from sparse_sglang.mem_cache.summaries import coarse_built
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
 
 

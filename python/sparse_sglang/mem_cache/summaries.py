@@ -22,6 +22,19 @@ keeps just the summaries its selector reads (``with_mean``, ``with_radius``; see
 int8 ones or fp8 keys. fp8 keys are summarized as stored, without their per-tensor scale: it would
 multiply all scores of a layer alike, so it does not change which pages rank highest.
 
+Coarse bounds
+-------------
+With ``coarse_pages`` S > 0 (``--sparse-coarse-pages``) the summaries also hold the bounds of
+super-pages: S consecutive pages of a request, whole and before its recent pages
+(:func:`coarse_built`). A super-page's bounds (the min and max of its pages' bounds, stored as
+theirs) live in the rows of its last page, and ``coarse_first`` of that page names the super-page's
+first page. Pages are shared only as radix prefixes, which start at token 0, so a page ends the same
+super-page in every request that holds it. :meth:`PageSummaries.build_coarse` (and its kernel)
+builds super-pages whose last page does not name their first yet; a page started anew (a token at
+offset 0, or a reset) names none, so a super-page is rebuilt after any of its pages changed owner
+(the last one is the newest: pages are freed whole, from the newest). This doubles the bounds'
+GPU memory.
+
 An empty page (no tokens yet, or reset) has the bounds :func:`empty_bounds` (``kmin = +inf``,
 ``kmax = -inf``; ``+-448`` for e4m3, which has no infinity; int8 levels ``+-127`` at scale
 ``2**127``, which read back as ``+-inf``), ``mean = 0`` and count 0; scorers must only look at
