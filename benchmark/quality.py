@@ -177,6 +177,14 @@ def capture(model, input_ids: torch.Tensor, num_queries: int) -> Capture:
     return cap
 
 
+def license_capture(tokens: int = 7168, num_queries: int = 32) -> tuple[Capture, float]:
+    """SmolLM2 over ``tokens`` tokens of the license texts, the last ``num_queries`` positions
+    captured (the Q2 capture the recall studies share), and the model's attention scale."""
+    tokenizer, model = load_model()
+    cap = capture(model, torch.tensor([license_tokens(tokenizer, tokens)]), num_queries)
+    return cap, model.model.layers[0].self_attn.scaling
+
+
 def summarize(keys: dict[int, torch.Tensor], page_size: int) -> PageSummaries:
     """PageSummaries of all layers' keys ``[Hkv, T, D]`` at ``page_size``."""
     heads, tokens, dim = keys[0].shape

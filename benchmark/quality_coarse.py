@@ -37,9 +37,7 @@ SETTINGS = [(0, 0.0)] + [(s, c) for s in (4, 8) for c in (2.0, 3.0, 4.0, 6.0)]
 def main() -> dict:
     torch.manual_seed(0)
     start = time.monotonic()
-    tokenizer, model = quality.load_model()
-    scale = model.model.layers[0].self_attn.scaling
-    cap = quality.capture(model, torch.tensor([quality.license_tokens(tokenizer, 7168)]), 32)
+    cap, scale = quality.license_capture()
     page, k_pages = quality.PAGE_SIZE, BUDGET // quality.PAGE_SIZE
     heads, tokens, dim = cap.k[0].shape
     seq_len = torch.arange(tokens - cap.num_queries, tokens) + 1

@@ -83,9 +83,7 @@ PRECISIONS = {"bf16": SUMMARIZE, "fp8": quantized(fp8_outward), "int8": quantize
 
 def main() -> dict:
     start = time.monotonic()
-    tokenizer, model = quality.load_model()
-    scale = model.model.layers[0].self_attn.scaling
-    cap = quality.capture(model, torch.tensor([quality.license_tokens(tokenizer, 7168)]), 32)
+    cap, scale = quality.license_capture()
     policies = [quality.Policy(budget=b) for b in BUDGETS]
     rows = []
     for precision, summarize in PRECISIONS.items():
