@@ -102,3 +102,15 @@ def test_policy_names_name_the_knobs_that_differ_from_the_defaults():
     assert name == f"{quality.DEFAULT_SELECTOR}(budget=1024,dense_layers={quality.Policy().dense_layers + 1})"
     names = [p.name for p in quality.passkey_policies()]
     assert len(set(names)) == len(names) and "dense" not in names
+
+
+@pytest.mark.parametrize("protocol", sorted(quality.PASSKEY_PROTOCOLS))
+def test_passkey_protocols_decode_like_dense_when_the_budget_covers_the_prompt(smollm, protocol):
+    # "prompt" prefills the question too and takes the prefill's greedy token as the answer's
+    # first; with every page selected the answer is dense's under either protocol, every step exact.
+    tokenizer, model, _ = smollm
+    rows = quality.passkey_table(tokenizer, model, [320], [0.5], [quality.Policy(budget=512)], new_tokens=3,
+                                 seed=0, protocol=protocol)  # fmt: skip
+    row = rows[0]
+    assert row["quest"]["equal_dense"] and row["quest"]["answer"] == row["dense"]["answer"]
+    assert row["quest"]["decode_recall_mean"] == pytest.approx(1.0)
