@@ -8,10 +8,11 @@
 - Q4: the pass-key prompts of ``benchmark/quality.py`` (2K/4K/7K tokens, depths 0.1/0.5/0.9),
   greedy, through the sparse server at budget 512 and through plain SGLang: the same answers (the
   number after "The pass key is"; whether the whole 8 greedy tokens match is recorded too); and
-  the same with ``--sparse-reselect-interval 8`` (selections reused between full ones).
+  the same with ``--sparse-reselect-interval 8`` (selections reused between full ones), and with
+  coarse-first selection (``--sparse-coarse-pages 4``).
 
-Results go to ``$SPARSE_SGLANG_RESULTS_DIR/gpu-quality.json`` and ``gpu-quality-radix.json`` when
-that is set.
+Results go to ``$SPARSE_SGLANG_RESULTS_DIR/gpu-quality.json``, ``gpu-quality-radix.json`` and
+``gpu-quality-coarse.json`` when that is set.
 """
 
 from __future__ import annotations
@@ -148,6 +149,51 @@ def test_q1_and_q4_through_the_server(tmp_path):
     assert summary["q1_server_equal"], summary
     assert summary["passkey_server_equal"], summary
     assert summary[f"passkey_server_equal_reselect{RESELECT_INTERVAL}"], summary
+
+
+COARSE = ["--sparse-coarse-pages", "4", "--sparse-coarse-min-pages", "0"]  # every decode step coarse-first
+
+
+def test_q4_with_coarse_first_selection(tmp_path):
+    """Q4 with coarse-first selection (``--sparse-coarse-pages 4``; by default it runs only where a
+    step spares 24,576 pages, far past SmolLM2's 8K context, so the floor is 0 here): the pass-key
+    answers of plain SGLang. At budget 512 the coarse pass keeps 16 super-pages (64 pages): half of a
+    4K-token request's pages and 71% of a 7K one's are never scored page by page (a 2K one holds
+    64 pages, so there the coarse pass keeps them all)."""
+    from transformers import AutoTokenizer
+
+    from sparse_sglang.testing.server import sparse_state
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    cases = passkey_cases(tokenizer)
+
+    def q4(url):
+        params = {"temperature": 0, "max_new_tokens": 8}
+        return [tokenizer.decode(generate(url, {"input_ids": c["ids"], "sampling_params": params})["output_ids"])
+                for c in cases]  # fmt: skip
+
+    def q4_coarse(url):
+        return {"answers": q4(url), "coarse_steps": sparse_state(url)["decode_steps_coarse_first"]}
+
+    dense = serve(DENSE, "coarse-dense", tmp_path, q4)
+    coarse = serve(["--sparse-token-budget", str(PASSKEY_BUDGET), "--sparse-reselect-interval", "1", *COARSE],
+                   "sparse-512-coarse4", tmp_path, q4_coarse)  # fmt: skip
+    assert coarse["sparse_backend"] and not dense["sparse_backend"]
+    rows = [{"length": c["length"], "prompt_tokens": len(c["ids"]), "depth": c["depth"], "key": c["key"], "dense": d,
+             "sparse_coarse": s, "dense_has_key": c["key"] in d, "sparse_coarse_has_key": c["key"] in s}
+            for c, d, s in zip(cases, dense["out"], coarse["out"]["answers"])]  # fmt: skip
+    summary = {
+        "passkey_server_equal_coarse4": all(answer(r["dense"]) == answer(r["sparse_coarse"]) for r in rows),
+        "passkey_outputs_equal_coarse4": f"{sum(r['dense'] == r['sparse_coarse'] for r in rows)}/{len(rows)}",
+        "passkey_dense_correct": sum(r["dense_has_key"] for r in rows),
+        "passkey_sparse_correct_coarse4": sum(r["sparse_coarse_has_key"] for r in rows),
+        "decode_steps_coarse_first": coarse["out"]["coarse_steps"],
+    }
+    save_result("gpu-quality-coarse.json", {"summary": summary, "flags": COARSE, "budget": PASSKEY_BUDGET, "rows": rows})
+    print(json.dumps(summary))
+    long_cases = sum(c["length"] > 2048 for c in cases)  # every answer token there but the prefill's
+    assert summary["decode_steps_coarse_first"] >= 7 * long_cases, summary
+    assert summary["passkey_server_equal_coarse4"], summary
 
 
 def save_result(name: str, record: dict) -> None:

@@ -135,6 +135,7 @@ class SparseDecoder:
             self.coarse = 0
         self.coarse_tail = self.coarse + self.forced[1] - 1  # most pages a request holds from built * S on
         self.use_coarse = False  # this step (plan)
+        self.coarse_steps = 0  # decode steps planned on the coarse-first path since start (server info)
         self.built = self.built_rows = None  # [B], [B * Hkv] int32: complete super-pages per request
         # Per step (plan). reselect: [B] bool, which requests select from all their pages (None:
         # every request, interval 1).
@@ -299,7 +300,10 @@ class SparseDecoder:
             self.built, self.built_rows = built, built.repeat_interleave(self.num_kv_heads)
             # max_built > supers: else every super-page would be kept
             self.use_coarse = max_built > self.supers and self.config.coarse_pays(self.batch, self.max_pages, self.width)
-        if not self.use_coarse or max_built == 0 or torch.cuda.is_current_stream_capturing():  # capture: no real pages
+        if not self.use_coarse or torch.cuda.is_current_stream_capturing():  # capture: no real pages
+            return
+        self.coarse_steps += 1
+        if max_built == 0:
             return
         summaries = self.store.summaries
         if self.fused:

@@ -3,8 +3,8 @@
 SGLang answers ``/get_server_info`` with each scheduler's ``get_internal_state``; the hook adds a
 ``"sparse"`` entry: the GPU page cache (slots, open rows, pages selected and loaded since start, hit
 ratio, the slots the running requests used in the last ``--sparse-working-set-window`` steps),
-bytes moved each way, host KV tokens used and free, request slots free, and the radix
-tree's share of the host store. An idle server shows every pool back at its idle value, which is
+bytes moved each way, host KV tokens used and free, request slots free, the radix
+tree's share of the host store, and the decode steps that selected coarse-first. An idle server shows every pool back at its idle value, which is
 what the soak benchmark checks.
 """
 
@@ -41,6 +41,7 @@ def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
         "request_slots_free": scheduler.req_to_token_pool.available_size(),
         **hbm_state(reset_hbm_peak),
         "prefix_staging_bytes": staging_bytes(scheduler.tp_worker.model_runner.attn_backend),
+        "decode_steps_coarse_first": coarse_steps(scheduler.tp_worker.model_runner.attn_backend),
         "segmented_prefill": dataclasses.asdict(segmented) if (segmented := getattr(scheduler, "sparse_segmented_prefill", None)) else None,
     }
 
@@ -51,6 +52,12 @@ def staging_bytes(backend) -> int | None:
     fp8 KV): the KV a prefill holds in HBM besides its own."""
     prefix = getattr(backend, "prefix", None)
     return None if prefix is None else prefix.staging_bytes
+
+
+def coarse_steps(backend) -> int | None:
+    """Decode steps that selected coarse-first (``--sparse-coarse-pages``) since start."""
+    decoder = getattr(backend, "decoder", None)
+    return None if decoder is None else decoder.coarse_steps
 
 
 def hbm_state(reset_peak: bool) -> dict:
