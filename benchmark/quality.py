@@ -37,6 +37,7 @@ import datetime
 import json
 import math
 import random
+import re
 import shlex
 import sys
 import time
@@ -333,6 +334,13 @@ class SparseDecoder:
         return sparse_attention_reference(q, key, value, pages, PAGE_SIZE, seq_len, scaling).unsqueeze(1)
 
 
+def passkey_answer(text: str) -> str | None:
+    """The number a pass-key completion gives (its first run of digits): the answer compared with
+    dense's (the server's Q4 test reads it the same way)."""
+    found = re.search(r"\d+", text)
+    return found.group(0) if found else None
+
+
 def passkey_prompt(tokenizer, target_tokens: int, depth: float, key: int) -> list[int]:
     """Token ids of a pass-key prompt of about ``target_tokens`` with the needle at ``depth``."""
     unit = len(tokenizer(FILLER).input_ids)
@@ -401,7 +409,8 @@ def passkey_table(tokenizer, model, lengths: list[int], depths: list[float], pol
                 answers[name] = tokenizer.decode(generated, clean_up_tokenization_spaces=False)
                 row[name] = {"answer": answers[name], "has_key": str(key) in answers[name]}
                 if policy.selector:
-                    row[name]["equal_dense"] = answers[name] == answers["dense"]
+                    row[name]["equal_dense"] = answers[name] == answers["dense"]  # all new_tokens tokens
+                    row[name]["answer_equal_dense"] = passkey_answer(answers[name]) == passkey_answer(answers["dense"])
                     # over the sparse layers' steps (a dense layer's recall is 1)
                     row[name]["decode_recall_mean"] = round(mean(hook.recall), 4) if hook.recall else 1.0
             rows.append(row)
@@ -435,12 +444,15 @@ def passkey_score(passkey: list[dict], recall: list[dict], policy: Policy) -> di
     rows = [row[policy.name] for row in passkey]
     q2 = find_row(recall, **asdict(policy))
     equal = sum(r["equal_dense"] for r in rows)
+    answers = sum(r["answer_equal_dense"] for r in rows)
     return {"policy": policy.name, **asdict(policy), "found": sum(r["has_key"] for r in rows), "equal_dense": equal,
-            "cases": len(rows), "all_equal_dense": equal == len(rows),
+            "cases": len(rows), "all_equal_dense": equal == len(rows), "answers_equal_dense": answers,
+            "all_answers_equal_dense": answers == len(rows),
             "recall_mean": r4(q2["recall_mean"]), "recall_mean_sparse_layers": r4(q2["recall_mean_sparse_layers"])}  # fmt: skip
 
 
-def summarize_results(recall: list[dict], passkey: list[dict], policies: list[Policy], tokens: int) -> dict:
+def summarize_results(recall: list[dict], passkey: list[dict], policies: list[Policy], tokens: int,
+                      protocol: str = "question") -> dict:  # fmt: skip
     default_policy = Policy()
     base = asdict(default_policy)
     rows_512 = {g: find_row(recall, **{**base, "group_reduce": g}) for g in GROUP_REDUCES}
@@ -479,9 +491,13 @@ def summarize_results(recall: list[dict], passkey: list[dict], policies: list[Po
         "group_reduce_by_recall": max(at_512, key=at_512.get),
         "best_default_selector_setting_512": {**{k: best_knob[k] for k in base}, "recall_mean": r4(best_knob["recall_mean"]),
                                               "recall_mean_sparse_layers": r4(best_knob["recall_mean_sparse_layers"])},
-        "passkey_cpu_equal": default_score["all_equal_dense"],
+        "passkey_prefill": protocol,
+        # the answer: the number given after "The pass key is" (passkey_answer), as the server's Q4 reads it
+        "passkey_cpu_equal": default_score["all_answers_equal_dense"],
+        "passkey_cpu_outputs_equal": default_score["all_equal_dense"],  # all generated tokens
         "passkey_dense_found": sum(row["dense"]["has_key"] for row in passkey),
         "passkey_sparse_found": default_score["found"],
+        "passkey_sparse_answers_equal_dense": default_score["answers_equal_dense"],
         "passkey_sparse_equal_dense": default_score["equal_dense"],
         "passkey_cases": len(passkey),
         "passkey_best_setting": {**best, "rule": f"{DEFAULT_SELECTOR} at budget {default_policy.budget}: most answers "
@@ -508,10 +524,11 @@ def print_tables(result: dict) -> None:
         for n in names:
             print(f"    {n:45} {row[n]['answer']!r}{'' if row[n]['has_key'] else ' (miss)'}"
                   f"{'' if n == 'dense' or row[n]['equal_dense'] else ' (!= dense)'}")  # fmt: skip
-    print(f"\n{'policy':45} {'recall':>7} {'sparse':>7} {'found':>5} {'=dense':>6}")
+    print(f"\n{'policy':45} {'recall':>7} {'sparse':>7} {'found':>5} {'answer=dense':>12} {'output=dense':>12}")
     for s in result["summary"]["passkey_by_policy"]:
         sparse = "-" if s["recall_mean_sparse_layers"] is None else f"{s['recall_mean_sparse_layers']:.4f}"
-        print(f"{s['policy']:45} {s['recall_mean']:7.4f} {sparse:>7} {s['found']:5} {s['equal_dense']:6}")
+        print(f"{s['policy']:45} {s['recall_mean']:7.4f} {sparse:>7} {s['found']:5} {s['answers_equal_dense']:12} "
+              f"{s['equal_dense']:12}")  # fmt: skip
     summary = {k: v for k, v in result["summary"].items() if k != "passkey_by_policy"}
     print("\nsummary:", json.dumps(summary, indent=1))
     print(f"run time {result['run_time_s']:.0f} s")
@@ -568,7 +585,7 @@ def main(argv: list[str] | None = None) -> dict:
                           "prefill": args.passkey_prefill, "protocol": PASSKEY_PROTOCOLS[args.passkey_prefill]},
         "passkey": passkey,
     }  # fmt: skip
-    result["summary"] = summarize_results(recall, passkey, pk_policies, len(ids))
+    result["summary"] = summarize_results(recall, passkey, pk_policies, len(ids), args.passkey_prefill)
     result["run_time_s"] = round(time.monotonic() - start, 1)
     out = args.out or REPO / "benchmark" / "results" / f"quality-{today}.json"
     save_result(result, out)

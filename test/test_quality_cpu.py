@@ -113,4 +113,10 @@ def test_passkey_protocols_decode_like_dense_when_the_budget_covers_the_prompt(s
                                  seed=0, protocol=protocol)  # fmt: skip
     row = rows[0]
     assert row["quest"]["equal_dense"] and row["quest"]["answer"] == row["dense"]["answer"]
+    assert row["quest"]["answer_equal_dense"]
     assert row["quest"]["decode_recall_mean"] == pytest.approx(1.0)
+
+
+def test_the_pass_key_answer_is_the_first_number_of_the_completion():
+    assert quality.passkey_answer(" 72468. Remember") == quality.passkey_answer(" 72468. ") == "72468"
+    assert quality.passkey_answer(" a key that unlocks") is None
