@@ -283,6 +283,20 @@ if triton is not None:
 SCORE_PROGRAMS = 2048
 
 
+def score_columns(pages: int, rows: int, block_n: int) -> int:
+    """Grid columns of a score launch over ``rows`` (request, kv head) rows of up to ``pages``
+    pages: about ``SCORE_PROGRAMS`` programs in all, never more columns than blocks of a row."""
+    return max(1, min(triton.cdiv(pages, block_n), triton.cdiv(SCORE_PROGRAMS, rows)))
+
+
+# The score kernels' summary arguments, in order; a selector's missing ones take a placeholder.
+SUMMARY_ARGS = ("kmin", "kmax", "bound_exp", "mean", "radius")
+
+
+def summary_args(layer_summaries: dict[str, torch.Tensor], placeholder: torch.Tensor) -> list[torch.Tensor]:
+    return [layer_summaries.get(name, placeholder) for name in SUMMARY_ARGS]
+
+
 def score_launch(head_dim: int) -> tuple[int, int]:
     """Pages a score program takes and its warps: 32 pages, 8 warps at head_dim 128
     (decode-kernels-2026-11-24.json: 6% faster than 16 pages and 4 warps over 8K-128K tokens x
@@ -327,10 +341,9 @@ def score_pages(
     kind = KERNEL_SELECTORS.index(selector)
     default_block_n, default_warps = score_launch(dim)
     block_n, num_warps = block_n or default_block_n, num_warps or default_warps
-    columns = max(1, min(triton.cdiv(max_pages, block_n), triton.cdiv(SCORE_PROGRAMS, batch * heads)))
-    grid = (batch * heads, columns)
+    grid = (batch * heads, score_columns(max_pages, batch * heads, block_n))
     q, host_pages, num_pages = q.contiguous(), host_pages.contiguous(), num_pages.to(torch.int32)
-    summaries = [layer_summaries.get(name, dummy) for name in ("kmin", "kmax", "bound_exp", "mean", "radius")]
+    summaries = summary_args(layer_summaries, dummy)
     exp_head_stride = summaries[2].stride(0)
     reselect = dummy if reuse is None else reuse.reselect
     meta = dict(D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max",
@@ -380,13 +393,10 @@ def score_coarse(
     if out is None:
         out = torch.empty(batch, heads, width, dtype=torch.float32, device=q.device)
     block_n, num_warps = score_launch(dim)
-    columns = max(1, min(triton.cdiv(width, block_n), triton.cdiv(SCORE_PROGRAMS, batch * heads)))
-    kmin = coarse_summaries["kmin"]
-    exp = coarse_summaries.get("bound_exp", kmin)
-    _score_kernel[(batch * heads, columns)](
-        q.contiguous(), kmin, coarse_summaries["kmax"], exp, kmin, kmin, supers, built, out,
-        kmin if reselect is None else reselect,
-        heads, width, supers.stride(0), supers.stride(1), kmin.stride(0), exp.stride(0), sink_supers, 0,
+    summaries = summary_args(coarse_summaries, coarse_summaries["kmin"])  # quest reads kmin, kmax, bound_exp
+    _score_kernel[(batch * heads, score_columns(width, batch * heads, block_n))](
+        q.contiguous(), *summaries, supers, built, out, summaries[0] if reselect is None else reselect,
+        heads, width, supers.stride(0), supers.stride(1), summaries[0].stride(0), summaries[2].stride(0), sink_supers, 0,
         D=dim, G=group, BLOCK_N=block_n, KIND=0, GROUP_MAX=group_reduce == "max", INT8_BOUNDS="bound_exp" in coarse_summaries,
         FORCE=sink_supers > 0, REUSE=reselect is not None, FILL_TAIL=True, num_warps=num_warps,
     )  # fmt: skip
@@ -436,7 +446,7 @@ def score_candidates(
     out.fill_(-math.inf)
     kind = KERNEL_SELECTORS.index(selector)
     block_n, num_warps = score_launch(dim)
-    summaries = [layer_summaries.get(name, layer_summaries["kmin"]) for name in ("kmin", "kmax", "bound_exp", "mean", "radius")]
+    summaries = summary_args(layer_summaries, layer_summaries["kmin"])
     int8 = "bound_exp" in layer_summaries and kind != 2
     reselect = summaries[0] if reuse is None else reuse.reselect
     num_pages, num_supers = num_pages.to(torch.int32), supers.shape[-1]
