@@ -3,9 +3,9 @@
 SGLang answers ``/get_server_info`` with each scheduler's ``get_internal_state``; the hook adds a
 ``"sparse"`` entry: the GPU page cache (slots, open rows, pages selected and loaded since start, hit
 ratio, the slots the running requests used in the last ``--sparse-working-set-window`` steps),
-bytes moved each way, host KV tokens used and free, request slots free, the radix
-tree's share of the host store, and the decode steps that selected coarse-first. An idle server shows every pool back at its idle value, which is
-what the soak benchmark checks.
+bytes moved each way, host KV tokens used and free, request slots free, the radix tree's share of
+the host store, and the decode steps that selected coarse-first. An idle server shows every pool
+back at its idle value, which is what the soak benchmark checks.
 """
 
 from __future__ import annotations
