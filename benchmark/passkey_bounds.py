@@ -1,7 +1,9 @@
 """Q3's pass-key check (CPU, SmolLM2, the default policy at budget 512) with the page bounds stored
 both ways the server can keep them: ``exact`` (the keys' own dtype) and ``int8`` (levels times a
 power-of-two scale per page and kv head, rounded outward: ``--sparse-bound-format``'s default for
-16-bit KV). The same prompts and protocol as ``benchmark/quality.py``'s Q3::
+16-bit KV). The same prompts as ``benchmark/quality.py``'s Q3, under its stricter protocol
+(``--passkey-prefill question``: the question's tokens decode sparsely too), the one the committed
+``passkey-bounds-2026-11-24.json`` ran::
 
     python benchmark/passkey_bounds.py       # about 5 minutes on 2 CPU cores
 
@@ -23,6 +25,7 @@ from sparse_sglang.testing.provenance import finish_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FORMATS = ("exact", "int8")
+PREFILL = "question"  # quality.PASSKEY_PROTOCOLS
 
 
 def passkey_rows(tokenizer, model, bound_format: str, seed: int = 0) -> list[dict]:
@@ -35,7 +38,8 @@ def passkey_rows(tokenizer, model, bound_format: str, seed: int = 0) -> list[dic
     quality.PageSummaries.__init__ = init  # the class SparseDecoder builds (quality imports it by name)
     try:
         torch.manual_seed(seed)
-        return quality.passkey_table(tokenizer, model, [2048, 4096, 7168], [0.1, 0.5, 0.9], [quality.Policy()], 8, seed)
+        return quality.passkey_table(tokenizer, model, [2048, 4096, 7168], [0.1, 0.5, 0.9], [quality.Policy()], 8, seed,
+                                     PREFILL)  # fmt: skip
     finally:
         quality.PageSummaries.__init__ = original
 
@@ -50,7 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
              for i, r in enumerate(rows["exact"])]  # fmt: skip
     summary = {f"passkey_equal_{fmt}": f"{sum(c[fmt]['equal_dense'] for c in cases)}/{len(cases)}" for fmt in FORMATS}
     summary["same_answers_both_formats"] = sum(c["exact"]["answer"] == c["int8"]["answer"] for c in cases)
-    body = {"policy": quality.Policy().name, "budget": quality.Policy().budget, "cases": cases, "summary": summary,
+    body = {"policy": quality.Policy().name, "budget": quality.Policy().budget, "passkey_prefill": PREFILL,
+            "cases": cases, "summary": summary,
             "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
     return finish_run("benchmark/passkey_bounds.py", argv, body, REPO / "benchmark" / "results", "passkey-bounds-{date}.json", device="cpu")
 

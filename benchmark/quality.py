@@ -13,20 +13,20 @@ what decides, on the model's real post-RoPE queries and keys:
   layer. A layer the policy leaves dense (index < ``dense_layers``) counts as recall 1, error 0
   in the mean over all layers; the mean over the sparse layers alone is reported beside it.
 - **Q3 pass key**: a random 5-digit key at depths 0.1/0.5/0.9 of ~2K/4K/7K-token prompts of filler
-  text, ending "The pass key is". The prompt but its last question is prefilled densely (filling
-  the page summaries); the question's tokens and 8 greedy tokens then decode one at a time, with
-  every layer's attention either dense or ``select_pages`` + ``sparse_attention_reference`` at the
-  budget (summaries updated with each decoded key; the first ``dense_layers`` layers dense), so
-  the answer is read under sparse attention. ``--passkey-prefill prompt`` prefills the whole
-  prompt densely instead, as the server does: the prefill's greedy token is the answer's first,
-  the other 7 decode under the policy.
+  text, ending "The pass key is". The prompt is prefilled densely, as the server prefills (filling
+  the page summaries; its greedy token is the answer's first), then 7 more greedy tokens decode one
+  at a time, with every layer's attention either dense or ``select_pages`` +
+  ``sparse_attention_reference`` at the budget (summaries updated with each decoded key; the first
+  ``dense_layers`` layers dense), so the answer is read under sparse attention. The answer is the
+  number the completion gives, compared with dense's (whether all 8 tokens match is recorded too).
+  ``--passkey-prefill question`` is stricter than any server step: the question's own tokens
+  decode under the policy too, and the answer's every token.
 
 Writes ``benchmark/results/quality-<date>.json`` and prints compact tables::
 
     python benchmark/quality.py                  # full run, about 8 min on 2 CPU cores
     python benchmark/quality.py --quick          # small smoke run
-    python benchmark/quality.py --budgets 512 --passkey-prefill prompt \
-        --out benchmark/results/quality-<date>-prompt-prefill.json   # Q3 as the server prefills
+    python benchmark/quality.py --passkey-prefill question --out benchmark/results/quality-<date>-question.json
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ PASSKEY_PROTOCOLS = {
 
 
 def passkey_table(tokenizer, model, lengths: list[int], depths: list[float], policies: list[Policy],
-                  new_tokens: int, seed: int, protocol: str = "question") -> list[dict]:  # fmt: skip
+                  new_tokens: int, seed: int, protocol: str = "prompt") -> list[dict]:  # fmt: skip
     from transformers import DynamicCache
 
     rng = random.Random(seed)
@@ -452,7 +452,7 @@ def passkey_score(passkey: list[dict], recall: list[dict], policy: Policy) -> di
 
 
 def summarize_results(recall: list[dict], passkey: list[dict], policies: list[Policy], tokens: int,
-                      protocol: str = "question") -> dict:  # fmt: skip
+                      protocol: str = "prompt") -> dict:  # fmt: skip
     default_policy = Policy()
     base = asdict(default_policy)
     rows_512 = {g: find_row(recall, **{**base, "group_reduce": g}) for g in GROUP_REDUCES}
@@ -543,9 +543,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--passkey-prefill", choices=sorted(PASSKEY_PROTOCOLS), default="question",
-                        help="Q3: what the dense prefill covers: 'question' = all but the question, whose tokens "
-                             "decode sparsely (the stricter default); 'prompt' = the whole prompt, as the server")  # fmt: skip
+    parser.add_argument("--passkey-prefill", choices=sorted(PASSKEY_PROTOCOLS), default="prompt",
+                        help="Q3: what the dense prefill covers: 'prompt' = the whole prompt, as the server prefills; "
+                             "'question' = all but its question, whose tokens then decode sparsely (stricter)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: 1K tokens, short prompts, one depth")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmark/results/quality-<date>.json)")
     args = parser.parse_args(argv)
