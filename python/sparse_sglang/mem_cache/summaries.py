@@ -317,11 +317,17 @@ class PageSummaries:
         old = self._stored_values(layer, page)
         lo, hi = (value.scatter_reduce_(1, index, kf, reduce)[:, representative]  # rows of representatives
                   for value, reduce in zip(old, ("amin", "amax")))  # fmt: skip
-        kmin, kmax = self._kmin[layer], self._kmax[layer]
+        self._store_bounds((self._kmin, self._kmax, self._exp), (layer, slice(None), page), lo, hi)
+
+    def _store_bounds(self, dest: tuple, at: tuple, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """Write float32 bounds ``lo``/``hi`` at index ``at`` of ``dest = (kmin, kmax, exp)``
+        (``exp`` indexed without the last dim): as they are in the bounds' type (exact: a min or
+        max of stored values is one), or as int8 levels and scale rounded outward."""
+        kmin, kmax, exp = dest
         if self._exp is None:
-            kmin[:, page], kmax[:, page] = lo.to(kmin.dtype), hi.to(kmax.dtype)  # exact: min/max of stored values
-            return
-        kmin[:, page], kmax[:, page], self._exp[layer][:, page] = quantize_bounds(lo, hi)
+            kmin[at], kmax[at] = lo.to(kmin.dtype), hi.to(kmax.dtype)
+        else:
+            kmin[at], kmax[at], exp[at] = quantize_bounds(lo, hi)
 
     def reset(self, pages: torch.Tensor) -> None:
         """Empty the summaries of ``pages`` (host page ids, ``[n]``) in every layer and head,
@@ -349,14 +355,7 @@ class PageSummaries:
         bounds are rebuilt at the next :meth:`build_coarse`."""
         if self.coarse_first is not None:
             self.coarse_first.fill_(-1)
-        if self.bound_exp is None:
-            self.kmin[layer].copy_(kmin)
-            self.kmax[layer].copy_(kmax)
-            return
-        lo, hi, e = quantize_bounds(kmin.float(), kmax.float())
-        self.kmin[layer].copy_(lo)
-        self.kmax[layer].copy_(hi)
-        self.bound_exp[layer].copy_(e)
+        self._store_bounds((self.kmin, self.kmax, self.bound_exp), (layer,), kmin.float(), kmax.float())
 
     def center(self, layer: int) -> torch.Tensor:
         """Cuboid centres of one layer, ``[num_kv_heads, num_pages, head_dim]`` float32."""
@@ -391,11 +390,8 @@ class PageSummaries:
             heads, _, dim = lo.shape
             lo = lo.view(heads, -1, s, dim).amin(2)
             hi = hi.view(heads, -1, s, dim).amax(2)
-            coarse = self._coarse
-            if self._exp is None:
-                coarse["kmin"][layer][:, last], coarse["kmax"][layer][:, last] = lo.to(self._kmin.dtype), hi.to(self._kmax.dtype)
-            else:
-                coarse["kmin"][layer][:, last], coarse["kmax"][layer][:, last], coarse["bound_exp"][layer][:, last] = quantize_bounds(lo, hi)
+            dest = tuple(self._coarse.get(name) for name in ("kmin", "kmax", "bound_exp"))
+            self._store_bounds(dest, (layer, slice(None), last), lo, hi)
         self._coarse_first[last] = pages[:, 0].to(torch.int32)
 
 
