@@ -729,3 +729,20 @@ def test_int8_bounds_hold_every_key_as_pages_fill_token_by_token():
     int8.reset(torch.tensor([1]))
     lo, hi = int8.bounds(0)
     assert (lo[:, 1] == math.inf).all() and (hi[:, 1] == -math.inf).all() and int8.count[0, 1] == 0
+
+
+@pytest.mark.parametrize("bound_format,dtype", [("exact", torch.bfloat16), ("int8", torch.bfloat16), ("exact", FP8)])
+def test_set_bounds_stores_one_layer_exactly_or_rounded_outward(bound_format, dtype):
+    gen = torch.Generator().manual_seed(5)
+    summ = PageSummaries(2, 2, 10, 8, 16, dtype, bound_format=bound_format, coarse_pages=2)
+    summ.coarse_first.fill_(3)
+    lo = torch.randn(2, 10, 16, generator=gen)
+    hi = lo + torch.rand(2, 10, 16, generator=gen)
+    summ.set_bounds(1, lo, hi)
+    got_lo, got_hi = summ.bounds(1)
+    if bound_format == "exact":
+        assert torch.equal(got_lo, lo.to(dtype).float()) and torch.equal(got_hi, hi.to(dtype).float())
+    else:
+        assert (got_lo <= lo).all() and (got_hi >= hi).all()
+    assert torch.equal(summ.count, torch.zeros_like(summ.count)) and (summ.coarse_first == -1).all()  # rebuilt later
+    assert torch.equal(summ.kmin[0].float(), torch.full_like(summ.kmin[0].float(), summ.empty_bounds[0]))  # layer 0 untouched
