@@ -98,9 +98,9 @@ def fixed_gpu_bytes(
     """GPU bytes besides the page cache: ``(summaries, prefix staging, page table)`` for a host
     store of ``host_pages`` pages (summaries of every host page stay resident)."""
     bounds = bound_dtype(dtype, bound_format)
-    per_channel = 2 * bounds.itemsize + (4 if with_mean else 0) + (4 if with_radius else 0)
     bound_bytes = head_dim * 2 * bounds.itemsize + (1 if bounds == torch.int8 else 0)  # + int8 scale exponent
-    per_page = head_dim * (per_channel - 2 * bounds.itemsize) + bound_bytes * (2 if coarse_pages else 1)  # coarse: bounds twice
+    float32_bytes = head_dim * ((4 if with_mean else 0) + (4 if with_radius else 0))
+    per_page = float32_bytes + bound_bytes * (2 if coarse_pages else 1)  # coarse: bounds twice
     summary = num_layers * num_kv_heads * (host_pages + 1) * per_page + num_layers * (host_pages + 1) * 4
     summary += (host_pages + 1) * 4 if coarse_pages else 0  # coarse_first
     attend = kv_compute_dtype(dtype)  # + the copy the prefix is attended from, when it has another dtype
