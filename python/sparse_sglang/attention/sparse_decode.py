@@ -172,8 +172,8 @@ class SparseDecoder:
 
         A captured step cannot change its path or shapes, so in graph mode every step scores (no
         exact shortcut) over the most pages a request can hold (the store's ``max_pages``; pages
-        past a request's end score ``-inf``, or go unread by FlashInfer's ragged top-k), and per-step values live in these buffers, rewritten
-        by :meth:`plan` before each replay. Request slot 0 (SGLang's padding row) has no cache row:
+        past a request's end score ``-inf``, or go unread by FlashInfer's ragged top-k), and
+        per-step values live in these buffers, rewritten by :meth:`plan` before each replay. Request slot 0 (SGLang's padding row) has no cache row:
         ``retrieve_pages`` skips it.
         """
         if not self.fused:
