@@ -20,7 +20,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark import quality  # noqa: E402
-from sparse_sglang.mem_cache import summaries  # noqa: E402
 from sparse_sglang.testing.provenance import finish_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,19 +28,10 @@ PREFILL = "question"  # quality.PASSKEY_PROTOCOLS
 
 
 def passkey_rows(tokenizer, model, bound_format: str, seed: int = 0) -> list[dict]:
-    """Q3 rows of the default policy with ``quality.SparseDecoder``'s summaries in ``bound_format``."""
-    original = summaries.PageSummaries.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **{**kwargs, "bound_format": bound_format})
-
-    quality.PageSummaries.__init__ = init  # the class SparseDecoder builds (quality imports it by name)
-    try:
-        torch.manual_seed(seed)
-        return quality.passkey_table(tokenizer, model, [2048, 4096, 7168], [0.1, 0.5, 0.9], [quality.Policy()], 8, seed,
-                                     PREFILL)  # fmt: skip
-    finally:
-        quality.PageSummaries.__init__ = original
+    """Q3 rows of the default policy with the decode summaries' bounds in ``bound_format``."""
+    torch.manual_seed(seed)
+    return quality.passkey_table(tokenizer, model, [2048, 4096, 7168], [0.1, 0.5, 0.9], [quality.Policy()], 8, seed,
+                                 PREFILL, bound_format)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -301,11 +301,11 @@ class SparseDecoder:
     ``policy.selector`` is None, and in its first ``dense_layers`` layers), recording the
     attention-mass recall of each sparse (layer, step)."""
 
-    def __init__(self, model, policy: Policy, max_tokens: int):
+    def __init__(self, model, policy: Policy, max_tokens: int, bound_format: str = "exact"):
         cfg = model.config
         self.policy = self._check(policy)
         self.summaries = PageSummaries(cfg.num_hidden_layers, cfg.num_key_value_heads, -(-max_tokens // PAGE_SIZE),
-                                       PAGE_SIZE, cfg.head_dim, torch.float32)  # fmt: skip
+                                       PAGE_SIZE, cfg.head_dim, torch.float32, bound_format=bound_format)  # fmt: skip
         self.recall: list[float] = []
 
     def fork(self, policy: Policy) -> SparseDecoder:
@@ -384,7 +384,8 @@ PASSKEY_PROTOCOLS = {
 
 
 def passkey_table(tokenizer, model, lengths: list[int], depths: list[float], policies: list[Policy],
-                  new_tokens: int, seed: int, protocol: str = "prompt") -> list[dict]:  # fmt: skip
+                  new_tokens: int, seed: int, protocol: str = "prompt", bound_format: str = "exact") -> list[dict]:  # fmt: skip
+    """Q3's rows; ``bound_format`` is how the decode summaries keep page bounds (``--sparse-bound-format``)."""
     from transformers import DynamicCache
 
     rng = random.Random(seed)
@@ -396,7 +397,7 @@ def passkey_table(tokenizer, model, lengths: list[int], depths: list[float], pol
             ids = passkey_prompt(tokenizer, length, depth, key)
             prefix, suffix = ids[: len(ids) - question], ids[len(ids) - question :]
             cache = DynamicCache(config=model.config)
-            prefill = SparseDecoder(model, Policy(selector=None), len(ids) + new_tokens)
+            prefill = SparseDecoder(model, Policy(selector=None), len(ids) + new_tokens, bound_format)
             logits = run_with(prefill, model, input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True,
                               logits_to_keep=1).logits
             first = None if suffix else int(logits[0, -1].argmax())
