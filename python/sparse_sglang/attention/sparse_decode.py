@@ -173,8 +173,8 @@ class SparseDecoder:
         A captured step cannot change its path or shapes, so in graph mode every step scores (no
         exact shortcut) over the most pages a request can hold (the store's ``max_pages``; pages
         past a request's end score ``-inf``, or go unread by FlashInfer's ragged top-k), and
-        per-step values live in these buffers, rewritten by :meth:`plan` before each replay. Request slot 0 (SGLang's padding row) has no cache row:
-        ``retrieve_pages`` skips it.
+        per-step values live in these buffers, rewritten by :meth:`plan` before each replay.
+        Request slot 0 (SGLang's padding row) has no cache row: ``retrieve_pages`` skips it.
         """
         if not self.fused:
             raise ValueError(f"--sparse-decode-cuda-graph: CUDA-graph decode runs the fused kernels, which take up to "
@@ -290,7 +290,7 @@ class SparseDecoder:
             return
         recent = self.forced[1]
         built = coarse_built(num_pages, self.coarse, recent)
-        max_built = max(0, int(num_pages_cpu.max()) - recent) // self.coarse
+        max_built = int(coarse_built(num_pages_cpu, self.coarse, recent).max())  # on the host: sizes a grid
         if g is not None:  # a CUDA graph's path is fixed per batch size, for the longest context
             self.built, self.built_rows = g["built"][: self.batch], g["built_rows"][: self.batch * self.num_kv_heads]
             self.built.copy_(built)
