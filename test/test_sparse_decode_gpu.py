@@ -48,13 +48,19 @@ def bench(config: SparseConfig, batch: int, context: int, **decoder_options) -> 
 def record_selections(decoder, into: dict, tag: str) -> None:
     """Keep the pages ``decoder`` selects per layer in ``into[tag, layer]`` (in a CUDA graph, the
     captured tensors, which each replay rewrites)."""
-    select_raw = decoder.select_raw
+    run = decoder.run
 
-    def recording(layer, q):
-        into[tag, layer] = ids = select_raw(layer, q)
-        return ids
+    def recording(layer, q, **kwargs):
+        out = run(layer, q, **kwargs)
+        into[tag, layer] = decoder.selections[layer]
+        return out
 
-    decoder.select_raw = recording
+    decoder.run = recording
+
+
+# The fused path's kernels: this project's (top-k in the retrieve launch, one-launch split decode)
+# or FlashInfer's (radix top-k, decode + merge).
+KERNELS = {"own-kernels": dict(topk="fused", split_decode=True), "flashinfer-kernels": dict(topk="flashinfer", split_decode=False)}
 
 
 def assert_same_pages_up_to_ties(pages, want_pages, priority, num_pages, msg=""):
@@ -78,10 +84,12 @@ def dense_decode(q, k, v):
     return torch.stack([flashinfer.single_decode_with_kv_cache(q[b], k[b], v[b]) for b in range(q.shape[0])])
 
 
-def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_context():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_context(kernels):
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = SparseConfig(token_budget=4096 + 32, exact_shortcut=False, host_cache_gb=1.0)
-    b = bench(config, batch=2, context=4096)
+    b = bench(config, batch=2, context=4096, **KERNELS[kernels])
+    assert b.decoder.use_split_decode if kernels == "own-kernels" else b.decoder.split_decode is None
     kv = [random_kv(2, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
     for layer, (k, v) in enumerate(kv):
         b.write_kv(layer, k, v)
@@ -97,7 +105,7 @@ def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_con
             worst = max(worst, err)
             torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2, msg=f"{step} step, layer {layer}")
     if os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
-        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], "q1.json").write_text(json.dumps({"q1_max_abs_err": worst}))
+        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], f"q1-{kernels}.json").write_text(json.dumps({"q1_max_abs_err": worst}))
 
 
 def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
@@ -127,11 +135,12 @@ def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
 
 
 @pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])
-@pytest.mark.parametrize("path", ["fused", "reference"])
+@pytest.mark.parametrize("path", ["fused", "fused-flashinfer-kernels", "reference"])
 def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector, path):
     gen = torch.Generator(device="cuda").manual_seed(1)
     config = SparseConfig(token_budget=512, selector=selector, host_cache_gb=1.0)
-    b = bench(config, batch=3, context=3000, fused=path == "fused")
+    options = KERNELS["flashinfer-kernels"] if path == "fused-flashinfer-kernels" else {}
+    b = bench(config, batch=3, context=3000, fused=path != "reference", **options)
     kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
     for layer, (k, v) in enumerate(kv):
         b.write_kv(layer, k, v)
@@ -201,7 +210,7 @@ def test_a_step_does_not_depend_on_the_order_the_top_k_returns_its_pages():
     decode sums a row's pages in one order and the same step gives bit-identical outputs (greedy
     tokens through the server flipped on 2 of 10 prompts before the sort)."""
     gen = torch.Generator(device="cuda").manual_seed(7)
-    b = bench(SparseConfig(token_budget=512, host_cache_gb=1.0), batch=2, context=3000)
+    b = bench(SparseConfig(token_budget=512, host_cache_gb=1.0), batch=2, context=3000, topk="flashinfer")
     kv = [random_kv(2, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
     for layer, (k, v) in enumerate(kv):
         b.write_kv(layer, k, v)
@@ -222,7 +231,7 @@ def test_a_step_does_not_depend_on_the_order_the_top_k_returns_its_pages():
             assert torch.equal(a, c)
 
 
-def test_flashinfer_topk_selects_what_torch_topk_does():
+def test_flashinfer_and_fused_topk_select_what_torch_topk_does():
     """The ragged top-k reads each row only up to its length (past it: garbage, here +inf) and
     pads a row shorter than k with -1; torch.topk sees the same rows with -inf past the length."""
     from sparse_sglang.attention.sparse_decode import topk_pages
@@ -234,11 +243,12 @@ def test_flashinfer_topk_selects_what_torch_topk_does():
     lengths[1], lengths[2] = 3000, 100  # shorter requests: 100 pages hold fewer than k = 128
     past = torch.arange(4097, device="cuda") >= lengths.unsqueeze(-1)
     for k in (16, 64, 128):
-        got = topk_pages(prio.masked_fill(past, float("inf")), k, "flashinfer", lengths.view(-1)).sort(-1).values
         want = topk_pages(prio.masked_fill(past, float("-inf")), k, "torch").sort(-1).values
         want = torch.where(past.gather(-1, want), -1, want).sort(-1).values  # picks past the end: none
-        assert got.dtype == torch.int32
-        assert torch.equal(got.long(), want), k
+        for impl in ("flashinfer", "fused"):  # the fused top-k in 2 chunks of 4096 (the longest rows)
+            got = topk_pages(prio.masked_fill(past, float("inf")), k, impl, lengths.view(-1)).sort(-1).values
+            assert got.dtype == torch.int32
+            assert torch.equal(got.long(), want), (impl, k)
 
 
 @pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])
@@ -257,9 +267,10 @@ def test_score_kernel_equals_the_torch_selectors(selector, group_reduce):
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("coarse", [0, 4], ids=["page-by-page", "coarse-first"])
 @pytest.mark.parametrize("interval", [1, 3])
-def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse):
+def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse, kernels):
     """Graph mode (static buffers, every page scored, slot-0 padding row): a captured step replayed
     over several steps attends to exactly the pages it selected, and selects what the eager fused
     path does (up to exact score ties), also when the steps between full selections reuse the cache
@@ -267,7 +278,7 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse)
     gen = torch.Generator(device="cuda").manual_seed(6)
     config = SparseConfig(token_budget=512, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse,
                           coarse_min_pages=0)
-    runs = {mode: bench(config, batch=3, context=3000) for mode in ("eager", "graph")}
+    runs = {mode: bench(config, batch=3, context=3000, **KERNELS[kernels]) for mode in ("eager", "graph")}
     kv = [random_kv(3, 3001, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():
         for layer, (k, v) in enumerate(kv):
