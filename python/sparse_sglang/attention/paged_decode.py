@@ -106,11 +106,11 @@ if triton is not None:
                 c = tl.arange(0, GDP)
                 held = (c < G * D)[None, :]
                 parts = (row * SPLITS + s[:, None]) * G
-                lse = tl.load(part_lse_ptr + parts + c[None, :] // D, mask=held, other=float("-inf"), cache_modifier=".cg")
-                top = tl.max(lse, axis=0)
-                w = tl.exp(lse - tl.where(top > float("-inf"), top, 0.0)[None, :])
-                o = tl.load(part_o_ptr + parts * D + c[None, :], mask=held, other=0.0, cache_modifier=".cg")
-                merged = tl.sum(w * o, axis=0) / tl.sum(w, axis=0)
+                lse_all = tl.load(part_lse_ptr + parts + c[None, :] // D, mask=held, other=float("-inf"), cache_modifier=".cg")
+                top = tl.max(lse_all, axis=0)
+                w = tl.exp(lse_all - tl.where(top > float("-inf"), top, 0.0)[None, :])
+                o_all = tl.load(part_o_ptr + parts * D + c[None, :], mask=held, other=0.0, cache_modifier=".cg")
+                merged = tl.sum(w * o_all, axis=0) / tl.sum(w, axis=0)
                 tl.store(out_ptr + row * G * D + c, merged.to(out_ptr.dtype.element_ty), mask=c < G * D)
                 tl.store(arrivals_ptr + row, 0)
 
