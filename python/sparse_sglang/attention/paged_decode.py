@@ -61,7 +61,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, last_len_ptr, out_ptr, part_o_ptr, part_lse_ptr, arrivals_ptr,
         sm_scale, k_scale, v_scale, soft_cap,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PAGES: tl.constexpr,
-        SPLITS: tl.constexpr, GDP: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_F32: tl.constexpr,
+        SPLITS: tl.constexpr, GQ: tl.constexpr, SOFT_CAP: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         # Program (row, split): the row's pages split * PAGES .. (split + 1) * PAGES, as one tile
         # of PAGES * P tokens. GP >= 16 query rows (tensor-core tiles; rows >= G are zero).
@@ -102,16 +102,17 @@ if triton is not None:
             # The row's last split to arrive merges (acq_rel: the others' partials are visible
             # to it; .cg loads skip L1, which never held them). It resets the counter for the next launch.
             if tl.atomic_add(arrivals_ptr + row, 1) == SPLITS - 1:
-                s = tl.arange(0, SPLITS)
-                c = tl.arange(0, GDP)
-                held = (c < G * D)[None, :]
-                parts = (row * SPLITS + s[:, None]) * G
-                lse_all = tl.load(part_lse_ptr + parts + c[None, :] // D, mask=held, other=float("-inf"), cache_modifier=".cg")
+                s = tl.arange(0, SPLITS)[:, None]
+                gq = tl.arange(0, GQ)[None, :]
+                parts = (row * SPLITS + s) * G + gq  # [SPLITS, GQ] (split, query head) entries
+                lse_all = tl.load(part_lse_ptr + parts, mask=gq < G, other=float("-inf"), cache_modifier=".cg")
                 top = tl.max(lse_all, axis=0)
                 w = tl.exp(lse_all - tl.where(top > float("-inf"), top, 0.0)[None, :])
-                o_all = tl.load(part_o_ptr + parts * D + c[None, :], mask=held, other=0.0, cache_modifier=".cg")
-                merged = tl.sum(w * o_all, axis=0) / tl.sum(w, axis=0)
-                tl.store(out_ptr + row * G * D + c, merged.to(out_ptr.dtype.element_ty), mask=c < G * D)
+                o_all = tl.load(part_o_ptr + parts[:, :, None] * D + d[None, None, :], mask=(gq < G)[:, :, None], other=0.0,
+                                cache_modifier=".cg")  # fmt: skip
+                merged = tl.sum(w[:, :, None] * o_all, axis=0) / tl.sum(w, axis=0)[:, None]  # [GQ, D]
+                gd = tl.arange(0, GQ)[:, None] * D + d[None, :]
+                tl.store(out_ptr + row * G * D + gd, merged.to(out_ptr.dtype.element_ty), mask=gd < G * D)
                 tl.store(arrivals_ptr + row, 0)
 
 
@@ -158,7 +159,7 @@ class PagedDecode:
             q.contiguous(), k_cache, v_cache, indptr, indices, last_page_len, out, self.part_o, self.part_lse,
             self.arrivals, sm_scale, k_scale or 1.0, v_scale or 1.0, logits_soft_cap or 0.0,
             G=self.group, GP=max(16, next_pow2(self.group)), D=self.head_dim, P=self.page_size,
-            PAGES=self.pages_per_split, SPLITS=self.splits, GDP=next_pow2(self.group * self.head_dim),
+            PAGES=self.pages_per_split, SPLITS=self.splits, GQ=next_pow2(self.group),
             SOFT_CAP=bool(logits_soft_cap), DOT_F32=INTERPRETED, num_warps=self.num_warps,
         )  # fmt: skip
         return out
