@@ -60,7 +60,7 @@ def record_selections(decoder, into: dict, tag: str) -> None:
 
 # The fused path's kernels: this project's (top-k in the retrieve launch, one-launch split decode)
 # or FlashInfer's (radix top-k, decode + merge).
-KERNELS = {"own-kernels": dict(topk="fused", split_decode=True), "flashinfer-kernels": dict(topk="flashinfer", split_decode=False)}
+KERNELS = {"own-kernels": dict(topk="flashinfer", split_decode=True), "flashinfer-kernels": dict(topk="flashinfer", split_decode=False)}
 
 
 def assert_same_pages_up_to_ties(pages, want_pages, priority, num_pages, msg=""):

@@ -114,7 +114,7 @@ class SparseDecoder:
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
                  max_batch: int, use_tensor_cores: bool | None = None, fused: bool | None = None,
-                 topk: str = "fused", split_decode: bool | None = None):  # fmt: skip
+                 topk: str = "flashinfer", split_decode: bool | None = None):  # fmt: skip
         import flashinfer
 
         shape = store.shape
