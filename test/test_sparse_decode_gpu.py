@@ -89,14 +89,13 @@ def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_con
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = SparseConfig(token_budget=4096 + 32, exact_shortcut=False, host_cache_gb=1.0)
     b = bench(config, batch=2, context=4096, **KERNELS[kernels])
-    assert b.decoder.use_split_decode if kernels == "own-kernels" else b.decoder.split_decode is None
     kv = [random_kv(2, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
     for layer, (k, v) in enumerate(kv):
         b.write_kv(layer, k, v)
     worst = 0.0
     for step in ("cold", "warm"):
         b.plan()
-        assert not b.decoder.exact
+        assert not b.decoder.exact and b.decoder.use_split_decode == (kernels == "own-kernels")
         for layer, (k, v) in enumerate(kv):
             q = torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
             out = b.decoder.run(layer, q)
