@@ -161,7 +161,7 @@ def run(args) -> dict:
         for batch in args.batches:
             layers = layers_for(batch, context, max_batch, args.layers_per_graph)
             store = make_store(Llama8BShape(num_layers=layers), config, batch, context, dtype=kv_dtype)
-            b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace, topk=args.topk)
+            b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
             b.fill_summaries_randomly(gen)
             b.plan()
             q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
@@ -177,8 +177,8 @@ def run(args) -> dict:
             row["sparse_hit_ms"] = time_graph(step, args.iters, per=layers)
             if args.kernels:
                 row["sparse_hit_kernels_us"] = kernel_times(step, args.iters, per=layers)
-            if args.compare_flashinfer_kernels:  # the same step with FlashInfer's top-k, decode and merge
-                fi = SparseDecoder(store, config, SHAPE.num_q_heads, workspace, batch, topk="flashinfer", split_decode=False)
+            if args.compare_flashinfer_kernels:  # the same step attending with FlashInfer's decode and merge
+                fi = SparseDecoder(store, config, SHAPE.num_q_heads, workspace, batch, split_decode=False)
                 fi.plan(b.req_slots, torch.full((batch,), b.seq_len), b.host_pages)
 
                 def fi_step(fi=fi):
@@ -271,14 +271,14 @@ def main(argv=None) -> dict:
                         help="--sparse-coarse-pages: score super-pages of this many pages first (0 = page by page)")
     parser.add_argument("--coarse-candidates", type=float, default=4.0, help="--sparse-coarse-candidates")
     parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
-    parser.add_argument("--topk", choices=TOPK_IMPLS, default="fused", help="the sparse step's top-k (SparseDecoder's topk)")
     parser.add_argument("--split-decode-rows", type=int, default=SPLIT_DECODE_ROWS,
                         help="--sparse-split-decode-rows: steps of at most this many rows attend with the split kernel")
     parser.add_argument("--compare-flashinfer-kernels", action="store_true",
-                        help="also time the all-hit step with FlashInfer's top-k and decode (sparse_hit_flashinfer_kernels_ms)")
+                        help="also time the all-hit step attending with FlashInfer's decode and merge in place of the split "
+                             "kernel (sparse_hit_flashinfer_kernels_ms)")
     parser.add_argument("--kernels", action="store_true",
                         help="also record each kernel's time in the all-hit step (torch's profiler)")
-    parser.add_argument("--q1", type=Path, help="q1.json written by test/test_sparse_decode_gpu.py")
+    parser.add_argument("--q1", type=Path, help="q1-split-decode.json written by test/test_sparse_decode_gpu.py")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -291,8 +291,7 @@ def main(argv=None) -> dict:
     bounds = resolve_bound_format(args.bound_format, KV_DTYPE_CHOICES[args.kv_dtype])
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest", "kv_dtype": args.kv_dtype,
               "bound_format": bounds, "coarse_pages": args.coarse_pages, "coarse_candidates": args.coarse_candidates,
-              "layers_per_graph": args.layers_per_graph, "l2_flushed": True, "topk": args.topk,
-              "split_decode_rows": args.split_decode_rows}  # fmt: skip
+              "layers_per_graph": args.layers_per_graph, "l2_flushed": True, "split_decode_rows": args.split_decode_rows}  # fmt: skip
     name = "decode-{date}" + ("" if args.kv_dtype == "bf16" else "-fp8") + ("" if args.bound_format == "auto" else f"-{bounds}-bounds")
     name += f"-coarse{args.coarse_pages}" if args.coarse_pages else ""
     return finish_run("benchmark/decode.py", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json")

@@ -8,9 +8,7 @@ graph replays with L2 flushed as in ``benchmark/decode.py`` (``--layers-per-grap
   as the decoder runs it) at every ``--block-n`` x ``--warps`` x ``--programs`` choice;
 - **attention**: FlashInfer's paged decode over the selected pages, and the whole all-hit step,
   with its tensor-core kernel and with its CUDA-core one; and the one-launch split kernel
-  (``attention/paged_decode.py``) at every ``--pages-per-split`` x ``--split-warps`` choice;
-- **top-k**: the fused top-k (``select_top_pages``, one program a row) at every ``--select-warps``,
-  and FlashInfer's, over random priorities.
+  (``attention/paged_decode.py``) at every ``--pages-per-split`` x ``--split-warps`` choice.
 
 Writes ``benchmark/results/decode-kernels-<date>.json``::
 
@@ -32,8 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.decode import SHAPE, add_grid_args, layers_for, time_graph  # noqa: E402
 from sparse_sglang.attention import scoring  # noqa: E402
 from sparse_sglang.attention.paged_decode import PagedDecode  # noqa: E402
-from sparse_sglang.attention.sparse_decode import topk_pages  # noqa: E402
-from sparse_sglang.mem_cache import kernels  # noqa: E402
 from sparse_sglang.attention.scoring import score_pages  # noqa: E402
 from sparse_sglang.config import SparseConfig  # noqa: E402
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store  # noqa: E402
@@ -95,24 +91,6 @@ def attention_times(store, config, batch: int, context: int, workspace, q, layer
     return out
 
 
-def topk_times(b: DecodeBench, layers: int, args) -> dict[str, float]:
-    d, out = b.decoder, {}
-    prios = [torch.randn(b.batch, d.num_kv_heads, b.num_pages, device="cuda") for _ in range(layers)]
-    default_warps = kernels.SELECT_WARPS
-    try:
-        for impl, warps in [("flashinfer", None)] + [("fused", w) for w in args.select_warps]:
-            kernels.SELECT_WARPS = warps or default_warps
-
-            def topk(impl=impl):
-                for prio in prios:
-                    topk_pages(prio, d.width, impl, d.row_pages, d.topk_offsets)
-
-            out[f"topk_{impl}" + (f"_warps{warps}" if warps else "") + "_us"] = time_graph(topk, args.iters, per=layers) * 1e3
-    finally:
-        kernels.SELECT_WARPS = default_warps
-    return out
-
-
 def run(args) -> list[dict]:
     config = SparseConfig(token_budget=args.budget, host_cache_gb=1.0)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
@@ -128,7 +106,6 @@ def run(args) -> list[dict]:
             q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
             row = {"context": context, "batch": batch, "layers": layers, "score_us": score_times(b, q, layers, args)}
             row.update(attention_times(store, config, batch, context, workspace, q, layers, args))
-            row.update(topk_times(b, layers, args))
             best = min(row["score_us"], key=row["score_us"].get)
             row["score_best"] = best
             print(json.dumps({k: v for k, v in row.items() if k != "score_us"} | {"score_best_us": row["score_us"][best]}), flush=True)
@@ -148,7 +125,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--programs", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--pages-per-split", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--split-warps", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--select-warps", type=int, nargs="+", default=[4, 8, 16])
     args = parser.parse_args(argv)
     rows = run(args)
     summary = {f"{r['context'] // 1024}k_b{r['batch']}": {

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from sparse_sglang.mem_cache import GPUPageCache, PageSummaries
-from sparse_sglang.mem_cache import kernels
-from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs, retrieve_pages, select_top_pages
+from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs, retrieve_pages
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -119,19 +118,16 @@ def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius,
     assert torch.equal(cache.v.view(torch.uint8), ref_cache.v.view(torch.uint8))
 
 
-@pytest.mark.parametrize("select", [False, True], ids=["given-pages", "top-k-in-kernel"])
 @pytest.mark.parametrize("lru", [(0, 1), (2, 3)], ids=["exact-lru", "bucketed-lru"])
 @pytest.mark.parametrize("k_sel", [4, 3], ids=["k4", "k3-a-padded-lane"])
 @pytest.mark.parametrize("elastic", [False, True])
-def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indices(elastic, k_sel, lru, select):
+def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indices(elastic, k_sel, lru):
     """Random selections over many steps, each row shuffled (some rows partly padded, pages past a
     request's end ignored): the kernel's hits, victims, table updates and copies equal the
     reference's given the rows in ascending page order, and each row's FlashInfer indices are its
     slots in ascending page order (the newest page last). Elastic: the rows are
     5 of 6 columns wide (the second request's opening narrowed the first), the last one -1.
-    Bucketed LRU: 2 buckets of 3 steps, so most of a row's slots tie and position decides.
-    Top-k in kernel: the same selections given as priorities (the chosen pages score above the
-    rest; past a request's end the row holds garbage), the kernel's own top-k picks them."""
+    Bucketed LRU: 2 buckets of 3 steps, so most of a row's slots tie and position decides."""
     rng = random.Random(11)
     layers, heads, width, page, dim = 2, 3, 6, 8, 16
     if elastic:
@@ -146,7 +142,7 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
     ref.write_allocate(2, 0, 3)  # some pages cached from the prefill
     assert [ref.width(r) for r in (2, 1)] == ([5, 5] if elastic else [6, 6])
     cache = copy.deepcopy(ref)
-    for step in range(12 if select else 30):
+    for step in range(30):
         ref.next_step()
         cache.next_step()
         num_pages = torch.tensor([rng.randrange(k_sel, 17), rng.randrange(1, 17)], device=DEVICE)
@@ -166,26 +162,12 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
             # The kernel takes each row in ascending page order: the reference gets the rows sorted.
             ascending = page_ids.sort(dim=-1).values
             ref_ids = torch.where(ascending < num_pages.view(-1, 1, 1), ascending, -1)
-            if select:  # the in-kernel top-k pads a row at its end (given pages sort their -1 first)
-                padded_last = torch.where(ref_ids < 0, 99, ref_ids).sort(-1).values
-                ref_ids = torch.where(padded_last == 99, -1, padded_last)
             loads = []
             slots = ref.retrieve(layer, req_slots, ref_ids, host_pages, lambda s, d: loads.append((s, d)), 50)
             indices = torch.full((int(indptr[-1]),), -7, dtype=torch.int32, device=DEVICE)
             miss_src = torch.empty(2 * heads * k_sel, dtype=torch.int64, device=DEVICE)
             miss_dst = torch.empty_like(miss_src)
-            if select:
-                priority = -1 - torch.rand(2, heads, 16, device=DEVICE)
-                priority.scatter_(-1, ref_ids.clamp(min=0),  # -1: page 0, chosen anyway in such rows
-                                  1 + torch.rand(2, heads, k_sel, device=DEVICE))
-                priority[torch.arange(16, device=DEVICE) >= num_pages.view(-1, 1, 1).expand(2, heads, 16)] = float("nan")
-                row_pages = num_pages.to(torch.int32).repeat_interleave(heads)
-                got_ids = torch.full_like(page_ids, -9, dtype=torch.int32)
-                retrieve_pages(cache, layer, req_slots, got_ids, num_pages, host_pages, 50, indptr, indices, miss_src,
-                               miss_dst, priority=priority, row_pages=row_pages)  # fmt: skip
-                assert torch.equal(got_ids.long(), ref_ids)
-            else:
-                retrieve_pages(cache, layer, req_slots, page_ids, num_pages, host_pages, 50, indptr, indices, miss_src, miss_dst)
+            retrieve_pages(cache, layer, req_slots, page_ids, num_pages, host_pages, 50, indptr, indices, miss_src, miss_dst)
             src, dst = loads[0]
             assert torch.equal(miss_dst, dst.view(-1)), (step, layer)
             assert torch.equal(miss_src[dst.view(-1) >= 0], src.view(-1)[dst.view(-1) >= 0])
@@ -200,29 +182,6 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
                     valid = ref_ids[b, h] >= 0
                     assert row == slots[b, h][valid].tolist()  # ascending pages, so the newest last
                     assert row[-1] == int(slots[b, h][ref_ids[b, h] == n - 1])
-
-
-@pytest.mark.parametrize("chunk", [4096, 64], ids=["one-chunk", "chunked-rows"])
-def test_select_top_pages_takes_the_top_k_and_the_lower_page_of_a_tie(monkeypatch, chunk):
-    """Against ``torch.topk`` with ``-inf`` past each row's length: rows longer and shorter than k,
-    forced pages at ``+inf``, ``-inf`` and ``NOT_CACHED`` scores, exact ties (the lower page wins).
-    Rows of 300 pages in chunks of 64 merge each chunk's top-k."""
-    monkeypatch.setattr(kernels, "SELECT_CHUNK", chunk)
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
-    batch, heads, length, k = 3, 2, 300, 24
-    priority = torch.randn(batch, heads, length, device=DEVICE, generator=gen)
-    priority[..., 0] = priority[..., 290:] = float("inf")
-    priority[0, 0, 40:80] = 2.5  # ties across the boundary of the top 24
-    priority[1, 1, 100:200] = -1e38  # NOT_CACHED
-    priority[2, 0, 10:20] = float("-inf")
-    row_pages = torch.tensor([300, 300, 300, 17, 290, 5], dtype=torch.int32, device=DEVICE)
-    got = select_top_pages(priority, row_pages, k)
-    past = torch.arange(length, device=DEVICE) >= row_pages.view(batch, heads, 1)
-    masked = priority.masked_fill(past, float("-inf"))
-    for r in range(batch * heads):
-        n, row = int(row_pages[r]), masked.view(-1, length)[r].tolist()
-        top = sorted(sorted(range(n), key=lambda p: (-row[p], p))[: min(k, n)])
-        assert got.view(-1, k)[r].tolist() == top + [-1] * (k - len(top)), r
 
 
 def test_retrieve_pages_leaves_padding_rows_alone():

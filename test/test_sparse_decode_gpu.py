@@ -3,7 +3,8 @@
 - Q1: with the budget covering the context (8B shape, 4K tokens, budget 4096) and the exact
   shortcut off, the full machinery (scoring, selection, retrieval through FlashH2D, FlashInfer
   over per-head page tables) equals dense FlashInfer decode per layer, on the cold step (every
-  page loaded from the host) and the warm one (every page a cache hit).
+  page loaded from the host) and the warm one (every page a cache hit), attending with the
+  one-launch split kernel and with FlashInfer's decode.
 - With a small budget, every step equals the reference sparse attention over the pages the
   decoder selected, while misses load and evict across steps, on the fused path (score kernel
   with forced pages, top-k, ``retrieve_pages``) and on the torch reference path; and both paths
@@ -12,7 +13,7 @@
   ``torch.topk`` does.
 
 Run on the GPU host: ``pytest -m gpu test/test_sparse_decode_gpu.py``; Q1's error goes to
-``$SPARSE_SGLANG_RESULTS_DIR/q1.json`` when that is set.
+``$SPARSE_SGLANG_RESULTS_DIR/q1-<kernels>.json`` when that is set.
 """
 
 from __future__ import annotations
@@ -48,19 +49,17 @@ def bench(config: SparseConfig, batch: int, context: int, **decoder_options) -> 
 def record_selections(decoder, into: dict, tag: str) -> None:
     """Keep the pages ``decoder`` selects per layer in ``into[tag, layer]`` (in a CUDA graph, the
     captured tensors, which each replay rewrites)."""
-    run = decoder.run
+    select_raw = decoder.select_raw
 
-    def recording(layer, q, **kwargs):
-        out = run(layer, q, **kwargs)
-        into[tag, layer] = decoder.selections[layer]
-        return out
+    def recording(layer, q):
+        into[tag, layer] = ids = select_raw(layer, q)
+        return ids
 
-    decoder.run = recording
+    decoder.select_raw = recording
 
 
-# The fused path's kernels: this project's (top-k in the retrieve launch, one-launch split decode)
-# or FlashInfer's (radix top-k, decode + merge).
-KERNELS = {"own-kernels": dict(topk="flashinfer", split_decode=True), "flashinfer-kernels": dict(topk="flashinfer", split_decode=False)}
+# The fused path's attention: the one-launch split kernel (steps of few rows) or FlashInfer's decode + merge.
+KERNELS = {"split-decode": dict(split_decode=True), "flashinfer-decode": dict(split_decode=False)}
 
 
 def assert_same_pages_up_to_ties(pages, want_pages, priority, num_pages, msg=""):
@@ -95,7 +94,7 @@ def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_con
     worst = 0.0
     for step in ("cold", "warm"):
         b.plan()
-        assert not b.decoder.exact and b.decoder.use_split_decode == (kernels == "own-kernels")
+        assert not b.decoder.exact and b.decoder.use_split_decode == (kernels == "split-decode")
         for layer, (k, v) in enumerate(kv):
             q = torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
             out = b.decoder.run(layer, q)
@@ -134,11 +133,11 @@ def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
 
 
 @pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])
-@pytest.mark.parametrize("path", ["fused", "fused-flashinfer-kernels", "reference"])
+@pytest.mark.parametrize("path", ["fused", "fused-flashinfer-decode", "reference"])
 def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector, path):
     gen = torch.Generator(device="cuda").manual_seed(1)
     config = SparseConfig(token_budget=512, selector=selector, host_cache_gb=1.0)
-    options = KERNELS["flashinfer-kernels"] if path == "fused-flashinfer-kernels" else {}
+    options = KERNELS["flashinfer-decode"] if path == "fused-flashinfer-decode" else {}
     b = bench(config, batch=3, context=3000, fused=path != "reference", **options)
     kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
     for layer, (k, v) in enumerate(kv):
@@ -209,7 +208,7 @@ def test_a_step_does_not_depend_on_the_order_the_top_k_returns_its_pages():
     decode sums a row's pages in one order and the same step gives bit-identical outputs (greedy
     tokens through the server flipped on 2 of 10 prompts before the sort)."""
     gen = torch.Generator(device="cuda").manual_seed(7)
-    b = bench(SparseConfig(token_budget=512, host_cache_gb=1.0), batch=2, context=3000, topk="flashinfer")
+    b = bench(SparseConfig(token_budget=512, host_cache_gb=1.0), batch=2, context=3000)
     kv = [random_kv(2, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
     for layer, (k, v) in enumerate(kv):
         b.write_kv(layer, k, v)
@@ -230,7 +229,7 @@ def test_a_step_does_not_depend_on_the_order_the_top_k_returns_its_pages():
             assert torch.equal(a, c)
 
 
-def test_flashinfer_and_fused_topk_select_what_torch_topk_does():
+def test_flashinfer_topk_selects_what_torch_topk_does():
     """The ragged top-k reads each row only up to its length (past it: garbage, here +inf) and
     pads a row shorter than k with -1; torch.topk sees the same rows with -inf past the length."""
     from sparse_sglang.attention.sparse_decode import topk_pages
@@ -242,12 +241,11 @@ def test_flashinfer_and_fused_topk_select_what_torch_topk_does():
     lengths[1], lengths[2] = 3000, 100  # shorter requests: 100 pages hold fewer than k = 128
     past = torch.arange(4097, device="cuda") >= lengths.unsqueeze(-1)
     for k in (16, 64, 128):
+        got = topk_pages(prio.masked_fill(past, float("inf")), k, "flashinfer", lengths.view(-1)).sort(-1).values
         want = topk_pages(prio.masked_fill(past, float("-inf")), k, "torch").sort(-1).values
         want = torch.where(past.gather(-1, want), -1, want).sort(-1).values  # picks past the end: none
-        for impl in ("flashinfer", "fused"):  # the fused top-k in 2 chunks of 4096 (the longest rows)
-            got = topk_pages(prio.masked_fill(past, float("inf")), k, impl, lengths.view(-1)).sort(-1).values
-            assert got.dtype == torch.int32
-            assert torch.equal(got.long(), want), (impl, k)
+        assert got.dtype == torch.int32
+        assert torch.equal(got.long(), want), k
 
 
 @pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])

@@ -39,14 +39,13 @@ from sparse_sglang.mem_cache.kernels import (
     fits_fused_retrieve,
     next_pow2,
     retrieve_pages,
-    select_top_pages,
 )
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.summaries import coarse_built
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
 
 
-TOPK_IMPLS = ("fused", "flashinfer", "torch")
+TOPK_IMPLS = ("flashinfer", "torch")
 
 
 def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer", lengths: torch.Tensor | None = None,
@@ -54,21 +53,14 @@ def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer", lengths
     """Indices ``[..., k]`` (any order) of the ``k`` largest entries of each row of ``priority``
     ``[..., N]``, among the first ``lengths`` (``[rows]`` int32, default ``N``) of the row.
 
-    ``"fused"``: this project's one-program-per-row top-k (:func:`select_top_pages`: int32,
-    ascending, ``-1`` padded, ties to the lower page; the decoder runs it inside the retrieve
-    launch). ``"flashinfer"``: FlashInfer's radix top-k in its ragged form (int32 out, ``-1`` past a row
+    ``"flashinfer"``: FlashInfer's radix top-k in its ragged form (int32 out, ``-1`` past a row
     shorter than ``k``; it reads only each row's own entries, so a CUDA-graph row sized for the
     longest context costs what the request's pages do; ``offsets`` is a ``[rows]`` int32 zero
     buffer to reuse). ``"torch"``: ``torch.topk`` (int64 out; ``lengths`` is not read, so
     entries past a row's length must be ``-inf``).
     """
     rows = priority.reshape(-1, priority.shape[-1])
-    if impl == "fused":
-        rows_len = rows.shape[1]
-        if lengths is None:
-            lengths = torch.full((rows.shape[0],), rows_len, dtype=torch.int32, device=rows.device)
-        ids = select_top_pages(rows.view(rows.shape[0], 1, rows_len), lengths[: rows.shape[0]], k)
-    elif impl == "flashinfer":
+    if impl == "flashinfer":
         import flashinfer
 
         num_rows, device = rows.shape[0], rows.device
@@ -105,8 +97,7 @@ class SparseDecoder:
         the cache bookkeeping and writes FlashInfer's indices, FlashH2D loads the misses. ``False``
         runs the torch reference path (``select_pages`` + :meth:`GPUPageCache.retrieve`).
     topk : str
-        The fused path's top-k: ``"fused"`` (in the retrieve launch, :func:`select_top_pages`),
-        ``"flashinfer"`` (radix top-k) or ``"torch"``.
+        ``"flashinfer"`` (radix top-k) or ``"torch"`` for the fused path's top-k.
     split_decode : bool, optional
         Attend with :class:`PagedDecode` on steps of at most ``config.split_decode_rows`` rows
         (default: on the fused path); ``False`` = always FlashInfer.
@@ -138,10 +129,9 @@ class SparseDecoder:
         if split_decode is None:
             split_decode = fused
         rows = min(max_batch * shape.num_kv_heads, config.split_decode_rows)
-        self.split_decode = PagedDecode(rows, self.width, self.group, self.head_dim, self.page_size, device) if split_decode and rows else None
+        self.split_decode = PagedDecode(rows, self.width, self.group, self.head_dim, self.page_size, device) if split_decode and rows else None  # fmt: skip
         self.use_split_decode = False  # this step (plan)
         self.last_page_len = None
-        self.selections: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, K] what run() selected (tests read it)
         self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector = config.selector
@@ -179,8 +169,6 @@ class SparseDecoder:
         self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
         self.miss_dst = torch.empty_like(self.miss_src)
         self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
-        # The fused top-k's picks, per layer (a CUDA graph's replays rewrite them in place).
-        self.selected = torch.full((self.store.shape.num_layers, rows * self.width), -1, dtype=torch.int32, device=device)
 
     def log_selections(self, max_batch: int) -> torch.Tensor:
         """Keep each step's selections (every layer's) in :attr:`selection_log`, a static buffer
@@ -354,44 +342,35 @@ class SparseDecoder:
         (what the top-k gives a request holding fewer than ``K`` pages) stand for none."""
         if self.exact:
             return self.all_pages
+        qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
+        summaries = self.store.summaries.layer(layer)
         if not self.fused:
-            qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
-            scores = score_pages(self.selector, qg, self.store.summaries.layer(layer), self.host_pages, self.num_pages)
+            scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages)
             if self.use_coarse:  # only the candidates of requests due for a full selection
                 scores = scores.masked_fill(~self._coarse_candidates_reference(layer, qg), -math.inf)
             scores = self._keep_cached(layer, scores)
             return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
-        priority = self.priorities(layer, q)
-        if self.topk == "fused":
-            return select_top_pages(priority, self.row_pages, self.width, out=self._selected(layer))
-        if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
-            priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
-        return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
-
-    def _selected(self, layer: int) -> torch.Tensor:
-        return self.selected[layer, : self.batch * self.num_kv_heads * self.width].view(self.batch, self.num_kv_heads, self.width)
-
-    def priorities(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, N]`` selection priorities of the fused path (forced pages ``+inf``), the
-        top-k's input. FlashInfer's ragged top-k and the fused one read each row up to its
-        request's pages, so the score kernel leaves the rest of the row unwritten; torch.topk reads
-        whole rows, so there the rest scores -inf and its picks (of a request holding < K pages)
-        are ids >= num_pages, which retrieve_pages ignores like the ragged top-k's -1. Requests
-        reusing their selection score only the pages their rows hold (the reference path masks
-        full scores: the GPU tests compare them)."""
-        qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
-        summaries = self.store.summaries.layer(layer)
-        ragged = self.topk != "torch"
+        # FlashInfer's ragged top-k reads each row up to its request's pages, so the score kernel
+        # leaves the rest of the row unwritten; torch.topk reads whole rows, so there the rest
+        # scores -inf and its picks (of a request holding < K pages) are ids >= num_pages, which
+        # retrieve_pages ignores like the ragged top-k's -1. Requests reusing their selection
+        # score only the pages their rows hold (the reference path above masks full scores: the
+        # GPU tests compare them).
+        ragged = self.topk == "flashinfer"
         reuse = None if self.reselect is None else self.store.cache.cached_rows(layer, self.req_slots, self.reselect)
         if self.use_coarse:
             host_pages = self.host_pages[:, : self.max_pages]
             coarse = score_coarse(qg, self.store.summaries.coarse_layer(layer), host_pages, self.built, self.coarse,
                                   self.forced[0], reselect=self.reselect)  # fmt: skip
             supers = topk_pages(coarse, self.supers, self.topk, self.built_rows, self.topk_offsets)
-            return score_candidates(self.selector, qg, summaries, host_pages, self.num_pages, supers, self.built,
-                                    self.coarse, self.coarse_tail, forced=self.forced, reuse=reuse)  # fmt: skip
-        return score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
-                           forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
+            priority = score_candidates(self.selector, qg, summaries, host_pages, self.num_pages, supers, self.built,
+                                        self.coarse, self.coarse_tail, forced=self.forced, reuse=reuse)  # fmt: skip
+            return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
+        priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
+                               forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
+        if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
+            priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
+        return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
 
     def _coarse_candidates_reference(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
         """``[B, Hkv, N]`` bool: the pages the coarse pass leaves to score (all of a request
@@ -425,25 +404,19 @@ class SparseDecoder:
         torch.Tensor
             ``[B, Hq, D]``.
         """
+        page_ids = self.select_raw(layer, q)
         store = self.store
-        select_in_retrieve = self.fused and self.topk == "fused" and not self.exact
-        if select_in_retrieve:  # the top-k runs in the retrieve launch, into this layer's row of self.selected
-            priority, page_ids = self.priorities(layer, q), self._selected(layer)
-        else:
-            priority, page_ids = None, self.select_raw(layer, q)
+        if self.selection_log is not None:  # -1 for none (the fused top-k's picks past a request's end)
+            self.selection_log[: self.batch, layer] = torch.where(page_ids < self.num_pages.view(-1, 1, 1), page_ids, -1)
         if self.fused:  # retrieve_pages takes each row's pages in ascending order (a fixed FlashInfer sum order)
             n = self.batch * self.num_kv_heads * self.width
             src, dst = self.miss_src[:n], self.miss_dst[:n]
             retrieve_pages(store.cache, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,
-                           store.shape.num_host_pages, self.indptr, self.indices, src, dst, priority=priority,
-                           row_pages=self.row_pages)  # fmt: skip
+                           store.shape.num_host_pages, self.indptr, self.indices, src, dst)  # fmt: skip
             store.load(src, dst)
         else:
             slots = store.cache.retrieve(layer, self.req_slots, page_ids, self.host_pages, store.load, store.shape.num_host_pages)
             self.indices[self.dest] = slots.view(-1).to(torch.int32)
-        self.selections[layer] = page_ids
-        if self.selection_log is not None:  # -1 for none (the fused top-k's picks past a request's end)
-            self.selection_log[: self.batch, layer] = torch.where(page_ids < self.num_pages.view(-1, 1, 1), page_ids, -1)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
         if self.use_split_decode:

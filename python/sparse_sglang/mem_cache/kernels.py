@@ -99,7 +99,6 @@ class SaveRuns:
 if triton is not None:
     MIN_BOUND_ABS = tl.constexpr(summaries_module.MIN_BOUND_ABS)
     LEVELS_MANTISSA = tl.constexpr(summaries_module._LEVELS_MANTISSA)
-    PAST_EVERY_PAGE = tl.constexpr(2**31 - 1)  # a page index past every request's end
 
     @triton.jit
     def pow2(e):
@@ -204,37 +203,17 @@ if triton is not None:
     ):  # fmt: skip
         # One program: one (request, kv head) row of the selection.
         bh = tl.program_id(0)
-        j = tl.arange(0, KP)
-        # Ascending pages (the top-k's order is arbitrary): FlashInfer then sums the row's pages in
-        # one fixed order, so a step's output does not depend on the top-k's order. The lanes past
-        # K load a page past every request's end, so they sort last and the K entries stay in
-        # lanes 0..K-1 (the miss list's).
-        page = tl.sort(tl.load(pages_ptr + bh * K + j, mask=j < K, other=PAST_EVERY_PAGE).to(tl.int64))
-        _retrieve_row(
-            page, bh, num_pages_ptr, req_slots_ptr, host_pages_ptr,
-            directory_ptr, segments_ptr, rows_ptr, slot_page_ptr, last_used_ptr, step_ptr,
-            indptr_ptr, indices_ptr, miss_src_ptr, miss_dst_ptr, counters_ptr,
-            layer, num_layers, num_heads, num_dir, host_pages_stride, num_host_pages,
-            K, KP, W, WP, SEG, LRU_BUCKETS, LRU_STEPS,
-        )  # fmt: skip
-
-    @triton.jit
-    def _retrieve_row(
-        page, bh, num_pages_ptr, req_slots_ptr, host_pages_ptr,
-        directory_ptr, segments_ptr, rows_ptr, slot_page_ptr, last_used_ptr, step_ptr,
-        indptr_ptr, indices_ptr, miss_src_ptr, miss_dst_ptr, counters_ptr,
-        layer, num_layers, num_heads, num_dir, host_pages_stride, num_host_pages,
-        K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SEG: tl.constexpr,
-        LRU_BUCKETS: tl.constexpr, LRU_STEPS: tl.constexpr,
-    ):  # fmt: skip
-        # The cache bookkeeping of selection row bh, whose pages ``page`` [KP] int64 come ascending
-        # (entries >= the request's pages, or negative, select nothing).
         b = bh // num_heads
         h = bh % num_heads
         req = tl.load(req_slots_ptr + b).to(tl.int64)
         n = tl.load(num_pages_ptr + b).to(tl.int64)
         step = tl.load(step_ptr)
         j = tl.arange(0, KP)
+        # Ascending pages (the top-k's order is arbitrary): FlashInfer then sums the row's pages in
+        # one fixed order, so a step's output does not depend on the top-k's order. The lanes past
+        # K load a page past every request's end, so they sort last and the K entries stay in
+        # lanes 0..K-1 (the miss list's).
+        page = tl.sort(tl.load(pages_ptr + bh * K + j, mask=j < K, other=2147483647).to(tl.int64))
         row_base = ((req * num_layers + layer) * num_heads + h) * W
         # A request without a cache row (slot 0: SGLang's CUDA-graph padding) selects nothing.
         has_row = tl.load(rows_ptr + row_base) >= 0
@@ -298,56 +277,6 @@ if triton is not None:
         host_page = tl.load(host_pages_ptr + b * host_pages_stride + page, mask=miss, other=0).to(tl.int64)
         tl.store(miss_src_ptr + bh * K + j, ((layer * num_heads + h) * num_host_pages + host_page), mask=j < K)
         tl.store(miss_dst_ptr + bh * K + j, tl.where(miss, dst, -1), mask=j < K)
-
-    # A top-k key packs a selection priority's order-preserving 32-bit code, plus one (0 stands for
-    # no page), above PAGE_BITS bits of the page index's complement: keys order by priority, and
-    # among equal priorities the lower page wins (a fixed choice, unlike FlashInfer's top-k).
-    PAGE_BITS = tl.constexpr(20)
-    PAGE_MASK = tl.constexpr(2**20 - 1)
-
-    @triton.jit
-    def _top_keys(prio_row_ptr, start, n, CHUNK: tl.constexpr, KP: tl.constexpr):
-        # The KP largest keys of entries start .. start + CHUNK of a priority row (those >= n: 0).
-        page = start + tl.arange(0, CHUNK)
-        held = page < n
-        bits = tl.load(prio_row_ptr + page, mask=held, other=0.0).to(tl.int32, bitcast=True).to(tl.int64)
-        code = tl.where(bits >= 0, bits + 2147483648, -1 - bits) + 1  # float order as integers, >= 1
-        keys = tl.where(held, (code << PAGE_BITS) | (PAGE_MASK - page.to(tl.int64)), 0)
-        return tl.topk(keys, KP)
-
-    @triton.jit
-    def _select_retrieve_kernel(
-        prio_ptr, row_pages_ptr, prio_stride, selected_ptr,
-        num_pages_ptr, req_slots_ptr, host_pages_ptr,
-        directory_ptr, segments_ptr, rows_ptr, slot_page_ptr, last_used_ptr, step_ptr,
-        indptr_ptr, indices_ptr, miss_src_ptr, miss_dst_ptr, counters_ptr,
-        layer, num_layers, num_heads, num_dir, host_pages_stride, num_host_pages,
-        K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SEG: tl.constexpr,
-        LRU_BUCKETS: tl.constexpr, LRU_STEPS: tl.constexpr, CHUNK: tl.constexpr, RETRIEVE: tl.constexpr,
-    ):  # fmt: skip
-        # One program: one (request, kv head) row. Its top K pages by priority (a bitonic top-k of
-        # each CHUNK of the row in registers, merged across chunks), ascending, into selected_ptr
-        # (-1 padded); with RETRIEVE, then _retrieve_row's bookkeeping. One launch where the
-        # FlashInfer top-k and _retrieve_kernel took two, each a few microseconds at batch 1.
-        bh = tl.program_id(0)
-        n = tl.load(row_pages_ptr + bh)
-        row_ptr = prio_ptr + bh.to(tl.int64) * prio_stride
-        best = _top_keys(row_ptr, 0, n, CHUNK, KP)
-        for start in range(CHUNK, n, CHUNK):
-            top = _top_keys(row_ptr, start, n, CHUNK, KP)
-            best = tl.topk(tl.reshape(tl.join(best, top), [2 * KP]), KP)
-        j = tl.arange(0, KP)
-        chosen = (best > 0) & (j < K)  # the top-k comes in descending order: lanes < K are the top K
-        page = tl.sort(tl.where(chosen, PAGE_MASK - (best & PAGE_MASK), PAST_EVERY_PAGE))
-        tl.store(selected_ptr + bh * K + j, tl.where(page < PAST_EVERY_PAGE, page, -1).to(tl.int32), mask=j < K)
-        if RETRIEVE:
-            _retrieve_row(
-                page, bh, num_pages_ptr, req_slots_ptr, host_pages_ptr,
-                directory_ptr, segments_ptr, rows_ptr, slot_page_ptr, last_used_ptr, step_ptr,
-                indptr_ptr, indices_ptr, miss_src_ptr, miss_dst_ptr, counters_ptr,
-                layer, num_layers, num_heads, num_dir, host_pages_stride, num_host_pages,
-                K, KP, W, WP, SEG, LRU_BUCKETS, LRU_STEPS,
-            )  # fmt: skip
 
 
 if triton is not None:
@@ -466,8 +395,7 @@ def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, t
 def retrieve_pages(
     cache, layer: int, req_slots: torch.Tensor, page_ids: torch.Tensor, num_pages: torch.Tensor,
     host_pages: torch.Tensor, num_host_pages: int, indptr: torch.Tensor, indices: torch.Tensor,
-    miss_src: torch.Tensor, miss_dst: torch.Tensor, priority: torch.Tensor | None = None,
-    row_pages: torch.Tensor | None = None,
+    miss_src: torch.Tensor, miss_dst: torch.Tensor,
 ) -> None:
     """Hits, LRU victims, table updates, FlashInfer indices and the miss list of one layer (one launch).
 
@@ -492,10 +420,6 @@ def retrieve_pages(
         int32 FlashInfer page indices, written at ``indptr[row] ..`` (the newest page last).
     miss_src, miss_dst : torch.Tensor
         ``[B * Hkv * K]`` int64 outputs: the copies FlashH2D must do (``miss_dst < 0`` = none).
-    priority, row_pages : torch.Tensor, optional
-        Select in the same launch: ``priority`` ``[B, Hkv, N]`` float32 selection priorities,
-        read up to ``row_pages`` ``[B * Hkv]`` int32 entries per row; each row's top ``K`` go to
-        ``page_ids`` (an output then) as :func:`select_top_pages` writes them.
 
     Notes
     -----
@@ -509,53 +433,10 @@ def retrieve_pages(
     batch, heads, width = page_ids.shape
     assert width <= cache.row_width, f"{width} selected pages exceed the cache row ({cache.row_width})"
     pt = cache.page_table
-    retrieve_args = (
-        num_pages, req_slots, host_pages, pt.directory, pt.segments, cache.rows, cache.slot_page,
+    _retrieve_kernel[(batch * heads,)](
+        page_ids, num_pages, req_slots, host_pages, pt.directory, pt.segments, cache.rows, cache.slot_page,
         cache.last_used, cache.step, indptr, indices, miss_src, miss_dst, cache.counters,
         layer, pt.num_layers, heads, pt.directory.shape[-1], host_pages.stride(0), num_host_pages,
+        K=width, KP=next_pow2(width), W=cache.row_width, WP=next_pow2(cache.row_width), SEG=pt.segment_pages,
+        LRU_BUCKETS=cache.lru_buckets, LRU_STEPS=cache.lru_steps_per_bucket,
     )  # fmt: skip
-    meta = dict(K=width, KP=next_pow2(width), W=cache.row_width, WP=next_pow2(cache.row_width), SEG=pt.segment_pages,
-                LRU_BUCKETS=cache.lru_buckets, LRU_STEPS=cache.lru_steps_per_bucket)  # fmt: skip
-    if priority is None:
-        _retrieve_kernel[(batch * heads,)](page_ids, *retrieve_args, **meta)
-        return
-    _select_retrieve_kernel[(batch * heads,)](
-        priority, row_pages, *_select_args(priority, page_ids), *retrieve_args,
-        CHUNK=select_chunk(priority.shape[-1], width), RETRIEVE=True, num_warps=SELECT_WARPS, **meta,
-    )  # fmt: skip
-
-
-# Priorities a select program holds in registers at once (a longer row is taken in chunks), and
-# its warps.
-SELECT_CHUNK = 4096
-SELECT_WARPS = 8
-
-
-def select_chunk(row_length: int, selected_pages: int) -> int:
-    return max(next_pow2(min(row_length, SELECT_CHUNK)), next_pow2(selected_pages))
-
-
-def _select_args(priority: torch.Tensor, page_ids: torch.Tensor) -> tuple:
-    assert priority.shape[-1] < 2**20, "the top-k keys hold page indices below 2**20"
-    assert priority.stride(-1) == 1 and page_ids.is_contiguous()
-    return priority.stride(-2), page_ids
-
-
-def select_top_pages(priority: torch.Tensor, row_pages: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``k`` pages of highest priority per (request, kv head), in one Triton launch.
-
-    ``priority`` ``[B, Hkv, N]`` float32 is read up to ``row_pages`` ``[B * Hkv]`` int32 entries
-    per row. Returns ``[B, Hkv, k]`` int32 (``out`` if given): each row's picks ascending, ``-1``
-    padded past a row of fewer than ``k`` pages. Among equal priorities the lower page wins.
-    The reference is ``torch.topk`` over the row with ``-inf`` past ``row_pages``.
-    """
-    batch, heads, length = priority.shape
-    if out is None:
-        out = torch.empty(batch, heads, k, dtype=torch.int32, device=priority.device)
-    kp = next_pow2(k)
-    _select_retrieve_kernel[(batch * heads,)](
-        priority, row_pages, *_select_args(priority, out), *([priority] * 14), *([0] * 6),
-        K=k, KP=kp, W=1, WP=1, SEG=1, LRU_BUCKETS=0, LRU_STEPS=1, CHUNK=select_chunk(length, k), RETRIEVE=False,
-        num_warps=SELECT_WARPS,
-    )  # fmt: skip
-    return out
