@@ -26,7 +26,6 @@ than once per layer. Summaries are random (the selected pages then look random, 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
 import glob
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, SparseDecoder, topk_pages
+from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
 from sparse_sglang.config import BOUND_FORMATS, SparseConfig
 from sparse_sglang.mem_cache.summaries import resolve_bound_format
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
@@ -46,7 +45,6 @@ from sparse_sglang.testing.provenance import finish_run
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=1)
 KV_DTYPE_CHOICES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}  # fp8: summaries' bounds in fp8 too
-SPLIT_DECODE_ROWS = next(f.default for f in dataclasses.fields(SparseConfig) if f.name == "split_decode_rows")
 HOST_GIB_PER_STORE = 24  # pinned host KV of one (context, batch) store: bounds its layers
 
 
@@ -148,8 +146,7 @@ def layers_for(batch: int, context: int, max_batch: int, wanted: int) -> int:
 
 def run(args) -> dict:
     config = SparseConfig(token_budget=args.budget, host_cache_gb=1.0, bound_format=args.bound_format,
-                          coarse_pages=args.coarse_pages, coarse_candidates=args.coarse_candidates,
-                          split_decode_rows=args.split_decode_rows)  # fmt: skip
+                          coarse_pages=args.coarse_pages, coarse_candidates=args.coarse_candidates)  # fmt: skip
     max_batch, max_context = max(args.batches), max(args.contexts)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     max_pages = max_batch * -(-(max_context + 1) // 32)
@@ -177,18 +174,6 @@ def run(args) -> dict:
             row["sparse_hit_ms"] = time_graph(step, args.iters, per=layers)
             if args.kernels:
                 row["sparse_hit_kernels_us"] = kernel_times(step, args.iters, per=layers)
-            if args.compare_flashinfer_kernels:  # the same step attending with FlashInfer's decode and merge
-                fi = SparseDecoder(store, config, SHAPE.num_q_heads, workspace, batch, split_decode=False)
-                fi.plan(b.req_slots, torch.full((batch,), b.seq_len), b.host_pages)
-
-                def fi_step(fi=fi):
-                    for layer in range(layers):
-                        fi.run(layer, q)
-
-                row["sparse_hit_flashinfer_kernels_ms"] = time_graph(fi_step, args.iters, per=layers)
-                if args.kernels:
-                    row["sparse_hit_flashinfer_kernels_us"] = kernel_times(fi_step, args.iters, per=layers)
-                fi = None
 
             def select():
                 for layer in range(layers):
@@ -271,14 +256,9 @@ def main(argv=None) -> dict:
                         help="--sparse-coarse-pages: score super-pages of this many pages first (0 = page by page)")
     parser.add_argument("--coarse-candidates", type=float, default=4.0, help="--sparse-coarse-candidates")
     parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
-    parser.add_argument("--split-decode-rows", type=int, default=SPLIT_DECODE_ROWS,
-                        help="--sparse-split-decode-rows: steps of at most this many rows attend with the split kernel")
-    parser.add_argument("--compare-flashinfer-kernels", action="store_true",
-                        help="also time the all-hit step attending with FlashInfer's decode and merge in place of the split "
-                             "kernel (sparse_hit_flashinfer_kernels_ms)")
     parser.add_argument("--kernels", action="store_true",
                         help="also record each kernel's time in the all-hit step (torch's profiler)")
-    parser.add_argument("--q1", type=Path, help="q1-split-decode.json written by test/test_sparse_decode_gpu.py")
+    parser.add_argument("--q1", type=Path, help="q1.json written by test/test_sparse_decode_gpu.py")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -291,7 +271,7 @@ def main(argv=None) -> dict:
     bounds = resolve_bound_format(args.bound_format, KV_DTYPE_CHOICES[args.kv_dtype])
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest", "kv_dtype": args.kv_dtype,
               "bound_format": bounds, "coarse_pages": args.coarse_pages, "coarse_candidates": args.coarse_candidates,
-              "layers_per_graph": args.layers_per_graph, "l2_flushed": True, "split_decode_rows": args.split_decode_rows}  # fmt: skip
+              "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
     name = "decode-{date}" + ("" if args.kv_dtype == "bf16" else "-fp8") + ("" if args.bound_format == "auto" else f"-{bounds}-bounds")
     name += f"-coarse{args.coarse_pages}" if args.coarse_pages else ""
     return finish_run("benchmark/decode.py", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json")

@@ -7,8 +7,7 @@ graph replays with L2 flushed as in ``benchmark/decode.py`` (``--layers-per-grap
 - **score**: the score kernel (quest, forced pages, rows left unwritten past each request's pages
   as the decoder runs it) at every ``--block-n`` x ``--warps`` x ``--programs`` choice;
 - **attention**: FlashInfer's paged decode over the selected pages, and the whole all-hit step,
-  with its tensor-core kernel and with its CUDA-core one; and the one-launch split kernel
-  (``attention/paged_decode.py``) at every ``--pages-per-split`` x ``--split-warps`` choice.
+  with its tensor-core kernel and with its CUDA-core one.
 
 Writes ``benchmark/results/decode-kernels-<date>.json``::
 
@@ -29,7 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.decode import SHAPE, add_grid_args, layers_for, time_graph  # noqa: E402
 from sparse_sglang.attention import scoring  # noqa: E402
-from sparse_sglang.attention.paged_decode import PagedDecode  # noqa: E402
 from sparse_sglang.attention.scoring import score_pages  # noqa: E402
 from sparse_sglang.config import SparseConfig  # noqa: E402
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store  # noqa: E402
@@ -59,8 +57,7 @@ def score_times(b: DecodeBench, q: torch.Tensor, layers: int, args) -> dict[str,
 def attention_times(store, config, batch: int, context: int, workspace, q, layers: int, args) -> dict[str, float]:
     out = {}
     for tensor_cores in (True, False):
-        b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace, use_tensor_cores=tensor_cores,
-                        split_decode=False)  # fmt: skip
+        b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace, use_tensor_cores=tensor_cores)
         b.plan()
         d = b.decoder
 
@@ -78,16 +75,6 @@ def attention_times(store, config, batch: int, context: int, workspace, q, layer
 
         out[f"attention_{name}_us"] = time_graph(attend, args.iters, per=layers) * 1e3
         out[f"step_{name}_us"] = time_graph(step, args.iters, per=layers) * 1e3
-    rows = batch * d.num_kv_heads
-    last_page_len = torch.full((rows,), (b.seq_len - 1) % 32 + 1, dtype=torch.int32, device="cuda")
-    for pages, warps in itertools.product(args.pages_per_split, args.split_warps):
-        split = PagedDecode(rows, d.width, d.group, d.head_dim, 32, "cuda", pages_per_split=pages, num_warps=warps)
-
-        def attend_split(split=split):
-            for _ in range(layers):
-                split(qs, store.cache.k, store.cache.v, d.indptr, d.indices, last_page_len, d.head_dim**-0.5)
-
-        out[f"attention_split_pages{pages}_warps{warps}_us"] = time_graph(attend_split, args.iters, per=layers) * 1e3
     return out
 
 
@@ -123,8 +110,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--programs", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--pages-per-split", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--split-warps", type=int, nargs="+", default=[4, 8])
     args = parser.parse_args(argv)
     rows = run(args)
     summary = {f"{r['context'] // 1024}k_b{r['batch']}": {
@@ -133,8 +118,6 @@ def main(argv=None) -> dict:
                                                                                   scoring.SCORE_PROGRAMS)),
         "attention_tensor_cores_us": r["attention_tensor_cores_us"], "attention_cuda_cores_us": r["attention_cuda_cores_us"],
         "step_tensor_cores_us": r["step_tensor_cores_us"], "step_cuda_cores_us": r["step_cuda_cores_us"],
-        "attention_split_best": min((k for k in r if k.startswith("attention_split_")), key=r.get),
-        "attention_split_best_us": min(v for k, v in r.items() if k.startswith("attention_split_")),
     } for r in rows}  # fmt: skip
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest",
               "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip

@@ -3,8 +3,7 @@
 - Q1: with the budget covering the context (8B shape, 4K tokens, budget 4096) and the exact
   shortcut off, the full machinery (scoring, selection, retrieval through FlashH2D, FlashInfer
   over per-head page tables) equals dense FlashInfer decode per layer, on the cold step (every
-  page loaded from the host) and the warm one (every page a cache hit), attending with the
-  one-launch split kernel and with FlashInfer's decode.
+  page loaded from the host) and the warm one (every page a cache hit).
 - With a small budget, every step equals the reference sparse attention over the pages the
   decoder selected, while misses load and evict across steps, on the fused path (score kernel
   with forced pages, top-k, ``retrieve_pages``) and on the torch reference path; and both paths
@@ -13,7 +12,7 @@
   ``torch.topk`` does.
 
 Run on the GPU host: ``pytest -m gpu test/test_sparse_decode_gpu.py``; Q1's error goes to
-``$SPARSE_SGLANG_RESULTS_DIR/q1-<kernels>.json`` when that is set.
+``$SPARSE_SGLANG_RESULTS_DIR/q1.json`` when that is set.
 """
 
 from __future__ import annotations
@@ -58,10 +57,6 @@ def record_selections(decoder, into: dict, tag: str) -> None:
     decoder.select_raw = recording
 
 
-# The fused path's attention: the one-launch split kernel (steps of few rows) or FlashInfer's decode + merge.
-KERNELS = {"split-decode": dict(split_decode=True), "flashinfer-decode": dict(split_decode=False)}
-
-
 def assert_same_pages_up_to_ties(pages, want_pages, priority, num_pages, msg=""):
     """Per (request, kv head), ``pages`` and ``want_pages`` ``[B, Hkv, K]`` select the same pages, or
     differ only in pages of one priority: an exact tie at the top-k boundary, which FlashInfer's
@@ -83,18 +78,17 @@ def dense_decode(q, k, v):
     return torch.stack([flashinfer.single_decode_with_kv_cache(q[b], k[b], v[b]) for b in range(q.shape[0])])
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_context(kernels):
+def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_context():
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = SparseConfig(token_budget=4096 + 32, exact_shortcut=False, host_cache_gb=1.0)
-    b = bench(config, batch=2, context=4096, **KERNELS[kernels])
+    b = bench(config, batch=2, context=4096)
     kv = [random_kv(2, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
     for layer, (k, v) in enumerate(kv):
         b.write_kv(layer, k, v)
     worst = 0.0
     for step in ("cold", "warm"):
         b.plan()
-        assert not b.decoder.exact and b.decoder.use_split_decode == (kernels == "split-decode")
+        assert not b.decoder.exact
         for layer, (k, v) in enumerate(kv):
             q = torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
             out = b.decoder.run(layer, q)
@@ -103,7 +97,7 @@ def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_con
             worst = max(worst, err)
             torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2, msg=f"{step} step, layer {layer}")
     if os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
-        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], f"q1-{kernels}.json").write_text(json.dumps({"q1_max_abs_err": worst}))
+        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], "q1.json").write_text(json.dumps({"q1_max_abs_err": worst}))
 
 
 def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
@@ -133,12 +127,11 @@ def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
 
 
 @pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])
-@pytest.mark.parametrize("path", ["fused", "fused-flashinfer-decode", "reference"])
+@pytest.mark.parametrize("path", ["fused", "reference"])
 def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector, path):
     gen = torch.Generator(device="cuda").manual_seed(1)
     config = SparseConfig(token_budget=512, selector=selector, host_cache_gb=1.0)
-    options = KERNELS["flashinfer-decode"] if path == "fused-flashinfer-decode" else {}
-    b = bench(config, batch=3, context=3000, fused=path != "reference", **options)
+    b = bench(config, batch=3, context=3000, fused=path == "fused")
     kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
     for layer, (k, v) in enumerate(kv):
         b.write_kv(layer, k, v)
@@ -264,10 +257,9 @@ def test_score_kernel_equals_the_torch_selectors(selector, group_reduce):
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("coarse", [0, 4], ids=["page-by-page", "coarse-first"])
 @pytest.mark.parametrize("interval", [1, 3])
-def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse, kernels):
+def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse):
     """Graph mode (static buffers, every page scored, slot-0 padding row): a captured step replayed
     over several steps attends to exactly the pages it selected, and selects what the eager fused
     path does (up to exact score ties), also when the steps between full selections reuse the cache
@@ -275,7 +267,7 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse,
     gen = torch.Generator(device="cuda").manual_seed(6)
     config = SparseConfig(token_budget=512, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse,
                           coarse_min_pages=0)
-    runs = {mode: bench(config, batch=3, context=3000, **KERNELS[kernels]) for mode in ("eager", "graph")}
+    runs = {mode: bench(config, batch=3, context=3000) for mode in ("eager", "graph")}
     kv = [random_kv(3, 3001, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():
         for layer, (k, v) in enumerate(kv):

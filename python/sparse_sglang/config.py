@@ -95,7 +95,6 @@ class SparseConfig:
     recent_pages: int = knob(2, help="Newest pages every decode step keeps, the partial newest page included (>= 1).")
     exact_shortcut: bool = knob(True, help="Skip scoring when every request's context fits in the budget (all pages are attended anyway); false checks the selection machinery.")
     decode_cuda_graph: bool = knob(True, help="Capture decode steps in SGLang's CUDA graphs (each step's page rows are sized for the longest context, and top-k reads them whole; budgets too wide for the fused kernels, above ~4K tokens, decode eagerly); false = eager decode.")
-    split_decode_rows: int = knob(64, help="Decode steps of at most this many (request, kv head) rows attend with one launch of this project's split-KV kernel (attention/paged_decode.py: each program a few selected pages, the last one of a row merges) instead of FlashInfer's decode and merge launches, which leave the GPU mostly idle on few rows (H100, 8B shape, decode-2026-11-24-0e2b260.json: the all-hit step at batch 1, 8 rows, 31.7 us against 33.6 at 32K and 37.1 against 43.5 at 128K; even at batch 8, 64 rows; FlashInfer's decode is faster at 256); 0 = always FlashInfer.")
     reselect_interval: int = knob(1, help="Decode steps a request's page selection serves (LServe's reuse): on the steps between two full selections each kv head picks its top pages among those its GPU cache row already holds, plus the sink and recent pages, so little crosses PCIe; 1 = a full selection every step.")
     cache_row_ratio: float = knob(1.25, help="Fewest GPU page-cache slots a running request keeps per (layer, kv head), as a multiple of the pages one step selects: room for recently selected pages to stay cached (SPIN's buffer pages). It sets how many requests fit in the cache; while fewer run, rows grow into the free slots (up to 4x the selection), and give them back when new requests need room.")
     cache_lru_buckets: int = knob(0, help="GPU page-cache replacement order: 0 = exact LRU (each slot's last-use step); N > 0 = SPIN's bucketed LRU: last uses counted in buckets of --sparse-cache-lru-steps-per-bucket decode steps, the newest N buckets in order and every older use tied with the oldest, ties broken by row position (SPIN uses 64).")
@@ -140,8 +139,6 @@ class SparseConfig:
             raise SparseConfigError("coarse_min_pages", f"must be >= 0, got {self.coarse_min_pages}")
         if self.coarse_candidates < 1:
             raise SparseConfigError("coarse_candidates", f"must be >= 1 (the fine pass needs a budget's pages), got {self.coarse_candidates}")
-        if self.split_decode_rows < 0:
-            raise SparseConfigError("split_decode_rows", f"must be >= 0 (0 = always FlashInfer's decode), got {self.split_decode_rows}")
         if self.reselect_interval < 1:
             raise SparseConfigError("reselect_interval", f"must be >= 1, got {self.reselect_interval}")
         if self.cache_row_ratio < 1:

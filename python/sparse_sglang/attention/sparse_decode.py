@@ -29,7 +29,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sparse_sglang.attention.paged_decode import PagedDecode
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.config import SparseConfig
@@ -98,14 +97,11 @@ class SparseDecoder:
         runs the torch reference path (``select_pages`` + :meth:`GPUPageCache.retrieve`).
     topk : str
         ``"flashinfer"`` (radix top-k) or ``"torch"`` for the fused path's top-k.
-    split_decode : bool, optional
-        Attend with :class:`PagedDecode` on steps of at most ``config.split_decode_rows`` rows
-        (default: on the fused path); ``False`` = always FlashInfer.
     """
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
                  max_batch: int, use_tensor_cores: bool | None = None, fused: bool | None = None,
-                 topk: str = "flashinfer", split_decode: bool | None = None):  # fmt: skip
+                 topk: str = "flashinfer"):  # fmt: skip
         import flashinfer
 
         shape = store.shape
@@ -126,12 +122,6 @@ class SparseDecoder:
         if topk not in TOPK_IMPLS:
             raise ValueError(f"topk must be one of {TOPK_IMPLS}, got {topk!r}")
         self.topk = topk
-        if split_decode is None:
-            split_decode = fused
-        rows = min(max_batch * shape.num_kv_heads, config.split_decode_rows)
-        self.split_decode = PagedDecode(rows, self.width, self.group, self.head_dim, self.page_size, device) if split_decode and rows else None  # fmt: skip
-        self.use_split_decode = False  # this step (plan)
-        self.last_page_len = None
         self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector = config.selector
@@ -255,22 +245,12 @@ class SparseDecoder:
             j = torch.arange(width).view(1, 1, width)
             dest = torch.where(j < selected_cpu.view(-1, 1, 1), indptr[:-1].view(batch, heads, 1) + j, self.indices.numel() - 1)
             self.dest = dest.view(-1).to(device, non_blocking=True)
-        rows = batch * heads
-        self.use_split_decode = self.split_decode is not None and rows <= self.split_decode.max_rows
-        if self.use_split_decode:  # the split kernel reads indptr and last_page_len on the device
-            if graph:
-                self.graph["indptr"][: rows + 1].copy_(indptr, non_blocking=True)
-                self.last_page_len = self.graph["last_page_len"][:rows]
-                self.last_page_len.copy_(last_page_len, non_blocking=True)
-            else:
-                self.last_page_len = last_page_len.to(device, non_blocking=True)
-        else:
-            self.wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
-            self.wrapper.plan(
-                indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
-                q_data_type=kv_compute_dtype(self.store.shape.dtype),
-                kv_data_type=self.store.shape.dtype,
-            )  # fmt: skip
+        self.wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
+        self.wrapper.plan(
+            indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
+            q_data_type=kv_compute_dtype(self.store.shape.dtype),
+            kv_data_type=self.store.shape.dtype,
+        )  # fmt: skip
         self.req_slots, self.batch = req_slots, batch
         reselect = None if self.interval == 1 else self.store.cache.due_for_selection(req_slots, seq_lens_cpu, self.interval)
         if graph:  # into the static buffers the captured kernels read
@@ -278,7 +258,7 @@ class SparseDecoder:
             if reselect is not None:
                 self.reselect = g["reselect"][:batch]
                 self.reselect.copy_(reselect)
-            self.indptr = g["indptr"][: batch * heads + 1]  # filled above or by the graph wrapper's plan()
+            self.indptr = g["indptr"][: batch * heads + 1]  # the graph wrapper's: plan() filled it
             self.num_pages = g["num_pages"][:batch]
             self.num_pages.copy_(num_pages_dev)
             self.row_pages = g["row_pages"][: batch * heads]
@@ -419,12 +399,8 @@ class SparseDecoder:
             self.indices[self.dest] = slots.view(-1).to(torch.int32)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
-        if self.use_split_decode:
-            out = self.split_decode(qs, store.cache.k, store.cache.v, self.indptr, self.indices, self.last_page_len, scale,
-                                    logits_soft_cap, k_scale, v_scale)  # fmt: skip
-        else:
-            out = self.wrapper.forward(qs, self.kv, sm_scale=scale, logits_soft_cap=logits_soft_cap or None,
-                                       k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        out = self.wrapper.forward(qs, self.kv, sm_scale=scale, logits_soft_cap=logits_soft_cap or None,
+                                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return out.view(q.shape)
 
 
