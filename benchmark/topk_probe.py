@@ -44,7 +44,7 @@ def _radix_topk_kernel(prio_ptr, lengths_ptr, out_ptr, stride, K: tl.constexpr, 
     prefix = tl.zeros([], dtype=tl.uint32)  # the K-th largest code, 8 bits a pass
     remaining = want  # picks still to make among codes matching prefix
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         if p == 0:
             match = held
         else:
