@@ -160,7 +160,9 @@ def main(argv=None) -> dict:
     sys.path.insert(0, str(REPO / "python"))
     from sparse_sglang.testing.provenance import finish_run
 
-    return finish_run("benchmark/topk_probe.py", argv, {"rows": results}, args.out_dir, "topk-probe-{date}.json")
+    summary = {f"{r['pages']}p_x{r['rows']}": {k: round(v, 1) for k, v in r.items() if k.endswith("_us")} for r in results}
+    return finish_run("benchmark/topk_probe.py", argv, {"rows": results, "summary": summary}, args.out_dir,
+                      "topk-probe-{date}.json")  # fmt: skip
 
 
 if __name__ == "__main__":
