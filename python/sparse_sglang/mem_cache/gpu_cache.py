@@ -140,10 +140,11 @@ class GPUPageCache:
             TwoLevelPageTable.segments_needed(num_layers, num_kv_heads, total_pages, max_requests, segment_pages),
             segment_pages, device,
         )  # fmt: skip
-        # Row num_slots is the scratch block: padded token writes land there.
-        self._k = torch.zeros(num_slots + 1, page_size, head_dim, dtype=dtype, device=device)
-        self._v = torch.zeros_like(self._k)
-        self.k, self.v = self._k[:num_slots], self._v[:num_slots]
+        # Row num_slots is the scratch block: padded token writes land there (the kernels that save
+        # write through k_with_scratch / v_with_scratch).
+        self.k_with_scratch = torch.zeros(num_slots + 1, page_size, head_dim, dtype=dtype, device=device)
+        self.v_with_scratch = torch.zeros_like(self.k_with_scratch)
+        self.k, self.v = self.k_with_scratch[:num_slots], self.v_with_scratch[:num_slots]
         self.rows = torch.full((max_requests, num_layers, num_kv_heads, row_width), -1, dtype=torch.int64, device=device)
         self.slot_page = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
         self.last_used = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
@@ -381,8 +382,8 @@ class GPUPageCache:
         slots = self.page_table.lookup(req_slots[:, None], layer, self._heads[None], pages[:, None])  # [T, H]
         slots = self._scratch(slots)
         offsets = (positions % self.page_size)[:, None].expand_as(slots)
-        self._k[slots, offsets] = k
-        self._v[slots, offsets] = v
+        self.k_with_scratch[slots, offsets] = k
+        self.v_with_scratch[slots, offsets] = v
 
     def due_for_selection(self, req_slots: torch.Tensor, seq_lens: torch.Tensor, interval: int) -> torch.Tensor:
         """``[B]`` bool: which requests select from all their pages this step (the others reuse

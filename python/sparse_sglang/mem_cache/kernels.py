@@ -327,16 +327,17 @@ def build_coarse(summaries, host_pages: torch.Tensor, built: torch.Tensor, max_b
     (a host int, at least every ``built[b]``) sizes the grid."""
     if max_built <= 0:
         return
-    kmin, kmax = summaries._kmin, summaries._kmax
-    coarse = summaries._coarse
-    exp = summaries._exp if summaries._exp is not None else summaries._count
-    cexp = coarse.get("bound_exp", exp)
+    t = summaries.all_layers()
+    kmin, kmax = t["kmin"], t["kmax"]
+    int8 = "bound_exp" in t
+    exp = t["bound_exp"] if int8 else t["count"]  # count: a placeholder the kernel does not read
+    cexp = t["coarse_bound_exp"] if int8 else exp
     assert host_pages.stride(1) == 1 and kmin.is_contiguous() and exp.is_contiguous()
     layers, heads, _, dim = kmin.shape
     _build_coarse_kernel[(host_pages.shape[0], max_built)](
-        host_pages, built, kmin, kmax, exp, coarse["kmin"], coarse["kmax"], cexp, summaries._coarse_first,
+        host_pages, built, kmin, kmax, exp, t["coarse_kmin"], t["coarse_kmax"], cexp, t["coarse_first"],
         host_pages.stride(0), layers, heads, kmin.stride(0), kmin.stride(1), exp.stride(0), exp.stride(1),
-        S=summaries.coarse_pages, D=dim, INT8_BOUNDS=summaries._exp is not None,
+        S=summaries.coarse_pages, D=dim, INT8_BOUNDS=int8,
     )  # fmt: skip
 
 
@@ -385,7 +386,8 @@ def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, t
     _index_runs_kernel[(runs.num_runs, heads)](
         k, v, token_slots, runs.start, runs.length, runs.req_slot, runs.logical_page, runs.page_offset,
         kmin, lay["kmax"], exp, lay.get("mean", kmin), lay.get("radius", kmin), summaries.layer_count(layer),
-        summaries.layer_count(layer) if summaries.coarse_first is None else summaries._coarse_first, pt.directory, pt.segments, cache._k, cache._v,
+        summaries.all_layers().get("coarse_first", summaries.layer_count(layer)), pt.directory, pt.segments,
+        cache.k_with_scratch, cache.v_with_scratch,
         layer, pt.num_layers, heads, pt.directory.shape[-1], kmin.stride(0), exp.stride(0),
         P=cache.page_size, D=dim, SEG=pt.segment_pages, WITH_MEAN="mean" in lay, WITH_RADIUS="radius" in lay,
         STORE_CACHE=store_cache, INT8_BOUNDS="bound_exp" in lay, COARSE=summaries.coarse_first is not None,

@@ -220,6 +220,18 @@ class PageSummaries:
         ``bound_exp``), so the score kernel reads them as it reads pages'."""
         return {name: t[layer] for name, t in self._coarse.items()}
 
+    def all_layers(self) -> dict[str, torch.Tensor]:
+        """Every layer's bounds with the padding page (``[num_layers, num_kv_heads, num_pages + 1,
+        ...]``), for kernels that take all layers in one launch: ``kmin``, ``kmax``, ``count``,
+        ``bound_exp`` with int8 bounds, and with coarse bounds ``coarse_kmin``, ``coarse_kmax``,
+        ``coarse_bound_exp`` (int8) and ``coarse_first`` (``[num_pages + 1]``)."""
+        out = {"kmin": self._kmin, "kmax": self._kmax, "count": self._count}
+        if self._exp is not None:
+            out["bound_exp"] = self._exp
+        if self._coarse is not None:
+            out.update({f"coarse_{name}": t for name, t in self._coarse.items()}, coarse_first=self._coarse_first)
+        return out
+
     def layer_count(self, layer: int) -> torch.Tensor:
         """Tokens summarized per page of one layer, ``[num_pages + 1]`` int32 (padding page last)."""
         return self._count[layer]
