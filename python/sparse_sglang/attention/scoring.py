@@ -237,9 +237,6 @@ if triton is not None:
                 acc = tl.where((page < sink_pages) | (page >= n - recent_pages), float("inf"), acc)
             tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
 
-
-if triton is not None:
-
     @triton.jit
     def _score_candidates_kernel(
         q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
