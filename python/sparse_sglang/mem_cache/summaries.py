@@ -221,10 +221,11 @@ class PageSummaries:
         return {name: t[layer] for name, t in self._coarse.items()}
 
     def all_layers(self) -> dict[str, torch.Tensor]:
-        """Every layer's bounds with the padding page (``[num_layers, num_kv_heads, num_pages + 1,
-        ...]``), for kernels that take all layers in one launch: ``kmin``, ``kmax``, ``count``,
-        ``bound_exp`` with int8 bounds, and with coarse bounds ``coarse_kmin``, ``coarse_kmax``,
-        ``coarse_bound_exp`` (int8) and ``coarse_first`` (``[num_pages + 1]``)."""
+        """Every layer's summaries with the padding page, for kernels that take all layers in one
+        launch: ``kmin``, ``kmax`` (``[num_layers, num_kv_heads, num_pages + 1, head_dim]``),
+        ``count`` (``[num_layers, num_pages + 1]``), ``bound_exp`` with int8 bounds, and with
+        coarse bounds ``coarse_kmin``, ``coarse_kmax``, ``coarse_bound_exp`` (int8) and
+        ``coarse_first`` (``[num_pages + 1]``)."""
         out = {"kmin": self._kmin, "kmax": self._kmax, "count": self._count}
         if self._exp is not None:
             out["bound_exp"] = self._exp
