@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,8 @@ import triton
 import triton.language as tl
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "python")]
+from benchmark.decode import time_graph  # noqa: E402 (imports neither SGLang nor FlashInfer)
 
 
 @triton.jit
@@ -98,32 +99,6 @@ def check(gen: torch.Generator, device: str) -> None:
         assert torch.equal(prio[r, ids].sort().values, want), r
 
 
-def flush_l2(buf=[]) -> None:  # noqa: B006 (one buffer for the run)
-    if not buf:
-        buf.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-    buf[0].view(torch.int64).sum()
-
-
-def time_graph(fn, iters: int, per: int) -> float:
-    """Median microseconds of a CUDA-graph replay of ``fn`` (L2 flushed first), divided by ``per``."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(iters):
-        flush_l2()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times) / per
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256], help="(request, kv head) rows: batch 1, 8, 32")
@@ -154,10 +129,9 @@ def main(argv=None) -> dict:
                 impls["flashinfer"] = lambda: [flashinfer.top_k_ragged_transform(p, offsets, lengths, args.k) for p in prios]
             row = {"rows": rows, "pages": pages, "k": args.k}
             for name, fn in impls.items():
-                row[f"{name}_us"] = time_graph(fn, args.iters, per=args.reps)
+                row[f"{name}_us"] = time_graph(fn, args.iters, per=args.reps) * 1e3
             print(json.dumps(row), flush=True)
             results.append(row)
-    sys.path.insert(0, str(REPO / "python"))
     from sparse_sglang.testing.provenance import finish_run
 
     summary = {f"{r['pages']}p_x{r['rows']}": {k: round(v, 1) for k, v in r.items() if k.endswith("_us")} for r in results}
