@@ -21,12 +21,12 @@ import datetime
 import json
 import os
 import random
-import re
 from pathlib import Path
 
 import pytest
 import requests
 
+from benchmark.quality import passkey_answer
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.testing.greedy import completion, greedy_agreement
 from sparse_sglang.testing.provenance import git_commit
@@ -88,12 +88,6 @@ def passkey_cases(tokenizer) -> list[dict]:
     return cases
 
 
-def answer(text: str) -> str | None:
-    """The number a pass-key completion gives (its first run of digits)."""
-    found = re.search(r"\d+", text)
-    return found.group(0) if found else None
-
-
 def serve(args: list[str], tag: str, log_dir: Path, work) -> dict:
     with ServerProcess(SPARSE_MODULE, default_model_path(), [*COMMON, *args], log_path=log_dir / f"{tag}.log") as server:
         out = work(server.url)
@@ -134,11 +128,11 @@ def test_q1_and_q4_through_the_server(tmp_path):
     summary = {
         "q1_server_equal": all(q1_equal),
         "q1_prompts_equal": f"{sum(q1_equal)}/{len(q1_equal)}",
-        "passkey_server_equal": all(answer(r["dense"]) == answer(r["sparse"]) for r in rows),
+        "passkey_server_equal": all(passkey_answer(r["dense"]) == passkey_answer(r["sparse"]) for r in rows),
         "passkey_outputs_equal": f"{sum(r['dense'] == r['sparse'] for r in rows)}/{len(rows)}",
         "passkey_dense_correct": sum(r["dense_has_key"] for r in rows),
         "passkey_sparse_correct": sum(r["sparse_has_key"] for r in rows),
-        f"passkey_server_equal_reselect{RESELECT_INTERVAL}": all(answer(r["dense"]) == answer(r["sparse_reselect"]) for r in rows),
+        f"passkey_server_equal_reselect{RESELECT_INTERVAL}": all(passkey_answer(r["dense"]) == passkey_answer(r["sparse_reselect"]) for r in rows),
         f"passkey_outputs_equal_reselect{RESELECT_INTERVAL}": f"{sum(r['dense'] == r['sparse_reselect'] for r in rows)}/{len(rows)}",
         f"passkey_sparse_correct_reselect{RESELECT_INTERVAL}": sum(r["sparse_reselect_has_key"] for r in rows),
     }
@@ -183,7 +177,7 @@ def test_q4_with_coarse_first_selection(tmp_path):
              "sparse_coarse": s, "dense_has_key": c["key"] in d, "sparse_coarse_has_key": c["key"] in s}
             for c, d, s in zip(cases, dense["out"], coarse["out"]["answers"])]  # fmt: skip
     summary = {
-        "passkey_server_equal_coarse4": all(answer(r["dense"]) == answer(r["sparse_coarse"]) for r in rows),
+        "passkey_server_equal_coarse4": all(passkey_answer(r["dense"]) == passkey_answer(r["sparse_coarse"]) for r in rows),
         "passkey_outputs_equal_coarse4": f"{sum(r['dense'] == r['sparse_coarse'] for r in rows)}/{len(rows)}",
         "passkey_dense_correct": sum(r["dense_has_key"] for r in rows),
         "passkey_sparse_correct_coarse4": sum(r["sparse_coarse_has_key"] for r in rows),
