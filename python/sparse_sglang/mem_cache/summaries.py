@@ -202,6 +202,12 @@ class PageSummaries:
             for name in ("kmin", "kmax", "bound_exp"))
         if self._coarse is None:
             self.coarse_first = None
+        # all_layers(), built once: the tensors never move, and index_runs asks on every save.
+        self._all_layers = {"kmin": self._kmin, "kmax": self._kmax, "count": self._count}
+        if self._exp is not None:
+            self._all_layers["bound_exp"] = self._exp
+        if self._coarse is not None:
+            self._all_layers.update({f"coarse_{name}": t for name, t in self._coarse.items()}, coarse_first=self._coarse_first)
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         """The summaries of one layer, ``[num_kv_heads, num_pages + 1, head_dim]`` each (the
@@ -226,12 +232,7 @@ class PageSummaries:
         ``count`` (``[num_layers, num_pages + 1]``), ``bound_exp`` with int8 bounds, and with
         coarse bounds ``coarse_kmin``, ``coarse_kmax``, ``coarse_bound_exp`` (int8) and
         ``coarse_first`` (``[num_pages + 1]``)."""
-        out = {"kmin": self._kmin, "kmax": self._kmax, "count": self._count}
-        if self._exp is not None:
-            out["bound_exp"] = self._exp
-        if self._coarse is not None:
-            out.update({f"coarse_{name}": t for name, t in self._coarse.items()}, coarse_first=self._coarse_first)
-        return out
+        return self._all_layers
 
     def layer_count(self, layer: int) -> torch.Tensor:
         """Tokens summarized per page of one layer, ``[num_pages + 1]`` int32 (padding page last)."""
