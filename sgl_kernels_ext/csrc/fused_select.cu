@@ -6,7 +6,7 @@
 // into a float scratch row. The row's last CTA to finish (an arrival counter, threadfence
 // reduction: no grid-wide wait, so no co-residency requirement and any grid size) takes the row's
 // top K with a radix select: four 8-bit digit passes over the scores' order-preserving keys (held in
-// shared memory when the row fits), each a shared-memory histogram and one warp's suffix scan.
+// shared memory up to 8192 pages a row), each a shared-memory histogram and one warp's suffix scan.
 // Forced pages (sink and recent) score +inf, so they are always among the K; a row holding <= K
 // pages selects them all without scoring. The K ids come out in no fixed order (the retrieve
 // kernel sorts them), -1 past a row's pages, as FlashInfer's ragged top-k gives them.
@@ -25,7 +25,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kPagesPerCta = 32;
 constexpr int kLanesPerPage = kThreads / kPagesPerCta;  // 8 consecutive lanes of a warp
-constexpr int kSmemKeys = 4096;                         // a row of up to 4096 pages (128K tokens) selects from shared memory
+constexpr int kSmemKeys = 8192;  // a row of up to 8192 pages (256K tokens) selects from shared memory
+constexpr int kUnroll = 8;       // loads in flight per thread while the keys come in
 
 __device__ __forceinline__ uint32_t order_key(float x) {  // larger float, larger key (-inf < finite < +inf)
   const uint32_t u = __float_as_uint(x);
@@ -53,8 +54,16 @@ __device__ void radix_top_k(const float* __restrict__ scores, int n, int k, int3
   __shared__ int s_remaining, s_done, s_taken, s_ties;
   const int tid = threadIdx.x, lane = tid & 31;
   const bool in_smem = n <= kSmemKeys;
-  if (in_smem) {
-    for (int i = tid; i < n; i += kThreads) keys[i] = order_key(__ldcg(scores + i));
+  if (in_smem) {  // kUnroll loads issued before the first store: one L2 round trip per kUnroll keys
+    for (int base = tid; base < n; base += kThreads * kUnroll) {
+      float x[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) x[j] = base + j * kThreads < n ? __ldcg(scores + base + j * kThreads) : 0.f;
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        if (base + j * kThreads < n) keys[base + j * kThreads] = order_key(x[j]);
+      }
+    }
   }
   if (tid == 0) {
     s_prefix = 0, s_mask = 0, s_remaining = k, s_done = 0, s_taken = 0, s_ties = 0;
@@ -63,6 +72,7 @@ __device__ void radix_top_k(const float* __restrict__ scores, int n, int k, int3
     for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
     __syncthreads();
     const uint32_t prefix = s_prefix, mask = s_mask;
+#pragma unroll 4
     for (int base = 0; base < n; base += kThreads) {  // whole warps each round: match_any below
       const int i = base + tid;
       uint32_t bin = 256;  // none
@@ -135,11 +145,26 @@ __global__ void __launch_bounds__(kThreads)
   const int tiles = (n + kPagesPerCta - 1) / kPagesPerCta;
   if (tile >= tiles) return;  // the grid covers the longest row of the step
 
+  // This lane's share of its page's bounds, loaded first: they do not wait for the query.
+  constexpr int kDims = D / kLanesPerPage;
+  const int sub = threadIdx.x % kLanesPerPage, p = tile * kPagesPerCta + threadIdx.x / kLanesPerPage;
+  BoundVec<kDims> hi, lo;
+  int64_t page = 0;
+  int exp = 0;
+  if (p < n) {
+    page = host_pages[b * host_pages_stride + p];
+    const int64_t at = h * head_stride + page * D + sub * kDims;
+    hi.raw = __ldg(reinterpret_cast<const typename BoundVec<kDims>::Raw*>(kmax + at));
+    lo.raw = __ldg(reinterpret_cast<const typename BoundVec<kDims>::Raw*>(kmin + at));
+    if constexpr (kInt8) exp = bound_exp[h * exp_head_stride + page];
+  }
+
   // Summed over the group, q_g . c + |q_g| . r is linear in the query (as in scoring.py):
   // hi . u + lo . v with u = (qs + qa) / 2, v = (qs - qa) / 2.
   __shared__ float u_s[D], v_s[D];
   for (int d = threadIdx.x; d < D; d += kThreads) {
     float qs = 0.f, qa = 0.f;
+#pragma unroll 8
     for (int g = 0; g < group; ++g) {
       const float x = static_cast<float>(q[(static_cast<int64_t>(row) * group + g) * D + d]);
       qs += x;
@@ -150,16 +175,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  constexpr int kDims = D / kLanesPerPage;
-  const int sub = threadIdx.x % kLanesPerPage, p = tile * kPagesPerCta + threadIdx.x / kLanesPerPage;
   float acc = 0.f;
-  int64_t page = 0;
   if (p < n) {
-    page = host_pages[b * host_pages_stride + p];
-    const int64_t at = h * head_stride + page * D + sub * kDims;
-    BoundVec<kDims> hi, lo;
-    hi.raw = __ldg(reinterpret_cast<const typename BoundVec<kDims>::Raw*>(kmax + at));
-    lo.raw = __ldg(reinterpret_cast<const typename BoundVec<kDims>::Raw*>(kmin + at));
 #pragma unroll
     for (int j = 0; j < kDims; ++j) {
       const int d = sub * kDims + j;
@@ -171,7 +188,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int off = kLanesPerPage / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (sub == 0 && p < n) {
     if constexpr (kInt8) {  // levels times the page's 2**e, exactly (summaries.dequantize_bounds)
-      acc *= __int_as_float((static_cast<int>(bound_exp[h * exp_head_stride + page]) + 127) << 23);
+      acc *= __int_as_float((exp + 127) << 23);
     }
     if (p < sink || p >= n - recent) acc = __int_as_float(0x7f800000);  // +inf: forced
     scores[row * scores_stride + p] = acc;
