@@ -7,9 +7,7 @@ For each context (8K/32K/128K) and batch (1/8/32), in the same process:
   selected pages, with every selected page already cached (a warm cache);
 - **sparse, 10% / 50% misses**: the same step after unmapping that share of the selected pages,
   so FlashH2D loads them from pinned host memory;
-- **select**: scoring + top-k alone (its share of the all-hit step); where the step selects in one
-  launch (``fused_select``), the all-hit step and the selection with the two launches it replaces
-  (score kernel, then FlashInfer's top-k) are timed too (``*two_launch_select_ms``).
+- **select**: scoring + top-k alone (its share of the all-hit step).
 
 Every timed step is a CUDA graph replay (the sparse step is built to be captured: no host
 synchronization, fixed shapes), timed with CUDA events, median of ``--iters``, with L2 flushed
@@ -182,11 +180,6 @@ def run(args) -> dict:
                     b.decoder.select_raw(layer, q)
 
             row["select_ms"] = time_graph(select, args.iters, per=layers)
-            if b.decoder.one_launch_select:  # the two-launch selection (score kernel, then top-k), same process
-                b.decoder.one_launch_select = False
-                row["sparse_hit_two_launch_select_ms"] = time_graph(step, args.iters, per=layers)
-                row["two_launch_select_ms"] = time_graph(select, args.iters, per=layers)
-                b.decoder.one_launch_select = True
             for impl in TOPK_IMPLS:  # the top-k alone, each implementation (the default by measurement)
                 prios = [torch.randn(batch, SHAPE.num_kv_heads, b.num_pages, device="cuda") for _ in range(layers)]
 

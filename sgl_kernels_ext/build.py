@@ -7,7 +7,7 @@ torch/CUDA versions and GPU arch, so a rebuild happens only when one of those ch
 is ``$TORCH_CUDA_ARCH_LIST`` if set, else the visible GPUs' compute capabilities, else ``9.0``
 (Hopper), so compiling works on a machine without a GPU.
 
-``python -m sgl_kernels_ext.build`` builds all three verbosely (nvcc's ``-Xptxas -v`` register and
+``python -m sgl_kernels_ext.build`` builds both verbosely (nvcc's ``-Xptxas -v`` register and
 spill report included); ``SPARSE_SGLANG_KERNEL_VERBOSE=1`` does the same on first use.
 """
 
@@ -27,7 +27,6 @@ import torch
 CSRC = Path(__file__).resolve().parent / "csrc"
 HOST_SOURCES = ("host_ops.cpp", "flash_d2h.cpp")
 CUDA_SOURCES = ("cuda_ops.cpp", "flash_h2d.cu", "direct_d2h.cu")
-ATTENTION_SOURCES = ("attention_ops.cpp", "fused_select.cu")
 CFLAGS = ["-O3", "-std=c++17", "-pthread"]
 CUDA_CFLAGS = ["-O3", "-std=c++17", "-Xptxas=-v"]
 _lock = threading.Lock()
@@ -130,15 +129,6 @@ def load_cuda_ext():
         return _load("sparse_transfer_cuda", CUDA_SOURCES, True, CFLAGS, CUDA_CFLAGS)
 
 
-@functools.cache
-def load_attention_ext():
-    """The CUDA attention extension: ``fused_select`` (score and top-k of a decode step in one launch)."""
-    if not host_has_cuda():
-        raise RuntimeError("sparse-sglang CUDA kernels need a CUDA build of torch and nvcc (CUDA_HOME)")
-    with _lock:
-        return _load("sparse_attention_cuda", ATTENTION_SOURCES, True, CFLAGS, CUDA_CFLAGS)
-
-
 if __name__ == "__main__":
     os.environ["SPARSE_SGLANG_KERNEL_VERBOSE"] = "1"
-    print(load_host_ext(), load_cuda_ext(), load_attention_ext(), sep="\n")
+    print(load_host_ext(), load_cuda_ext(), sep="\n")

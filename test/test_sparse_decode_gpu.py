@@ -9,8 +9,7 @@
   with forced pages, top-k, ``retrieve_pages``) and on the torch reference path; and both paths
   give the same outputs step after step.
 - The fused scoring kernel equals the torch selectors; FlashInfer's top-k selects what
-  ``torch.topk`` does; the one-launch selection (``fused_select``, the fused path's default)
-  scores and selects as the score kernel and ``torch.topk`` do.
+  ``torch.topk`` does.
 
 Run on the GPU host: ``pytest -m gpu test/test_sparse_decode_gpu.py``; Q1's error goes to
 ``$SPARSE_SGLANG_RESULTS_DIR/q1.json`` when that is set.
@@ -256,71 +255,6 @@ def test_score_kernel_equals_the_torch_selectors(selector, group_reduce):
     got = score_pages(selector, q, summ, host_pages, num_pages, group_reduce)
     want = score_pages_reference(selector, q, summ, host_pages, num_pages, group_reduce)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
-
-
-def one_byte_bounds(kind, heads, pool, dim, gen):
-    """Random ``kmin <= kmax`` bounds of ``pool`` pages as the summaries store them: int8 levels and
-    their power-of-two scales, or fp8 e4m3 values."""
-    if kind == "int8":
-        lo = torch.randint(-127, 100, (heads, pool, dim), device="cuda", generator=gen)
-        hi = (lo + torch.randint(0, 28, (heads, pool, dim), device="cuda", generator=gen)).clamp(max=127)
-        exp = torch.randint(-9, -4, (heads, pool), device="cuda", generator=gen)
-        return {"kmin": lo.to(torch.int8), "kmax": hi.to(torch.int8), "bound_exp": exp.to(torch.int8)}
-    lo = torch.randn(heads, pool, dim, device="cuda", generator=gen)
-    hi = lo + torch.rand(heads, pool, dim, device="cuda", generator=gen)
-    return {"kmin": lo.to(torch.float8_e4m3fn), "kmax": hi.to(torch.float8_e4m3fn)}
-
-
-@pytest.mark.parametrize("bounds", ["int8", "fp8"])
-@pytest.mark.parametrize("dim,group", [(128, 4), (64, 3)])
-def test_fused_select_equals_the_score_kernel_and_topk(bounds, dim, group):
-    """One launch (scores and a histogram of their top key bits, then each row's last CTA splitting
-    the boundary bin) scores as the score kernel does and selects what torch.topk does over those
-    scores, up to ties: rows of 6,000 pages to one (a padding-like row), longer and shorter than K;
-    a request whose query is zero (every score equal: one bin holds more keys than the last CTA's
-    shared memory); called again (the counters return to zero) and replayed in a CUDA graph."""
-    from sparse_sglang.attention.fused_select import fused_select, fused_select_reference, select_counters
-
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    heads, pool, k, forced = 4, 7000, 64, (1, 2)
-    summ = one_byte_bounds(bounds, heads, pool, dim, gen)
-    num_pages = torch.tensor([6000, 1500, 65, 64, 10, 1], dtype=torch.int32, device="cuda")
-    batch = num_pages.shape[0]
-    host_pages = torch.stack([torch.randperm(pool, device="cuda", generator=gen)[:6000] for _ in range(batch)]).int()
-    counters = select_counters(batch * heads, "cuda")
-    scores = torch.empty(batch * heads, 6000, device="cuda")
-
-    def check(q, got):
-        want, priority = fused_select_reference(q, summ, host_pages, num_pages, forced, k)
-        assert got.shape == (batch, heads, k) and got.dtype == torch.int32
-        assert torch.equal(counters, torch.zeros_like(counters))
-        for b in range(batch):
-            n = int(num_pages[b])
-            if n > k:  # the kernel's own scores, as the score kernel's
-                torch.testing.assert_close(scores.view(batch, heads, -1)[b, :, :n], priority[b, :, :n], atol=1e-3, rtol=1e-5)
-            for h in range(heads):
-                row = got[b, h].tolist()
-                assert sorted(p for p in row if p < 0) == [-1] * max(0, k - n), (b, h)
-                picked, wanted = {p for p in row if p >= 0}, {p for p in want[b, h].tolist() if p >= 0}
-                assert len(picked) == min(n, k) and all(p < n for p in picked), (b, h)
-                if picked != wanted:  # only at the boundary, among (near-)equal priorities
-                    kth = priority[b, h, sorted(wanted, key=lambda p: float(priority[b, h, p]))[0]]
-                    for p in picked ^ wanted:
-                        assert abs(float(priority[b, h, p] - kth)) <= 1e-5 * max(1.0, abs(float(kth))), (b, h, p)
-
-    for zero_query in (True, False):
-        q = torch.randn(batch, heads, group, dim, device="cuda", generator=gen).bfloat16()
-        if zero_query:
-            q[0] = 0
-        check(q, fused_select(q, summ, host_pages, num_pages, forced, k, counters, scores))
-    q_static = torch.zeros(batch, heads, group, dim, device="cuda", dtype=torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_select(q_static, summ, host_pages, num_pages, forced, k, counters, scores)
-    for _ in range(2):
-        q_static.copy_(torch.randn(batch, heads, group, dim, device="cuda", generator=gen))
-        graph.replay()
-        check(q_static, out)
 
 
 @pytest.mark.parametrize("coarse", [0, 4], ids=["page-by-page", "coarse-first"])

@@ -7,8 +7,7 @@ runs once per layer, on the device only:
    every context fits in the budget (then every page is selected, the exact path);
 2. **Select** per (request, kv head) the sink pages, the recent pages (the partial newest one
    included) and the top-scored rest: ``K`` pages (the score kernel ranks the forced pages
-   first, a top-k takes ``K``; :func:`select_pages` is the reference; for the default Quest over
-   one-byte bounds one launch does both, :func:`fused_select`). With
+   first, a top-k takes ``K``; :func:`select_pages` is the reference). With
    ``reselect_interval`` N > 1 a request selects from all its pages once every N of its steps and
    in between only among the pages its cache row holds (:func:`keep_cached`). With
    ``coarse_pages`` S > 0 the score is coarse first: super-pages of S pages are scored from their
@@ -30,7 +29,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from sparse_sglang.attention.fused_select import fused_select, fused_select_supported, select_counters
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.config import SparseConfig
@@ -99,15 +97,11 @@ class SparseDecoder:
         runs the torch reference path (``select_pages`` + :meth:`GPUPageCache.retrieve`).
     topk : str
         ``"flashinfer"`` (radix top-k) or ``"torch"`` for the fused path's top-k.
-    fused_select : bool, optional
-        Score and select in one launch (:func:`~sparse_sglang.attention.fused_select.fused_select`)
-        on the fused path's steps of full selection, page by page (default: where it takes the
-        selector and bounds, with the FlashInfer top-k). ``False``: the score kernel, then the top-k.
     """
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
                  max_batch: int, use_tensor_cores: bool | None = None, fused: bool | None = None,
-                 topk: str = "flashinfer", fused_select: bool | None = None):  # fmt: skip
+                 topk: str = "flashinfer"):  # fmt: skip
         import flashinfer
 
         shape = store.shape
@@ -128,10 +122,6 @@ class SparseDecoder:
         if topk not in TOPK_IMPLS:
             raise ValueError(f"topk must be one of {TOPK_IMPLS}, got {topk!r}")
         self.topk = topk
-        if fused_select is None:
-            fused_select = fused and topk == "flashinfer" and fused_select_supported(
-                config.selector, store.summaries.kmin.dtype, shape.head_dim, kv_compute_dtype(shape.dtype))
-        self.one_launch_select = fused_select
         self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector = config.selector
@@ -169,7 +159,6 @@ class SparseDecoder:
         self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
         self.miss_dst = torch.empty_like(self.miss_src)
         self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
-        self.select_counters = select_counters(rows, device) if self.one_launch_select else None
 
     def log_selections(self, max_batch: int) -> torch.Tensor:
         """Keep each step's selections (every layer's) in :attr:`selection_log`, a static buffer
@@ -357,9 +346,6 @@ class SparseDecoder:
             priority = score_candidates(self.selector, qg, summaries, host_pages, self.num_pages, supers, self.built,
                                         self.coarse, self.coarse_tail, forced=self.forced, reuse=reuse)  # fmt: skip
             return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
-        if self.one_launch_select and reuse is None:
-            return fused_select(qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages, self.forced,
-                                self.width, self.select_counters)  # fmt: skip
         priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
                                forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
         if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the

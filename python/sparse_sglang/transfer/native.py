@@ -1,5 +1,4 @@
-"""Access to the native extensions in ``sgl_kernels_ext`` (compiled on first use): the transfer
-engines' and the attention kernels'."""
+"""Access to the native extensions in ``sgl_kernels_ext`` (compiled on first use)."""
 
 from __future__ import annotations
 
@@ -27,8 +26,3 @@ def host_ext():
 def cuda_ext():
     """The CUDA extension (``flash_h2d``, ``direct_d2h``, ``copy_blocks_memcpy``)."""
     return _build_module().load_cuda_ext()
-
-
-def attention_ext():
-    """The CUDA attention extension (``fused_select``)."""
-    return _build_module().load_attention_ext()
