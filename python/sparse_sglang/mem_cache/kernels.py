@@ -381,12 +381,12 @@ def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, t
     assert k.is_contiguous() and v.is_contiguous() and dim & (dim - 1) == 0, "k/v [T, H, D] contiguous, D a power of two"
     pt = cache.page_table
     lay = summaries.layer(layer)
-    kmin = lay["kmin"]
-    exp = lay.get("bound_exp", summaries.layer_count(layer))  # a placeholder when bounds are exact
+    kmin, count = lay["kmin"], summaries.layer_count(layer)
+    exp = lay.get("bound_exp", count)  # count: a placeholder the kernel does not read (exact bounds)
+    coarse_first = summaries.all_layers().get("coarse_first", count)  # likewise without coarse bounds
     _index_runs_kernel[(runs.num_runs, heads)](
         k, v, token_slots, runs.start, runs.length, runs.req_slot, runs.logical_page, runs.page_offset,
-        kmin, lay["kmax"], exp, lay.get("mean", kmin), lay.get("radius", kmin), summaries.layer_count(layer),
-        summaries.all_layers().get("coarse_first", summaries.layer_count(layer)), pt.directory, pt.segments,
+        kmin, lay["kmax"], exp, lay.get("mean", kmin), lay.get("radius", kmin), count, coarse_first, pt.directory, pt.segments,
         cache.k_with_scratch, cache.v_with_scratch,
         layer, pt.num_layers, heads, pt.directory.shape[-1], kmin.stride(0), exp.stride(0),
         P=cache.page_size, D=dim, SEG=pt.segment_pages, WITH_MEAN="mean" in lay, WITH_RADIUS="radius" in lay,
