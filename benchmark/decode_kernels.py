@@ -38,25 +38,20 @@ def score_times(b: DecodeBench, q: torch.Tensor, layers: int, args) -> dict[str,
     d = b.decoder
     qg = q.view(b.batch, d.num_kv_heads, d.group, d.head_dim)
     out = {}
-    default_programs, default_bytes = scoring.SCORE_PROGRAMS, scoring.BYTE_BOUNDS
+    default_programs = scoring.SCORE_PROGRAMS
     try:
-        for block_n, warps, programs, mode in itertools.product(args.block_n, args.warps, args.programs, args.byte_bounds):
-            scoring.SCORE_PROGRAMS, scoring.BYTE_BOUNDS = programs, mode
+        for block_n, warps, programs in itertools.product(args.block_n, args.warps, args.programs):
+            scoring.SCORE_PROGRAMS = programs
 
             def score(block_n=block_n, warps=warps):
                 for layer in range(layers):
                     score_pages(d.selector, qg, b.store.summaries.layer(layer), b.host_pages, b.decoder.num_pages,
                                 forced=d.forced, fill_tail=False, block_n=block_n, num_warps=warps)  # fmt: skip
 
-            out[score_key(block_n, warps, programs, mode)] = time_graph(score, args.iters, per=layers) * 1e3
+            out[f"block{block_n}_warps{warps}_programs{programs}"] = time_graph(score, args.iters, per=layers) * 1e3
     finally:
-        scoring.SCORE_PROGRAMS, scoring.BYTE_BOUNDS = default_programs, default_bytes
+        scoring.SCORE_PROGRAMS = default_programs
     return out
-
-
-def score_key(block_n: int, warps: int, programs: int, mode: str) -> str:
-    # The int8 bounds' default way ("convert" before it was an option) keeps the older files' keys.
-    return f"block{block_n}_warps{warps}_programs{programs}" + ("" if mode == "convert" else f"_{mode}")
 
 
 def attention_times(store, config, batch: int, context: int, workspace, q, layers: int, args) -> dict[str, float]:
@@ -115,17 +110,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--programs", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--byte-bounds", nargs="+", default=list(scoring.BYTE_BOUNDS_MODES), choices=scoring.BYTE_BOUNDS_MODES,
-                        help="ways the score kernel reads int8 bounds (scoring.BYTE_BOUNDS)")
     args = parser.parse_args(argv)
     rows = run(args)
     summary = {f"{r['context'] // 1024}k_b{r['batch']}": {
         "score_best": r["score_best"], "score_best_us": r["score_us"][r["score_best"]],
-        "score_default_us": r["score_us"].get(score_key(*scoring.score_launch(SHAPE.head_dim), scoring.SCORE_PROGRAMS,
-                                                        scoring.BYTE_BOUNDS)),
-        "score_by_byte_bounds_us": {mode: r["score_us"].get(score_key(*scoring.score_launch(SHAPE.head_dim),
-                                                                      scoring.SCORE_PROGRAMS, mode))
-                                    for mode in args.byte_bounds},
+        "score_default_us": r["score_us"].get("block{}_warps{}_programs{}".format(*scoring.score_launch(SHAPE.head_dim),
+                                                                                  scoring.SCORE_PROGRAMS)),
         "attention_tensor_cores_us": r["attention_tensor_cores_us"], "attention_cuda_cores_us": r["attention_cuda_cores_us"],
         "step_tensor_cores_us": r["step_tensor_cores_us"], "step_cuda_cores_us": r["step_cuda_cores_us"],
     } for r in rows}  # fmt: skip

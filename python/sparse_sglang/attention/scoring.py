@@ -76,94 +76,46 @@ if triton is not None:
 
     _NOT_CACHED = tl.constexpr(NOT_CACHED)
 
-    # int8 bounds read four levels to a 32-bit word (BYTE_BOUNDS > 0): a level x becomes a float
-    # through its bits, not a conversion instruction. x ^ 0x80 is x + 128 in [0, 256); placed in the
-    # low mantissa bits of 2**23 it reads as the float 2**23 + x + 128, exact, and subtracting
-    # 2**23 + 128 leaves x. Hopper converts integers to floats at a quarter of its float rate, and
-    # with one conversion per byte the score kernel read int8 bounds at 1.8 TB/s where it reads bf16
-    # ones at 2.7 (RESULTS.md, "int8 page bounds"). BYTE_BOUNDS 1 builds the word in plain Triton
-    # (two integer operations a level; the only form Triton's CPU interpreter runs), 2 with one
-    # PRMT (CUDA).
-    _SIGN_BITS = tl.constexpr(-2139062144)  # 0x80808080: each byte's top bit
-    _MAGIC_BITS = tl.constexpr(0x4B000000)  # 2**23 as float32 bits
-    _MAGIC = tl.constexpr(8388736.0)  # 2**23 + 128
-
-    @triton.jit
-    def _level_value(words, k: tl.constexpr, BYTE_BOUNDS: tl.constexpr):
-        """Byte ``k`` of each int32 word (levels already offset by 128) as its int8 level, float32."""
-        if BYTE_BOUNDS == 2:  # PRMT's selector 0x754k: bytes [k of words, 0, 0, 0x4B]
-            magic = tl.full(words.shape, _MAGIC_BITS, tl.int32)
-            if k == 0:
-                bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7540;", "=r,r,r", [words, magic], tl.int32, True, 1)
-            elif k == 1:
-                bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7541;", "=r,r,r", [words, magic], tl.int32, True, 1)
-            elif k == 2:
-                bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7542;", "=r,r,r", [words, magic], tl.int32, True, 1)
-            else:
-                bits = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7543;", "=r,r,r", [words, magic], tl.int32, True, 1)
-        else:
-            bits = ((words >> (8 * k)) & 0xFF) | _MAGIC_BITS
-        return bits.to(tl.float32, bitcast=True) - _MAGIC
-
     @triton.jit
     def _bound_scores(
-        q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, starts, exp_rows, held,
+        q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows, exp_rows, held,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
-        INT8_BOUNDS: tl.constexpr, BYTE_BOUNDS: tl.constexpr,
+        INT8_BOUNDS: tl.constexpr,
     ):  # fmt: skip
-        # Group-reduced scores of BLOCK_N pages whose summary rows start at ``starts`` ([BLOCK_N]
-        # element offsets; ``exp_rows`` [BLOCK_N]: their int8 bounds' scale exponents). KIND 0 quest,
+        # Group-reduced scores of BLOCK_N pages whose summary rows start at ``rows`` ([BLOCK_N, D]
+        # offsets; ``exp_rows`` [BLOCK_N]: their int8 bounds' scale exponents). KIND 0 quest,
         # 1 arkvale, 2 mean. Pages not ``held`` score anything: callers mask them.
         offs_d = tl.arange(0, D)
-        rows = starts[:, None] + offs_d[None, :]
         mask = held[:, None]
         if not GROUP_MAX:
             # Summed over the group, q_g . c + |q_g| . r is linear in the query: one pass with
             # qs = sum of q_g and qa = sum of |q_g| instead of G passes and G reductions.
-            if KIND == 0 and INT8_BOUNDS and BYTE_BOUNDS > 0:
-                # Word j holds channels 4j..4j+3; its byte k pairs with channel 4j + k of the query.
-                offs_w = tl.arange(0, D // 4)
-                words = tl.multiple_of(starts // 4, D // 4)[:, None] + offs_w[None, :]
-                hi_w = tl.load(kmax_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + words, mask=mask, other=0) ^ _SIGN_BITS
-                lo_w = tl.load(kmin_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + words, mask=mask, other=0) ^ _SIGN_BITS
-                terms = tl.zeros([BLOCK_N, D // 4], dtype=tl.float32)
-                for k in tl.static_range(4):
-                    qs = tl.zeros([D // 4], dtype=tl.float32)
-                    qa = tl.zeros([D // 4], dtype=tl.float32)
-                    for g in tl.static_range(G):
-                        qg = tl.load(q_ptr + (bh * G + g) * D + offs_w * 4 + k).to(tl.float32)
-                        qs += qg
-                        qa += tl.abs(qg)
-                    u, v = (qs + qa) * 0.5, (qs - qa) * 0.5
-                    terms += _level_value(hi_w, k, BYTE_BOUNDS) * u[None, :] + _level_value(lo_w, k, BYTE_BOUNDS) * v[None, :]
-                acc = tl.sum(terms, axis=1) * pow2(tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32))
+            qs = tl.zeros([D], dtype=tl.float32)
+            qa = tl.zeros([D], dtype=tl.float32)
+            for g in tl.static_range(G):
+                qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
+                qs += qg
+                qa += tl.abs(qg)
+            if KIND == 0:
+                # Quest: c = (hi + lo) / 2, r = (hi - lo) / 2, so qs . c + qa . r = hi . u + lo . v;
+                # int8 levels take their page's 2**e once, on the sum.
+                u, v = (qs + qa) * 0.5, (qs - qa) * 0.5
+                hi = tl.load(kmax_ptr + rows, mask=mask).to(tl.float32)
+                lo = tl.load(kmin_ptr + rows, mask=mask).to(tl.float32)
+                acc = tl.sum(hi * u[None, :] + lo * v[None, :], axis=1)
+                if INT8_BOUNDS:
+                    acc = acc * pow2(tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32))
+            elif KIND == 1:
+                lo = tl.load(kmin_ptr + rows, mask=mask).to(tl.float32)
+                hi = tl.load(kmax_ptr + rows, mask=mask).to(tl.float32)
+                half = tl.full([BLOCK_N], 0.5, dtype=tl.float32)
+                if INT8_BOUNDS:
+                    half = half * pow2(tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32))
+                radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+                acc = tl.sum((hi + lo) * qs[None, :], axis=1) * half + tl.sum(radius * qa[None, :], axis=1)
             else:
-                qs = tl.zeros([D], dtype=tl.float32)
-                qa = tl.zeros([D], dtype=tl.float32)
-                for g in tl.static_range(G):
-                    qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
-                    qs += qg
-                    qa += tl.abs(qg)
-                if KIND == 0:
-                    # Quest: c = (hi + lo) / 2, r = (hi - lo) / 2, so qs . c + qa . r = hi . u + lo . v;
-                    # int8 levels take their page's 2**e once, on the sum.
-                    u, v = (qs + qa) * 0.5, (qs - qa) * 0.5
-                    hi = tl.load(kmax_ptr + rows, mask=mask).to(tl.float32)
-                    lo = tl.load(kmin_ptr + rows, mask=mask).to(tl.float32)
-                    acc = tl.sum(hi * u[None, :] + lo * v[None, :], axis=1)
-                    if INT8_BOUNDS:
-                        acc = acc * pow2(tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32))
-                elif KIND == 1:
-                    lo = tl.load(kmin_ptr + rows, mask=mask).to(tl.float32)
-                    hi = tl.load(kmax_ptr + rows, mask=mask).to(tl.float32)
-                    half = tl.full([BLOCK_N], 0.5, dtype=tl.float32)
-                    if INT8_BOUNDS:
-                        half = half * pow2(tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32))
-                    radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-                    acc = tl.sum((hi + lo) * qs[None, :], axis=1) * half + tl.sum(radius * qa[None, :], axis=1)
-                else:
-                    centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-                    acc = tl.sum(centre * qs[None, :], axis=1)
+                centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+                acc = tl.sum(centre * qs[None, :], axis=1)
         else:
             acc = _group_max_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows, exp_rows, held,
                                     D, G, BLOCK_N, KIND, INT8_BOUNDS)  # fmt: skip
@@ -205,7 +157,7 @@ if triton is not None:
         num_kv_heads, max_pages, pages_stride, page_step, head_stride, exp_head_stride, sink_pages, recent_pages,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
         INT8_BOUNDS: tl.constexpr, FORCE: tl.constexpr, REUSE: tl.constexpr, FILL_TAIL: tl.constexpr,
-        ONLY_REUSED: tl.constexpr = False, BYTE_BOUNDS: tl.constexpr = 0,
+        ONLY_REUSED: tl.constexpr = False,
     ):  # fmt: skip
         # One (request, kv head) per grid row, its pages split among the grid's columns: column c
         # scores blocks c, c + columns, ... of BLOCK_N pages up to the request's own page count,
@@ -236,10 +188,10 @@ if triton is not None:
             held = offs_n < n
             if scored:
                 page = tl.load(pages_ptr + b * pages_stride + offs_n * page_step, mask=held, other=0).to(tl.int64)
-                starts = h.to(tl.int64) * head_stride + page * D
-                acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, starts,
+                rows = h.to(tl.int64) * head_stride + page[:, None] * D + offs_d[None, :]
+                acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows,
                                     h.to(tl.int64) * exp_head_stride + page, held,
-                                    D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS, BYTE_BOUNDS)  # fmt: skip
+                                    D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS)  # fmt: skip
             else:
                 acc = tl.full([BLOCK_N], _NOT_CACHED, dtype=tl.float32)
             if FORCE:  # selection priority: sink and recent pages above every score
@@ -257,7 +209,7 @@ if triton is not None:
         rows_ptr, req_slots_ptr, slot_page_ptr, row_stride, row_width,
         num_kv_heads, max_pages, head_stride, exp_head_stride, sink_pages, recent_pages,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
-        INT8_BOUNDS: tl.constexpr, FORCE: tl.constexpr, BYTE_BOUNDS: tl.constexpr = 0,
+        INT8_BOUNDS: tl.constexpr, FORCE: tl.constexpr,
     ):  # fmt: skip
         # After _score_kernel, one (request, kv head) per grid row and BLOCK_N slots of its cache
         # row per column: a request not due for a full selection gets the scores of the pages its
@@ -277,10 +229,10 @@ if triton is not None:
             page = tl.load(slot_page_ptr + slot, mask=slot >= 0, other=-1)
             held = (page >= 0) & (page < n)
             host = tl.load(pages_ptr + b * max_pages + page, mask=held, other=0).to(tl.int64)
-            starts = h.to(tl.int64) * head_stride + host * D
-            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, starts,
+            rows = h.to(tl.int64) * head_stride + host[:, None] * D + tl.arange(0, D)[None, :]
+            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows,
                                 h.to(tl.int64) * exp_head_stride + host, held,
-                                D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS, BYTE_BOUNDS)  # fmt: skip
+                                D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS)  # fmt: skip
             if FORCE:
                 acc = tl.where((page < sink_pages) | (page >= n - recent_pages), float("inf"), acc)
             tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
@@ -291,7 +243,7 @@ if triton is not None:
         supers_ptr, built_ptr, num_kv_heads, max_pages, pages_stride, head_stride, exp_head_stride,
         sink_pages, recent_pages, num_supers, tail,
         S: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr,
-        GROUP_MAX: tl.constexpr, INT8_BOUNDS: tl.constexpr, REUSE: tl.constexpr, BYTE_BOUNDS: tl.constexpr = 0,
+        GROUP_MAX: tl.constexpr, INT8_BOUNDS: tl.constexpr, REUSE: tl.constexpr,
     ):  # fmt: skip
         # One (request, kv head) per grid row, BLOCK_N candidate pages per column: candidate j <
         # num_supers * S is page j % S of the row's (j // S)-th chosen super-page (supers_ptr,
@@ -315,10 +267,10 @@ if triton is not None:
             held = tl.where(in_supers, (sp >= 0) & (sp < built), j < num_supers * S + tail) & (page < n)
             page = tl.where(held, page, 0)
             host = tl.load(pages_ptr + b * pages_stride + page, mask=held, other=0).to(tl.int64)
-            starts = h.to(tl.int64) * head_stride + host * D
-            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, starts,
+            rows = h.to(tl.int64) * head_stride + host[:, None] * D + tl.arange(0, D)[None, :]
+            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows,
                                 h.to(tl.int64) * exp_head_stride + host, held,
-                                D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS, BYTE_BOUNDS)  # fmt: skip
+                                D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS)  # fmt: skip
             acc = tl.where((page < sink_pages) | (page >= n - recent_pages), float("inf"), acc)
             tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
 
@@ -340,32 +292,6 @@ SUMMARY_ARGS = ("kmin", "kmax", "bound_exp", "mean", "radius")
 
 def summary_args(layer_summaries: dict[str, torch.Tensor], placeholder: torch.Tensor) -> list[torch.Tensor]:
     return [layer_summaries.get(name, placeholder) for name in SUMMARY_ARGS]
-
-
-# How the score kernels read int8 bounds (see _level_value): "words" (four levels to a 32-bit word,
-# each made a float through its bits), "prmt" (the same with one PRMT a level; CUDA only) or
-# "convert" (a level at a time, converted). benchmark/decode_kernels.py times each.
-BYTE_BOUNDS_MODES = ("convert", "words", "prmt")
-BYTE_BOUNDS = "prmt"
-
-
-def byte_bounds(kmin: torch.Tensor, kmax: torch.Tensor, mode: str | None = None) -> int:
-    """The kernels' BYTE_BOUNDS for ``mode`` (default :data:`BYTE_BOUNDS`) over ``[Hkv, pages, D]``
-    bounds: 0 convert, 1 words, 2 PRMT. Words need rows of whole, aligned
-    words (each head's rows a multiple of ``D`` apart: the kernel tells Triton so); Triton's CPU
-    interpreter takes the words form of PRMT (the same values)."""
-    mode = BYTE_BOUNDS if mode is None else mode
-    if mode not in BYTE_BOUNDS_MODES:
-        raise ValueError(f"byte bounds mode must be one of {BYTE_BOUNDS_MODES}, got {mode!r}")
-    dim = kmin.shape[-1]
-
-    def words(t: torch.Tensor) -> bool:
-        return (t.element_size() == 1 and t.stride(-1) == 1 and t.stride(-2) == dim and t.stride(0) % dim == 0
-                and t.data_ptr() % 16 == 0)  # fmt: skip
-
-    if mode == "convert" or dim % 4 or not (words(kmin) and words(kmax)):
-        return 0
-    return 2 if mode == "prmt" and kmin.is_cuda else 1
 
 
 def score_launch(head_dim: int) -> tuple[int, int]:
@@ -418,8 +344,7 @@ def score_pages(
     exp_head_stride = summaries[2].stride(0)
     reselect = dummy if reuse is None else reuse.reselect
     meta = dict(D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max",
-                INT8_BOUNDS="bound_exp" in layer_summaries and kind != 2, FORCE=forced is not None,
-                BYTE_BOUNDS=byte_bounds(*summaries[:2]), num_warps=num_warps)  # fmt: skip
+                INT8_BOUNDS="bound_exp" in layer_summaries and kind != 2, FORCE=forced is not None, num_warps=num_warps)  # fmt: skip
     _score_kernel[grid](
         q, *summaries, host_pages, num_pages, out, reselect,
         heads, max_pages, host_pages.stride(0), 1, ref.stride(0), exp_head_stride, *(forced or (0, 0)),
@@ -470,8 +395,7 @@ def score_coarse(
         q.contiguous(), *summaries, supers, built, out, summaries[0] if reselect is None else reselect,
         heads, width, supers.stride(0), supers.stride(1), summaries[0].stride(0), summaries[2].stride(0), sink_supers, 0,
         D=dim, G=group, BLOCK_N=block_n, KIND=0, GROUP_MAX=group_reduce == "max", INT8_BOUNDS="bound_exp" in coarse_summaries,
-        FORCE=sink_supers > 0, REUSE=reselect is not None, FILL_TAIL=True, BYTE_BOUNDS=byte_bounds(*summaries[:2]),
-        num_warps=num_warps,
+        FORCE=sink_supers > 0, REUSE=reselect is not None, FILL_TAIL=True, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -527,7 +451,7 @@ def score_candidates(
         q.contiguous(), *summaries, host_pages, num_pages, out, reselect, supers, built,
         heads, max_pages, host_pages.stride(0), summaries[0].stride(0), summaries[2].stride(0), *forced, num_supers, tail,
         S=coarse_pages, D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max",
-        INT8_BOUNDS=int8, REUSE=reuse is not None, BYTE_BOUNDS=byte_bounds(*summaries[:2]), num_warps=num_warps,
+        INT8_BOUNDS=int8, REUSE=reuse is not None, num_warps=num_warps,
     )  # fmt: skip
     if reuse is not None:  # the rows reusing their selection, as score_pages scores them
         score_pages(selector, q, layer_summaries, host_pages, num_pages, group_reduce, out=out, forced=forced,
