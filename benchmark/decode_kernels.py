@@ -114,8 +114,7 @@ def main(argv=None) -> dict:
     rows = run(args)
     summary = {f"{r['context'] // 1024}k_b{r['batch']}": {
         "score_best": r["score_best"], "score_best_us": r["score_us"][r["score_best"]],
-        "score_default_us": r["score_us"].get("block{}_warps{}_programs{}".format(*scoring.score_launch(SHAPE.head_dim),
-                                                                                  scoring.SCORE_PROGRAMS)),
+        "score_default_us": r["score_us"].get("block{}_warps{}_programs{}".format(*scoring.score_launch(), scoring.SCORE_PROGRAMS)),
         "attention_tensor_cores_us": r["attention_tensor_cores_us"], "attention_cuda_cores_us": r["attention_cuda_cores_us"],
         "step_tensor_cores_us": r["step_tensor_cores_us"], "step_cuda_cores_us": r["step_cuda_cores_us"],
     } for r in rows}  # fmt: skip

@@ -294,7 +294,7 @@ def summary_args(layer_summaries: dict[str, torch.Tensor], placeholder: torch.Te
     return [layer_summaries.get(name, placeholder) for name in SUMMARY_ARGS]
 
 
-def score_launch(head_dim: int) -> tuple[int, int]:
+def score_launch() -> tuple[int, int]:
     """Pages a score program takes and its warps: 32 pages, 4 warps, at any head_dim (64 had 4
     already). 8 warps won 3a2efec's sweep (decode-kernels-2026-11-24.json) when a program reduced
     once per query head; since the group's sum takes one pass (e0d7b97), 4 warps took 117 us
@@ -337,7 +337,7 @@ def score_pages(
     ref = layer_summaries["mean" if selector == "mean" else "kmin"]
     dummy = ref
     kind = KERNEL_SELECTORS.index(selector)
-    default_block_n, default_warps = score_launch(dim)
+    default_block_n, default_warps = score_launch()
     block_n, num_warps = block_n or default_block_n, num_warps or default_warps
     grid = (batch * heads, score_columns(max_pages, batch * heads, block_n))
     q, host_pages, num_pages = q.contiguous(), host_pages.contiguous(), num_pages.to(torch.int32)
@@ -390,7 +390,7 @@ def score_coarse(
     width = supers.shape[1]
     if out is None:
         out = torch.empty(batch, heads, width, dtype=torch.float32, device=q.device)
-    block_n, num_warps = score_launch(dim)
+    block_n, num_warps = score_launch()
     summaries = summary_args(coarse_summaries, coarse_summaries["kmin"])  # quest reads kmin, kmax, bound_exp
     _score_kernel[(batch * heads, score_columns(width, batch * heads, block_n))](
         q.contiguous(), *summaries, supers, built, out, summaries[0] if reselect is None else reselect,
@@ -443,7 +443,7 @@ def score_candidates(
         out = torch.empty(batch, heads, max_pages, dtype=torch.float32, device=q.device)
     out.fill_(-math.inf)
     kind = KERNEL_SELECTORS.index(selector)
-    block_n, num_warps = score_launch(dim)
+    block_n, num_warps = score_launch()
     summaries = summary_args(layer_summaries, layer_summaries["kmin"])
     int8 = "bound_exp" in layer_summaries and kind != 2
     reselect = summaries[0] if reuse is None else reuse.reselect
