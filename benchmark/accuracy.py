@@ -1,0 +1,747 @@
+"""Answers on real text: RULER-style tasks through the real servers, dense against sparse.
+
+Items are generated offline, seeded, from prose any Debian + Python machine has (the license
+texts of ``/usr/share/common-licenses`` and the docstrings of the Python standard library),
+deduplicated paragraph by paragraph, so no sentence repeats and a needle is one distinct
+statement among many. Families (after RULER, Hsieh et al. 2024):
+
+- ``niah_single``: one needle ``One of the special magic {kind} for {key} is: {value}.``, the value a
+  7-digit number, a UUID or a word (by item);
+- ``niah_multikey``: the same, with three distractor needles of the same phrasing and other keys;
+- ``niah_multivalue``: four needles of one key, four values, all asked for;
+- ``niah_multiquery``: four needles of four keys, all four asked for;
+- ``vt``: variable tracking, a chain ``VAR A = 12345``, ``VAR B = VAR A``, ... spread over the text;
+- ``cwe``: common word extraction over a numbered list of words drawn from the text's vocabulary;
+- ``fwe``: frequent word extraction over Zipf-distributed coded words;
+- ``qa``: a passage of numbered documents (real paragraphs); which word is missing from a sentence
+  quoted from one of them (a span of the passage, unique in the prompt).
+
+Each prompt is wrapped in the model's chat template and ends with an answer prefix, as RULER
+does. Scoring follows RULER: ``all`` (the share of the references the output contains) or
+``part`` (any reference), case-insensitive. ``agreement`` compares the answers themselves: the
+output text, whitespace-normalised, equal to the dense server's.
+
+    python benchmark/accuracy.py generate --out items.json.gz                     # the items (CPU, ~2 min)
+    python benchmark/accuracy.py serve --items items.json.gz --name dense --vanilla --out dense.json
+    python benchmark/accuracy.py serve --items items.json.gz --name sparse-512 --budget 512 --out s512.json
+    python benchmark/accuracy.py reference --items items.json.gz --budget 512 --per-cell 4 --out ref512.json
+    python benchmark/accuracy.py summarize dense.json s512.json ... ref512.json   # accuracy-<date>.json
+
+``serve`` starts the server itself (``sparse_sglang.launch_server``, or ``sglang.launch_server``
+with ``--vanilla``) on the default model unless ``--url`` names a running one. ``reference`` runs
+the same items through the pure-torch reference of sparse decode (``benchmark/quality.py``'s
+decoder: transformers, float32, exact page bounds unless ``--bound-format int8``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import inspect
+import json
+import random
+import re
+import string
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LICENSES = Path("/usr/share/common-licenses")
+# Standard-library modules whose docstrings are prose (the API reference's own words).
+DOC_MODULES = (
+    "abc argparse array asyncio base64 bisect builtins calendar cmath codecs collections concurrent.futures "
+    "configparser contextlib copy csv dataclasses datetime decimal difflib email enum fnmatch fractions "
+    "functools gettext glob gzip hashlib heapq hmac html http.client http.server imaplib inspect io ipaddress "
+    "itertools json locale logging mailbox math mimetypes multiprocessing numbers operator optparse os "
+    "pathlib pickle pkgutil platform plistlib poplib pprint queue random re sched secrets selectors shelve "
+    "shlex shutil signal smtplib socket socketserver sqlite3 ssl statistics string struct subprocess "
+    "tarfile tempfile textwrap threading time timeit tkinter tokenize traceback types typing unittest "
+    "urllib.parse urllib.request uuid warnings weakref xml.dom xml.etree.ElementTree zipfile zlib"
+).split()
+
+FAMILIES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa")
+LENGTHS = (2048, 4096, 8000)  # prompt tokens; SmolLM2's context is 8192, answers included
+COMPRESSIONS = (4, 8, 16, 32)  # context / budget
+NEW_TOKENS = {"niah_single": 32, "niah_multikey": 32, "niah_multivalue": 64, "niah_multiquery": 64,
+              "vt": 48, "cwe": 64, "fwe": 32, "qa": 16}  # fmt: skip
+LENGTH_SLACK = 0.03  # a prompt holds between (1 - slack) x its length and its length in tokens
+
+
+# Corpus: real prose, one paragraph per entry, no paragraph twice.
+
+
+def _paragraphs(text: str) -> list[str]:
+    out = []
+    for block in re.split(r"\n\s*\n", text):
+        para = " ".join(block.split())
+        words = para.split()
+        letters = sum(c.isalpha() for c in para)
+        if len(words) >= 8 and letters >= 0.7 * len(para) and not para.startswith((">>>", "...")):
+            out.append(para)
+    return out
+
+
+def _module_docs(name: str) -> list[str]:
+    import importlib
+
+    try:
+        module = importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - a module a machine lacks (tkinter) simply adds nothing
+        return []
+    docs = [inspect.getdoc(module) or ""]
+    for attr in sorted(vars(module)):
+        obj = getattr(module, attr, None)
+        if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        docs.append(inspect.getdoc(obj) or "")
+        if inspect.isclass(obj):
+            docs += [inspect.getdoc(m) or "" for k, m in sorted(vars(obj).items()) if not k.startswith("_") and callable(m)]
+    return docs
+
+
+def corpus() -> list[str]:
+    """Deduplicated prose paragraphs, licenses first, then standard-library docstrings (fixed order)."""
+    texts = []
+    if LICENSES.is_dir():
+        texts += [p.read_text(errors="replace") for p in sorted(LICENSES.iterdir()) if p.is_file() and not p.is_symlink()]
+    for name in DOC_MODULES:
+        texts += _module_docs(name)
+    seen, out = set(), []
+    for text in texts:
+        for para in _paragraphs(text):
+            if para not in seen:
+                seen.add(para)
+                out.append(para)
+    return out
+
+
+def vocabulary(paragraphs: list[str]) -> list[str]:
+    """Lower-case words of 4-10 letters that occur at least twice in the corpus, sorted."""
+    counts = Counter(w for p in paragraphs for w in re.findall(r"\b[a-z]{4,10}\b", p))
+    return sorted(w for w, c in counts.items() if c >= 2)
+
+
+# Items.
+
+
+@dataclass
+class Item:
+    id: str
+    family: str
+    length: int  # the target prompt tokens (one of LENGTHS)
+    prompt: str  # chat template applied, answer prefix included
+    answers: list[str]
+    metric: str  # "all" | "part"
+    max_new_tokens: int
+    prompt_tokens: int = 0
+    detail: dict = field(default_factory=dict)
+
+
+class Haystack:
+    """Contiguous corpus paragraphs from a seeded start, with token counts known per paragraph."""
+
+    def __init__(self, paragraphs: list[str], counts: list[int]):
+        self.paragraphs, self.counts = paragraphs, counts
+
+    def take(self, rng: random.Random, tokens: int) -> list[str]:
+        """About ``tokens`` tokens of consecutive paragraphs, the last one cut at a word."""
+        start = rng.randrange(len(self.paragraphs))
+        out, total, i = [], 0, start
+        while total < tokens:
+            para, count = self.paragraphs[i % len(self.paragraphs)], self.counts[i % len(self.paragraphs)] + 1
+            if total + count > tokens:  # keep the share of its words that fits
+                words = para.split()
+                para = " ".join(words[: max(1, len(words) * (tokens - total) // count)])
+            out.append(para)
+            total += count
+            i += 1
+        return out
+
+
+def insert_at_depths(paragraphs: list[str], needles: list[tuple[float, str]]) -> list[str]:
+    """Paragraphs with each needle inserted as its own paragraph at ``depth`` (0..1) of the text."""
+    out = list(paragraphs)
+    for depth, needle in sorted(needles, key=lambda n: -n[0]):
+        out.insert(round(depth * len(paragraphs)), needle)
+    return out
+
+
+def _key(rng: random.Random, vocab: list[str], taken: set[str]) -> str:
+    while True:
+        key = f"{rng.choice(vocab)}-{rng.choice(vocab)}"
+        if key not in taken:
+            taken.add(key)
+            return key
+
+
+def _number(rng: random.Random, taken: set[str]) -> str:
+    while True:
+        value = str(rng.randrange(1_000_000, 10_000_000))
+        if value not in taken:
+            taken.add(value)
+            return value
+
+
+def _value(kind: str, rng: random.Random, vocab: list[str], taken: set[str]) -> str:
+    if kind == "numbers":
+        return _number(rng, taken)
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    while True:
+        value = rng.choice(vocab)
+        if value not in taken:
+            taken.add(value)
+            return value
+
+
+NEEDLE = "One of the special magic {kind} for {key} is: {value}."
+NIAH_TASK = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
+             "I will quiz you about the {kind} afterwards.\n\n{context}\n\n")  # fmt: skip
+
+
+class Builder:
+    """Builds items of every family to a target length in tokens, with one tokenizer."""
+
+    def __init__(self, tokenizer, paragraphs: list[str], seed: int):
+        self.tok, self.seed = tokenizer, seed
+        self.hay = Haystack(paragraphs, [len(t) for t in tokenizer(paragraphs, add_special_tokens=False).input_ids])
+        self.vocab = vocabulary(paragraphs)
+
+    def count(self, prompt: str) -> int:
+        return len(self.tok(prompt, add_special_tokens=False).input_ids)
+
+    def wrap(self, user: str, answer_prefix: str) -> str:
+        """The model's chat template around ``user``, the answer prefix after the generation prompt."""
+        messages = [{"role": "user", "content": user}]
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + answer_prefix
+
+    def fit(self, length: int, make) -> tuple[str, int]:
+        """``make(filler_tokens) -> prompt`` at the largest filler within ``length`` tokens."""
+        lo_ok = int(length * (1 - LENGTH_SLACK))
+        filler = length
+        for _ in range(30):
+            prompt = make(filler)
+            n = self.count(prompt)
+            if lo_ok <= n <= length:
+                return prompt, n
+            filler = max(16, filler + (lo_ok + length) // 2 - n)
+        raise RuntimeError(f"could not fit a prompt to {length} tokens (last {n})")
+
+    def item(self, family: str, length: int, index: int) -> Item:
+        rng = random.Random(f"{self.seed}/{family}/{length}/{index}")
+        # The haystack and needles are drawn once; fit() only varies how much text is taken.
+        state = rng.getstate()
+
+        def build(filler: int):
+            rng.setstate(state)
+            return getattr(self, family)(rng, length, index, filler)
+
+        holder = {}
+
+        def make(filler: int) -> str:
+            holder["parts"] = build(filler)
+            return holder["parts"][0]
+
+        prompt, n = self.fit(length, make)
+        _, answers, metric, detail = holder["parts"]
+        return Item(f"{family}-{length}-{index}", family, length, prompt, answers, metric, NEW_TOKENS[family], n, detail)
+
+    # Families: each returns (prompt, answers, metric, detail) with about ``filler`` tokens of text.
+
+    def _niah(self, rng, filler, kind, keys_n, values_per_key, queried, distractors=0):
+        taken_k, taken_v = set(), set()
+        keys = [_key(rng, self.vocab, taken_k) for _ in range(keys_n + distractors)]
+        needles, truth = [], {}
+        for key in keys:
+            for _ in range(values_per_key if key in keys[:keys_n] else 1):
+                value = _value(kind, rng, self.vocab, taken_v)
+                truth.setdefault(key, []).append(value)
+                needles.append((rng.random(), NEEDLE.format(kind=_kind_word(kind), key=key, value=value)))
+        context = "\n\n".join(insert_at_depths(self.hay.take(rng, filler), needles))
+        asked = keys[:queried]
+        noun = _kind_word(kind)
+        if len(asked) == 1 and values_per_key == 1:
+            question = f"What is the special magic {noun} for {asked[0]} mentioned in the provided text?"
+            prefix = f"The special magic {noun} for {asked[0]} mentioned in the provided text is"
+        else:
+            joined = ", ".join(asked[:-1]) + (", and " if len(asked) > 2 else " and ") + asked[-1] if len(asked) > 1 else asked[0]
+            question = f"What are all the special magic {kind} for {joined} mentioned in the provided text?"
+            prefix = f"The special magic {kind} for {joined} mentioned in the provided text are"
+        user = NIAH_TASK.format(kind=kind, context=context) + question
+        answers = [v for k in asked for v in truth[k]]
+        depths = sorted(round(d, 3) for d, _ in needles)
+        return self.wrap(user, prefix), answers, "all", {"keys": asked, "depths": depths, "kind": kind}
+
+    def niah_single(self, rng, length, index, filler):
+        return self._niah(rng, filler, ("numbers", "uuids", "words")[index % 3], 1, 1, 1)
+
+    def niah_multikey(self, rng, length, index, filler):
+        return self._niah(rng, filler, "numbers", 1, 1, 1, distractors=3)
+
+    def niah_multivalue(self, rng, length, index, filler):
+        return self._niah(rng, filler, "numbers", 1, 4, 1)
+
+    def niah_multiquery(self, rng, length, index, filler):
+        return self._niah(rng, filler, "numbers", 4, 1, 4)
+
+    def vt(self, rng, length, index, filler):
+        names = set()
+
+        def var() -> str:
+            while True:
+                name = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+                if name not in names:
+                    names.add(name)
+                    return name
+
+        value = str(rng.randrange(10_000, 100_000))
+        chain = [var() for _ in range(5)]
+        statements = [f"VAR {chain[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]
+        depths = sorted(rng.random() for _ in statements)  # the chain in reading order
+        context = "\n\n".join(insert_at_depths(self.hay.take(rng, filler), list(zip(depths, statements))))
+        user = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+                f"{context}\n\nQuestion: Find all variables that are assigned the value {value} in the text above.")  # fmt: skip
+        prefix = (f"Answer: According to the chain(s) of variable assignment in the text above, {len(chain)} variables "
+                  f"are assigned the value {value}, they are:")  # fmt: skip
+        return self.wrap(user, prefix), chain, "all", {"depths": [round(d, 3) for d in depths]}
+
+    def cwe(self, rng, length, index, filler):
+        freq_common = {2048: 8, 4096: 16}.get(length, 30)
+        words = rng.sample(self.vocab, 10 + 2000)
+        common, rare = words[:10], words[10:]
+        listed = [w for w in common for _ in range(freq_common)]
+        per_entry = 5  # tokens of "N. word " about
+        n_rare = max(0, (filler - per_entry * len(listed)) // (3 * per_entry))
+        listed += [w for w in rare[:n_rare] for _ in range(3)]
+        rng.shuffle(listed)
+        context = " ".join(f"{i + 1}. {w}" for i, w in enumerate(listed))
+        user = ("Below is a numbered list of words. In these words, some appear more often than others. "
+                f"Memorize the ones that appear most often.\n{context}\n"
+                "Question: What are the 10 most common words in the above list?")  # fmt: skip
+        prefix = "Answer: The top 10 words that appear most often in the list are:"
+        return self.wrap(user, prefix), common, "all", {"frequency": freq_common}
+
+    def fwe(self, rng, length, index, filler):
+        coded = sorted({"".join(rng.choice(string.ascii_lowercase) for _ in range(5)) for _ in range(400)})
+        rng.shuffle(coded)
+        n = max(30, filler // 3)
+        # Zipf-like frequencies with three clear leaders (RULER's alpha = 2)
+        weights = [1 / (r + 1) ** 2 for r in range(len(coded))]
+        draws = rng.choices(coded, weights=weights, k=n)
+        counts = Counter(draws)
+        top = [w for w, _ in counts.most_common(4)]
+        if len(top) == 4 and counts[top[2]] == counts[top[3]]:  # a tie for third: make the third clear
+            draws.append(top[2])
+        rng.shuffle(draws)
+        context = " ".join(w if i % 10 else f".... {w}" for i, w in enumerate(draws))
+        user = ("Read the following coded text and track the frequency of each coded word. Find the three most "
+                f"frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
+                "the dots '....'. What are the three most frequently appeared words in the above coded text?")  # fmt: skip
+        prefix = "Answer: According to the coded text above, the three most frequently appeared words are:"
+        return self.wrap(user, prefix), [w for w, _ in Counter(draws).most_common(3)], "all", {}
+
+    def qa(self, rng, length, index, filler):
+        docs = self.hay.take(rng, filler)
+        target = rng.randrange(len(docs))
+        everything = " ".join(docs).lower()
+        sentences = [s for s in re.split(r"(?<=[.;:])\s+", docs[target]) if 8 <= len(s.split()) <= 40]
+        choices = []
+        for s in sentences or [docs[target]]:
+            words = s.split()
+            for j, w in enumerate(words[2:], start=2):
+                bare = w.strip(".,;:()\"'")
+                if len(bare) >= 5 and bare.isalpha() and len(re.findall(rf"\b{re.escape(bare.lower())}\b", everything)) == 1:
+                    choices.append((s, j, bare))
+        if not choices:  # no word unique in the prompt: fall back to the least frequent long word of the document
+            words = docs[target].split()
+            j = max(range(2, len(words)), key=lambda i: (len(words[i].strip(".,;:()\"'")), -i))
+            choices = [(docs[target], j, words[j].strip(".,;:()\"'"))]
+        sentence, j, answer = rng.choice(choices)
+        words = sentence.split()
+        words[j] = words[j].replace(answer, "____")
+        masked = " ".join(words)
+        context = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs))
+        instruction = "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+        user = (f"{instruction}\n\nThe following are given documents.\n\n{context}\n\n{instruction}\n\n"
+                f"Question: In Document {target + 1}, which word is missing from this sentence: \"{masked}\"?")  # fmt: skip
+        return self.wrap(user, "Answer:"), [answer], "part", {"document": target + 1, "depth": round(target / len(docs), 3)}
+
+
+def _kind_word(kind: str) -> str:
+    return {"numbers": "number", "uuids": "uuid", "words": "word"}[kind]
+
+
+def generate(tokenizer, per_cell: int, seed: int, families=FAMILIES, lengths=LENGTHS, paragraphs=None) -> list[Item]:
+    builder = Builder(tokenizer, paragraphs if paragraphs is not None else corpus(), seed)
+    return [builder.item(f, n, i) for f in families for n in lengths for i in range(per_cell)]
+
+
+def save_items(items: list[Item], path: Path, meta: dict) -> None:
+    body = {"meta": meta, "items": [asdict(i) for i in items]}
+    with gzip.open(path, "wt") as f:
+        json.dump(body, f)
+
+
+def load_items(path: Path) -> tuple[dict, list[Item]]:
+    with gzip.open(path, "rt") as f:
+        body = json.load(f)
+    return body["meta"], [Item(**i) for i in body["items"]]
+
+
+def items_digest(items: list[Item]) -> str:
+    h = hashlib.sha256()
+    for item in items:
+        h.update(item.prompt.encode())
+    return h.hexdigest()[:16]
+
+
+# Scoring.
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.split())
+
+
+def score(item: Item, output: str) -> float:
+    """RULER's string match: ``all`` = share of references in the output, ``part`` = any (case-insensitive)."""
+    out = output.lower()
+    found = [ref.lower() in out for ref in item.answers]
+    if item.metric == "part":
+        return float(any(found))
+    return sum(found) / len(found)
+
+
+def budget_lengths(budget: int, lengths=LENGTHS, compressions=COMPRESSIONS, page_size: int = 32) -> dict[int, float]:
+    """The item lengths whose compression (length / budget) at ``budget`` lies within 3% of one of
+    ``compressions``, each with the compression it gives (budget at least 3 pages: sink + recent)."""
+    out = {}
+    if budget < 3 * page_size:
+        return out
+    for length in lengths:
+        ratio = length / budget
+        if any(abs(ratio / c - 1) <= 0.03 or 0.97 * c <= ratio <= c for c in compressions):
+            out[length] = ratio
+    return out
+
+
+def nominal(ratio: float) -> int:
+    return min(COMPRESSIONS, key=lambda c: abs(c - ratio))
+
+
+# Through a server.
+
+
+def run_server(items: list[Item], url: str, concurrency: int) -> list[dict]:
+    """Every item through ``/generate`` (greedy, prompt as token ids of the server's tokenizer)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    def one(item: Item) -> dict:
+        body = {"text": item.prompt, "sampling_params": {"temperature": 0, "max_new_tokens": item.max_new_tokens}}
+        for attempt in range(3):
+            try:
+                r = requests.post(url + "/generate", json=body, timeout=900)
+                if r.status_code == 200:
+                    out = r.json()
+                    meta = out.get("meta_info", {})
+                    return {"id": item.id, "output": out["text"], "prompt_tokens": meta.get("prompt_tokens"),
+                            "completion_tokens": meta.get("completion_tokens")}  # fmt: skip
+                error = f"HTTP {r.status_code}: {r.text[:300]}"
+            except requests.RequestException as e:
+                error = repr(e)
+            time.sleep(2 * (attempt + 1))
+        return {"id": item.id, "output": None, "error": error}
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, items))
+
+
+def serve(args) -> dict:
+    from sparse_sglang.testing.provenance import git_commit
+
+    meta, items = load_items(Path(args.items))
+    if args.budget:
+        keep = budget_lengths(args.budget)
+        items = [i for i in items if i.length in keep]
+    if args.families:
+        items = [i for i in items if i.family in args.families.split(",")]
+    if args.per_cell:
+        items = [i for i in items if int(i.id.rsplit("-", 1)[1]) < args.per_cell]
+    extra = args.server_args.split() if args.server_args else []
+    if not args.vanilla and args.budget:
+        extra += ["--sparse-token-budget", str(args.budget)]
+    started = time.time()
+    if args.url:
+        outputs, command = run_server(items, args.url, args.concurrency), None
+    else:
+        from sparse_sglang.default_model import default_model_path
+        from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
+
+        module = VANILLA_MODULE if args.vanilla else SPARSE_MODULE
+        with ServerProcess(module, args.model_path or default_model_path(), extra, log_path=args.log) as server:
+            command = " ".join(server.command)
+            startup_s = time.time() - started
+            outputs = run_server(items, server.url, args.concurrency)
+            if args.repeat:  # the same server again, items in reverse: dense's own run-to-run floor
+                again = run_server(items[::-1], server.url, args.concurrency)[::-1]
+                for o, a in zip(outputs, again):
+                    o["repeat_output"] = a["output"]
+    by_id = {i.id: i for i in items}
+    for o in outputs:
+        if o["output"] is not None:
+            o["score"] = score(by_id[o["id"]], o["output"])
+    return {"kind": "server", "name": args.name, "vanilla": bool(args.vanilla), "budget": args.budget,
+            "server_args": extra, "command": command, "items_digest": meta.get("digest"), "commit": git_commit(),
+            "seconds": round(time.time() - started, 1), "outputs": outputs}  # fmt: skip
+
+
+# Through the torch reference.
+
+
+def reference(args) -> dict:
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import quality  # the reference decoder: transformers with sparse_sglang.attention's selection
+    from sparse_sglang.testing.provenance import git_commit
+
+    meta, items = load_items(Path(args.items))
+    keep = budget_lengths(args.budget) if args.budget else {n: 1.0 for n in LENGTHS}
+    if args.lengths:
+        keep = {n: r for n, r in keep.items() if str(n) in args.lengths.split(",")}
+    if args.families:
+        items = [i for i in items if i.family in args.families.split(",")]
+    cells: dict = {}
+    chosen = []
+    for item in items:
+        cell = (item.family, item.length)
+        if item.length in keep and cells.get(cell, 0) < args.per_cell:
+            cells[cell] = cells.get(cell, 0) + 1
+            chosen.append(item)
+    device = args.device
+    tokenizer, model = quality.load_model(args.model_path)
+    model = model.to(device)
+    policies = {"dense": quality.Policy(selector=None)}
+    if args.budget:
+        policies[f"sparse-{args.budget}"] = quality.Policy(budget=args.budget, dense_layers=args.dense_layers)
+    outputs = []
+    for item in chosen:
+        ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
+        cache = DynamicCache(config=model.config)
+        prefill = quality.SparseDecoder(model, quality.Policy(selector=None), len(ids) + item.max_new_tokens, args.bound_format)
+        logits = quality.run_with(prefill, model, input_ids=torch.tensor([ids], device=device), past_key_values=cache,
+                                  use_cache=True, logits_to_keep=1).logits  # fmt: skip
+        first = int(logits[0, -1].argmax())
+        row = {"id": item.id}
+        for name, policy in policies.items():
+            hook = prefill.fork(policy)
+            generated = _reference_decode(model, hook, copy.deepcopy(cache), first, item.max_new_tokens, tokenizer, device)
+            text = tokenizer.decode(generated, skip_special_tokens=True)
+            row[name] = {"output": text, "score": score(item, text)}
+        outputs.append(row)
+        print(f"  {item.id}: " + " | ".join(f"{n}: {r['output'][:40]!r}" for n, r in row.items() if n != "id"), flush=True)
+    return {"kind": "reference", "name": f"reference-{args.budget}", "budget": args.budget,
+            "bound_format": args.bound_format, "dense_layers": args.dense_layers, "items_digest": meta.get("digest"),
+            "commit": git_commit(), "outputs": outputs}  # fmt: skip
+
+
+def _reference_decode(model, hook, cache, first: int, new_tokens: int, tokenizer, device) -> list[int]:
+    import torch
+
+    out, nxt = [], first
+    eos = tokenizer.eos_token_id
+    for _ in range(new_tokens):
+        out.append(nxt)
+        if nxt == eos:
+            break
+
+        def step(token: int) -> int:
+            logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True).logits
+            return int(logits[0, -1].argmax())
+
+        import quality
+
+        nxt = quality.run_with(hook, step, nxt)
+    return out
+
+
+# Summary.
+
+
+def summarize(paths: list[str], items_path: str) -> dict:
+    _, items = load_items(Path(items_path))
+    by_id = {i.id: i for i in items}
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    dense = next(r for r in runs if r["kind"] == "server" and r["vanilla"])
+    dense_out = {o["id"]: o for o in dense["outputs"] if o.get("output") is not None}
+    cells = []
+    for run in runs:
+        if run["kind"] != "server" or run["vanilla"]:
+            continue
+        ratios = budget_lengths(run["budget"])
+        for o in run["outputs"]:
+            item, d = by_id[o["id"]], dense_out.get(o["id"])
+            if o.get("output") is None or d is None:
+                continue
+            cells.append({"run": run["name"], "family": item.family, "length": item.length,
+                          "compression": nominal(ratios[item.length]), "ratio": round(ratios[item.length], 2),
+                          "dense_score": d["score"], "sparse_score": o["score"],
+                          "agree": normalize(o["output"]) == normalize(d["output"])})  # fmt: skip
+    return {"dense": dense, "cells": cells, "runs": runs}
+
+
+def table(cells: list[dict], run_prefix: str) -> dict:
+    """family x compression: dense accuracy, sparse accuracy, agreement (means over items)."""
+    out: dict = {}
+    for c in cells:
+        if not c["run"].startswith(run_prefix):
+            continue
+        row = out.setdefault(c["family"], {}).setdefault(str(c["compression"]), {"n": 0, "dense": 0.0, "sparse": 0.0, "agree": 0})
+        row["n"] += 1
+        row["dense"] += c["dense_score"]
+        row["sparse"] += c["sparse_score"]
+        row["agree"] += c["agree"]
+    for fam in out.values():
+        for row in fam.values():
+            n = row["n"]
+            row.update(dense=round(row["dense"] / n, 3), sparse=round(row["sparse"] / n, 3), agree=round(row["agree"] / n, 3))
+    return out
+
+
+def bars(cells: list[dict], run_prefix: str) -> dict:
+    sel = [c for c in cells if c["run"].startswith(run_prefix)]
+    at = lambda k: [c for c in sel if c["compression"] == k]  # noqa: E731
+    out = {}
+    four = at(4)
+    if four:
+        out["agreement_4x"] = round(sum(c["agree"] for c in four) / len(four), 4)
+    sixteen = at(16)
+    if sixteen:
+        fams = sorted({c["family"] for c in sixteen})
+        gaps = []
+        for f in fams:
+            rows = [c for c in sixteen if c["family"] == f]
+            gaps.append(sum(c["dense_score"] - c["sparse_score"] for c in rows) / len(rows))
+        out["accuracy_gap_16x"] = round(sum(gaps) / len(gaps), 4)
+    return out
+
+
+# A grid: several servers at once on one GPU (SmolLM2 is small), each a `serve` subprocess.
+
+BUDGETS = (128, 256, 512, 1024, 2048)  # with LENGTHS, compressions 4x to 32x (budget_lengths)
+GRIDS = {
+    # name: [(run name, vanilla?, budget, extra server flags, items per cell (0: all))]
+    "bars": [("dense", True, None, "", 0), ("dense-fp8", True, None, "--kv-cache-dtype fp8_e4m3", 25)]
+    + [(f"sparse-{b}", False, b, "", 0) for b in BUDGETS]
+    + [(f"headline-{b}", False, b, "--kv-cache-dtype fp8_e4m3 --sparse-reselect-interval 8", 0) for b in (512, 1024, 2048)]
+    + [(f"exactbounds-{b}", False, b, "--sparse-bound-format exact", 25) for b in BUDGETS],
+}
+# Flags every grid server gets: a small share of the GPU and of pinned host memory each.
+GRID_SERVER_ARGS = "--mem-fraction-static 0.05 --cuda-graph-max-bs-decode 64 --max-running-requests 64"
+GRID_SPARSE_ARGS = "--sparse-host-cache-gb 6"
+
+
+def grid(args) -> None:
+    import subprocess
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [r for r in GRIDS[args.grid] if not args.only or r[0] in args.only.split(",")]
+    pending, running = list(runs), []
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            name, vanilla, budget, flags, per_cell = pending.pop(0)
+            cmd = [sys.executable, __file__, "serve", "--items", args.items, "--name", name, "--out", str(out / f"{name}.json"),
+                   "--server-args", " ".join([GRID_SERVER_ARGS, flags] + ([] if vanilla else [GRID_SPARSE_ARGS])),
+                   "--log", str(out / f"{name}.server.log")]  # fmt: skip
+            cmd += ["--vanilla"] if vanilla else []
+            cmd += ["--budget", str(budget)] if budget else []
+            cmd += ["--repeat"] if name == "dense" else []
+            cmd += ["--per-cell", str(per_cell)] if per_cell else []
+            log = open(out / f"{name}.client.log", "w")
+            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), time.time()))
+            print(f"started {name}", flush=True)
+            time.sleep(args.stagger)
+        for entry in list(running):
+            name, proc, t0 = entry
+            if proc.poll() is not None:
+                running.remove(entry)
+                print(f"{name}: exit {proc.returncode} after {time.time() - t0:.0f} s", flush=True)
+        time.sleep(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="write the seeded items")
+    g.add_argument("--out", required=True)
+    g.add_argument("--per-cell", type=int, default=50, help="items per family and length")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--model-path", default=None, help="whose tokenizer and chat template (default: the default model)")
+    s = sub.add_parser("serve", help="run the items through a server")
+    s.add_argument("--items", required=True)
+    s.add_argument("--name", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--vanilla", action="store_true", help="plain sglang.launch_server (dense)")
+    s.add_argument("--budget", type=int, default=None, help="--sparse-token-budget; runs the lengths it compresses 4-32x")
+    s.add_argument("--server-args", default="", help="more server flags, one string")
+    s.add_argument("--families", default="")
+    s.add_argument("--url", default=None, help="a running server instead of starting one")
+    s.add_argument("--model-path", default=None)
+    s.add_argument("--concurrency", type=int, default=64)
+    s.add_argument("--per-cell", type=int, default=0, help="the first N items of each family and length (0: all)")
+    s.add_argument("--repeat", action="store_true", help="run the items twice (run-to-run agreement)")
+    s.add_argument("--log", default=None)
+    r = sub.add_parser("reference", help="run a subset through the torch reference")
+    r.add_argument("--items", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--budget", type=int, default=None)
+    r.add_argument("--per-cell", type=int, default=4)
+    r.add_argument("--bound-format", default="exact", choices=("exact", "int8"))
+    r.add_argument("--dense-layers", type=int, default=0)
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--families", default="")
+    r.add_argument("--lengths", default="", help="comma-separated item lengths")
+    r.add_argument("--model-path", default=None)
+    gr = sub.add_parser("grid", help="run a grid of servers, several at once")
+    gr.add_argument("--items", required=True)
+    gr.add_argument("--grid", default="bars", choices=sorted(GRIDS))
+    gr.add_argument("--only", default="", help="comma-separated run names")
+    gr.add_argument("--out-dir", required=True)
+    gr.add_argument("--parallel", type=int, default=6)
+    gr.add_argument("--stagger", type=float, default=5.0, help="seconds between server starts")
+    args = parser.parse_args(argv)
+    if args.cmd == "grid":
+        grid(args)
+    elif args.cmd == "generate":
+        from transformers import AutoTokenizer
+
+        from sparse_sglang.default_model import default_model_path
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model_path or default_model_path())
+        items = generate(tokenizer, args.per_cell, args.seed)
+        meta = {"seed": args.seed, "per_cell": args.per_cell, "families": FAMILIES, "lengths": LENGTHS,
+                "digest": items_digest(items), "python": sys.version.split()[0]}  # fmt: skip
+        save_items(items, Path(args.out), meta)
+        print(f"{len(items)} items, digest {meta['digest']}: {args.out}")
+    elif args.cmd == "serve":
+        result = serve(args)
+        Path(args.out).write_text(json.dumps(result))
+        done = [o for o in result["outputs"] if o.get("output") is not None]
+        print(f"{args.name}: {len(done)}/{len(result['outputs'])} answered, mean score "
+              f"{sum(o['score'] for o in done) / max(1, len(done)):.3f}, {result['seconds']} s")  # fmt: skip
+    elif args.cmd == "reference":
+        Path(args.out).write_text(json.dumps(reference(args)))
+
+
+if __name__ == "__main__":
+    main()
