@@ -347,20 +347,22 @@ class Builder:
 
     def qa(self, rng, length, index, filler):
         docs = self.hay.take(rng, filler)
-        target = rng.randrange(len(docs))
         everything = " ".join(docs).lower()
-        sentences = [s for s in re.split(r"(?<=[.;:])\s+", docs[target]) if 8 <= len(s.split()) <= 40]
-        choices = []
-        for s in sentences or [docs[target]]:
-            words = s.split()
-            for j, w in enumerate(words[2:], start=2):
-                bare = w.strip(".,;:()\"'")
-                if len(bare) >= 5 and bare.isalpha() and len(re.findall(rf"\b{re.escape(bare.lower())}\b", everything)) == 1:
-                    choices.append((s, j, bare))
-        if not choices:  # no word unique in the prompt: fall back to the least frequent long word of the document
-            words = docs[target].split()
-            j = max(range(2, len(words)), key=lambda i: (len(words[i].strip(".,;:()\"'")), -i))
-            choices = [(docs[target], j, words[j].strip(".,;:()\"'"))]
+        order = list(range(len(docs)))
+        rng.shuffle(order)
+        for target in order:  # the first document (in a seeded order) with a word the prompt holds once
+            sentences = [s for s in re.split(r"(?<=[.;:])\s+", docs[target]) if 8 <= len(s.split()) <= 40]
+            choices = []
+            for s in sentences:
+                words = s.split()
+                for j, w in enumerate(words[2:], start=2):
+                    bare = w.strip(".,;:()\"'")
+                    if len(bare) >= 5 and bare.isalpha() and len(re.findall(rf"\b{re.escape(bare.lower())}\b", everything)) == 1:
+                        choices.append((s, j, bare))
+            if choices:
+                break
+        else:
+            raise RuntimeError("no document holds a word found once in the prompt")
         sentence, j, answer = rng.choice(choices)
         words = sentence.split()
         words[j] = words[j].replace(answer, "____")
@@ -414,6 +416,27 @@ def score(item: Item, output: str) -> float:
     if item.metric == "part":
         return float(any(found))
     return sum(found) / len(found)
+
+
+def answer(item: Item, output: str) -> tuple:
+    """What a user reads as the answer, for agreement: the values asked for, in the order given
+    (digit runs for numbers, UUID-like runs, words), as many as the item has references; the set of
+    variable names (vt) or listed words (cwe, fwe); the first word (qa). Text around it is ignored,
+    so two outputs giving the same answer in other words agree."""
+    text, k = output or "", len(item.answers)
+    if item.family == "vt":
+        return tuple(sorted(set(re.findall(r"\b[A-Z]{5}\b", text))))
+    words = re.findall(r"[a-z0-9_]+", text.lower())
+    if item.family == "qa":
+        return tuple(words[:1])
+    if item.family in ("cwe", "fwe"):
+        return tuple(sorted(set(re.findall(r"[a-z]+", text.lower())[:k])))
+    kind = item.detail.get("kind", "numbers")
+    if kind == "numbers":
+        return tuple(re.findall(r"\d{3,}", text)[:k])
+    if kind == "uuids":
+        return tuple(re.findall(r"[0-9a-f][0-9a-f-]{7,}", text.lower())[:k])
+    return tuple(words[:k])
 
 
 def budget_lengths(budget: int, lengths=LENGTHS, compressions=COMPRESSIONS, page_size: int = 32) -> dict[int, float]:
@@ -530,9 +553,15 @@ def reference(args) -> dict:
     device = args.device
     tokenizer, model = quality.load_model(args.model_path)
     model = model.to(device)
+    quality.PAGE_SIZE = args.page_size  # the reference decoder's pages (module-level in quality.py)
     policies = {"dense": quality.Policy(selector=None)}
     if args.budget:
-        policies[f"sparse-{args.budget}"] = quality.Policy(budget=args.budget, dense_layers=args.dense_layers)
+        policies[f"sparse-{args.budget}"] = quality.Policy(budget=args.budget, dense_layers=args.dense_layers,
+                                                           logical_page_size=args.page_size)  # fmt: skip
+    for extra in args.policy:  # name=field:value,field:value
+        name, _, fields = extra.partition("=")
+        knobs = {k: (v if k in ("selector", "group_reduce") else int(v)) for k, v in (f.split(":") for f in fields.split(","))}
+        policies[name] = quality.Policy(**{"budget": args.budget, "logical_page_size": args.page_size, **knobs})
     outputs = []
     for item in chosen:
         ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
@@ -646,7 +675,9 @@ GRIDS = {
     + [(f"exactbounds-{b}", False, b, "--sparse-bound-format exact", 25) for b in BUDGETS],
 }
 # Flags every grid server gets: a small share of the GPU and of pinned host memory each.
-GRID_SERVER_ARGS = "--mem-fraction-static 0.05 --cuda-graph-max-bs-decode 64 --max-running-requests 64"
+GRID_SERVER_ARGS = "--mem-fraction-static 0.1 --cuda-graph-max-bs-decode 64 --max-running-requests 64"
+# Plain SGLang's attention backend: FlashInfer, which the sparse server's prefill and decode use too.
+GRID_VANILLA_ARGS = "--attention-backend flashinfer"
 GRID_SPARSE_ARGS = "--sparse-host-cache-gb 6"
 
 
@@ -661,7 +692,7 @@ def grid(args) -> None:
         while pending and len(running) < args.parallel:
             name, vanilla, budget, flags, per_cell = pending.pop(0)
             cmd = [sys.executable, __file__, "serve", "--items", args.items, "--name", name, "--out", str(out / f"{name}.json"),
-                   "--server-args", " ".join([GRID_SERVER_ARGS, flags] + ([] if vanilla else [GRID_SPARSE_ARGS])),
+                   "--server-args", " ".join([GRID_SERVER_ARGS, flags, GRID_VANILLA_ARGS if vanilla else GRID_SPARSE_ARGS]),
                    "--log", str(out / f"{name}.server.log")]  # fmt: skip
             cmd += ["--vanilla"] if vanilla else []
             cmd += ["--budget", str(budget)] if budget else []
@@ -710,6 +741,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--dense-layers", type=int, default=0)
     r.add_argument("--device", default="cpu")
     r.add_argument("--families", default="")
+    r.add_argument("--page-size", type=int, default=32)
+    r.add_argument("--policy", action="append", default=[], help="more policies: name=field:value,... (quality.Policy)")
     r.add_argument("--lengths", default="", help="comma-separated item lengths")
     r.add_argument("--model-path", default=None)
     gr = sub.add_parser("grid", help="run a grid of servers, several at once")

@@ -17,6 +17,8 @@ from typing import Any
 
 # Page scorers the sparse decode path knows (see the papers in shared/papers).
 SELECTORS = ("quest", "arkvale", "mean")
+# How a kv head's query heads' page scores become its one choice (sparse_sglang.attention.selectors).
+GROUP_REDUCES = ("sum", "max")
 # Storage of the page key bounds (sparse_sglang.mem_cache.summaries; kept here so the config
 # imports no torch).
 BOUND_FORMATS = ("auto", "exact", "int8")
@@ -87,6 +89,7 @@ class SparseConfig:
     page_size: int = knob(32, help="Tokens per per-(layer, kv-head) KV page; a power of two.")
     token_budget: int = knob(2048, help="KV tokens each kv head attends to per decode step; a multiple of the page size. Contexts up to this length decode densely (exact).")
     selector: str = knob("quest", help=f"Page scorer: {' | '.join(SELECTORS)}.")
+    group_reduce: str = knob("sum", help=f"How the query heads sharing a kv head (GQA) combine their page scores into its one selection: {' | '.join(GROUP_REDUCES)}. sum ranks by the group's total; max keeps a page any head of the group scores high.")
     bound_format: str = knob("auto", help=f"How the GPU keeps each page's key bounds (Quest's min/max, which scoring reads for every page every step): {' | '.join(BOUND_FORMATS)}. exact = in the KV dtype; int8 = int8 levels times a power-of-two scale per (page, kv head), the min rounded down and the max up, so they still bound every key: half the bytes of bf16 bounds (mean recall at budget 512 on SmolLM2 0.8066 against 0.8069 exact, benchmark/results/summary-precision-2026-11-23.json); auto = int8 for 16-bit KV, exact for fp8 (one byte already).")
     coarse_pages: int = knob(0, help="Coarse-first selection: S > 0 scores super-pages of S consecutive pages (a request's, whole, before its recent pages) from their joint key bounds first, keeps the best --sparse-coarse-candidates x budget pages' worth of them, and scores only their pages (plus the newest ones) page by page; the bounds of a super-page bound its pages', so a page scoring high keeps its super-page near the top. Reads ~1/S of the bounds instead of all; costs a second set of bounds in GPU memory (the summaries' bounds twice). 0 = score every page.")
     coarse_candidates: float = knob(4.0, help="Coarse-first selection (--sparse-coarse-pages > 0): pages the coarse pass keeps for the fine one, as a multiple of the budget's pages (rounded up to whole super-pages).")
@@ -120,6 +123,8 @@ class SparseConfig:
             )
         if self.bound_format not in BOUND_FORMATS:
             raise SparseConfigError("bound_format", f"must be one of {', '.join(BOUND_FORMATS)}; got {self.bound_format!r}")
+        if self.group_reduce not in GROUP_REDUCES:
+            raise SparseConfigError("group_reduce", f"must be one of {', '.join(GROUP_REDUCES)}; got {self.group_reduce!r}")
         if self.selector not in SELECTORS:
             raise SparseConfigError("selector", f"must be one of {', '.join(SELECTORS)}; got {self.selector!r}")
         if self.sink_pages < 0:

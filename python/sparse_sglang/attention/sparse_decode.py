@@ -124,7 +124,7 @@ class SparseDecoder:
         self.topk = topk
         self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
-        self.selector = config.selector
+        self.selector, self.group_reduce = config.selector, config.group_reduce
         recent = min(config.recent_pages, self.width)
         self.forced = (min(config.sink_pages, self.width - recent), recent)  # (sink, recent) pages
         self.interval = config.reselect_interval
@@ -325,7 +325,7 @@ class SparseDecoder:
         qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
         summaries = self.store.summaries.layer(layer)
         if not self.fused:
-            scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages)
+            scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages, self.group_reduce)
             if self.use_coarse:  # only the candidates of requests due for a full selection
                 scores = scores.masked_fill(~self._coarse_candidates_reference(layer, qg), -math.inf)
             scores = self._keep_cached(layer, scores)
@@ -341,13 +341,14 @@ class SparseDecoder:
         if self.use_coarse:
             host_pages = self.host_pages[:, : self.max_pages]
             coarse = score_coarse(qg, self.store.summaries.coarse_layer(layer), host_pages, self.built, self.coarse,
-                                  self.forced[0], reselect=self.reselect)  # fmt: skip
+                                  self.forced[0], self.group_reduce, reselect=self.reselect)  # fmt: skip
             supers = topk_pages(coarse, self.supers, self.topk, self.built_rows, self.topk_offsets)
             priority = score_candidates(self.selector, qg, summaries, host_pages, self.num_pages, supers, self.built,
-                                        self.coarse, self.coarse_tail, forced=self.forced, reuse=reuse)  # fmt: skip
+                                        self.coarse, self.coarse_tail, self.group_reduce, forced=self.forced,
+                                        reuse=reuse)  # fmt: skip
             return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
         priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
-                               forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
+                               self.group_reduce, forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
         if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
             priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
         return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
@@ -356,7 +357,7 @@ class SparseDecoder:
         """``[B, Hkv, N]`` bool: the pages the coarse pass leaves to score (all of a request
         reusing its selection), in plain torch (``torch.topk`` breaks ties its own way)."""
         coarse = score_coarse(qg, self.store.summaries.coarse_layer(layer), self.host_pages, self.built, self.coarse,
-                              self.forced[0], use_kernel=False)  # fmt: skip
+                              self.forced[0], self.group_reduce, use_kernel=False)  # fmt: skip
         top = coarse.topk(min(self.supers, coarse.shape[-1]), dim=-1)
         supers = torch.where(top.values > -math.inf, top.indices, -1)
         keep = candidate_pages(supers, self.built, self.num_pages, self.coarse, self.host_pages.shape[1])

@@ -1,0 +1,148 @@
+"""The accuracy suite's task generator and scoring (benchmark/accuracy.py), on CPU.
+
+Items are built with the default model's tokenizer from the machine's own prose; these tests check
+what makes an item a fair question: its length, that its needles and answers are in it exactly as
+asked, that the haystack repeats no paragraph, that the same seed gives the same items, and that
+scoring reads answers as RULER does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from benchmark import accuracy
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from sparse_sglang.default_model import DefaultModelUnavailable, default_model_path
+
+    try:
+        return AutoTokenizer.from_pretrained(default_model_path())
+    except DefaultModelUnavailable as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def paragraphs():
+    return accuracy.corpus()
+
+
+@pytest.fixture(scope="module")
+def items(tokenizer, paragraphs):
+    return accuracy.generate(tokenizer, per_cell=2, seed=7, lengths=(2048, 4096), paragraphs=paragraphs)
+
+
+def test_the_corpus_is_prose_with_no_paragraph_twice(paragraphs):
+    assert len(paragraphs) > 1000
+    assert len(set(paragraphs)) == len(paragraphs)
+    assert sum(len(p) for p in paragraphs) > 300_000  # several 8K-token haystacks' worth of distinct text
+
+
+def test_every_family_and_length_is_built_within_its_token_range(items, tokenizer):
+    cells = Counter((i.family, i.length) for i in items)
+    assert set(cells) == {(f, n) for f in accuracy.FAMILIES for n in (2048, 4096)}
+    for item in items:
+        n = len(tokenizer(item.prompt, add_special_tokens=False).input_ids)
+        assert n == item.prompt_tokens
+        assert (1 - accuracy.LENGTH_SLACK) * item.length <= n <= item.length, item.id
+
+
+def test_the_same_seed_gives_the_same_items_and_another_seed_others(tokenizer, paragraphs, items):
+    again = accuracy.generate(tokenizer, per_cell=2, seed=7, families=("niah_multikey", "qa"), lengths=(2048,),
+                              paragraphs=paragraphs)  # fmt: skip
+    first = {i.id: i for i in items}
+    for item in again:
+        assert item.prompt == first[item.id].prompt and item.answers == first[item.id].answers
+    other = accuracy.generate(tokenizer, per_cell=2, seed=8, families=("niah_multikey",), lengths=(2048,),
+                              paragraphs=paragraphs)  # fmt: skip
+    assert [i.prompt for i in other] != [first[i.id].prompt for i in other]
+
+
+def test_needle_answers_are_in_the_prompt_once_and_distractors_share_the_phrasing(items):
+    for item in items:
+        if not item.family.startswith("niah"):
+            continue
+        for answer in item.answers:
+            assert item.prompt.count(answer) == 1, (item.id, answer)
+        needles = re.findall(r"One of the special magic \w+ for ([\w-]+) is: ", item.prompt)
+        expected = {"niah_single": 1, "niah_multikey": 4, "niah_multivalue": 4, "niah_multiquery": 4}[item.family]
+        assert len(needles) == expected, item.id
+        for key in item.detail["keys"]:
+            assert key in needles and key in item.prompt.rsplit("<|im_start|>user", 1)[1].split("\n\n")[-1]
+
+
+def test_variable_chains_and_word_lists_hold_their_answers(items):
+    for item in items:
+        body = item.prompt
+        if item.family == "vt":
+            value = re.search(r"assigned the value (\d+) in the text above", body).group(1)
+            assert f"VAR {item.answers[0]} = {value}." in body
+            for a, b in zip(item.answers, item.answers[1:]):
+                assert body.index(f"VAR {b} = VAR {a}.") > body.index(f"VAR {a} =")  # the chain in reading order
+        elif item.family == "cwe":
+            listed = Counter(re.findall(r"\d+\. ([a-z]+)", body))
+            top = [w for w, _ in listed.most_common(10)]
+            assert sorted(top) == sorted(item.answers)
+            assert min(listed[w] for w in item.answers) > max(c for w, c in listed.items() if w not in item.answers)
+        elif item.family == "fwe":
+            text = body.split("coded words. ", 1)[1].split("\nQuestion:", 1)[0]
+            counts = Counter(w for w in text.split() if w != "....")
+            assert [w for w, _ in counts.most_common(3)] == item.answers
+            assert counts.most_common(4)[2][1] > counts.most_common(4)[3][1]  # a clear third
+
+
+def test_qa_asks_for_a_word_of_one_document_that_the_prompt_holds_once(items):
+    for item in [i for i in items if i.family == "qa"]:
+        (answer,) = item.answers
+        doc = item.detail["document"]
+        masked = re.search(r'which word is missing from this sentence: "(.*)"\?', item.prompt).group(1)
+        assert "____" in masked
+        sentence = masked.replace("____", answer)
+        document = item.prompt.split(f"Document {doc}:\n", 1)[1].split("\n\nDocument ", 1)[0]
+        assert sentence in document
+        assert len(re.findall(rf"\b{re.escape(answer.lower())}\b", item.prompt.lower())) == 1
+
+
+def test_haystacks_repeat_no_paragraph(items):
+    for item in items:
+        if item.family in ("cwe", "fwe"):
+            continue
+        user = item.prompt.split("<|im_start|>user\n", 1)[1]
+        # RULER's QA template states its instruction before and after the documents, on purpose
+        paras = [p for p in user.split("\n\n") if len(p.split()) >= 8 and not p.startswith("Answer the question")]
+        assert len(paras) == len(set(paras)), item.id
+
+
+def test_scoring_reads_answers_as_ruler_does():
+    item = accuracy.Item("x", "niah_multivalue", 2048, "", ["1234567", "7654321"], "all", 8)
+    assert accuracy.score(item, "The numbers are 1234567 and 7654321.") == 1.0
+    assert accuracy.score(item, "1234567, 1111111") == 0.5
+    assert accuracy.score(item, "nothing") == 0.0
+    qa = accuracy.Item("q", "qa", 2048, "", ["Lowest"], "part", 8)
+    assert accuracy.score(qa, " lowest") == 1.0
+
+
+def test_answers_compare_by_what_a_user_reads():
+    niah = accuracy.Item("x", "niah_single", 2048, "", ["1234567"], "all", 8, detail={"kind": "numbers"})
+    assert accuracy.answer(niah, " 1234567.") == accuracy.answer(niah, " 1234567. This is the number")
+    assert accuracy.answer(niah, " 1234567.") != accuracy.answer(niah, " 1234561.")
+    vt = accuracy.Item("v", "vt", 2048, "", ["ABCDE", "FGHIJ"], "all", 8)
+    assert accuracy.answer(vt, " ABCDE, FGHIJ.") == accuracy.answer(vt, " FGHIJ and ABCDE")
+    assert accuracy.answer(vt, " ABCDE") != accuracy.answer(vt, " ABCDE, FGHIJ")
+
+
+def test_budgets_give_the_compressions_asked():
+    assert accuracy.budget_lengths(512) == pytest.approx({2048: 4.0, 4096: 8.0, 8000: 15.625})
+    assert accuracy.budget_lengths(2048) == pytest.approx({8000: 3.90625})
+    assert 2048 not in accuracy.budget_lengths(64)  # under sink + recent pages: not run
+    for budget in accuracy.BUDGETS:
+        for length, ratio in accuracy.budget_lengths(budget).items():
+            assert 0.97 * accuracy.nominal(ratio) <= ratio <= accuracy.nominal(ratio)
