@@ -5,8 +5,8 @@ cold each time. FlashInfer also loads a module from ``<flashinfer>/data/aot/<nam
 when that file exists, without compiling; this script builds those files here (for sm_90a, the
 H100/H200) so a device call only copies them in::
 
-    python benchmark/flashinfer_aot.py .gpu-carry/aot           # here, about 15 minutes on 2 cores
-    python benchmark/flashinfer_aot.py .gpu-carry/aot64 --head-dim 64   # SmolLM2's modules
+    python tools/flashinfer_aot.py .gpu-carry/aot           # here, about 15 minutes on 2 cores
+    python tools/flashinfer_aot.py .gpu-carry/aot64 --head-dim 64   # SmolLM2's modules
     # on the GPU host, after installing flashinfer into /tmp/site:
     for d in .gpu-carry/aot/*; do mkdir -p /tmp/site/flashinfer/data/aot/$(basename $d); cp $d/*.so $_; done
 

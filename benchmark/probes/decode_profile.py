@@ -8,7 +8,7 @@ records ``--steps`` decode steps with SGLang's profiler (``/start_profile``: tor
 and GPU) and reads the trace: per step (one CUDA-graph launch to the next) the wall time, the time
 the GPU ran kernels, and that time by kernel family.
 
-    python benchmark/decode_profile.py      # about 4 minutes with the server start
+    python benchmark/probes/decode_profile.py      # about 4 minutes with the server start
 
 Writes ``benchmark/results/decode-profile-<date>.json``.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.serving import server_args  # noqa: E402
 from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy  # noqa: E402
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                **step_profile(events)}  # fmt: skip
     body = {"flags": flags, "args": vars(args) | {"out_dir": str(args.out_dir)}, "trace_file": Path(files[-1]).name,
             "summary": summary}  # fmt: skip
-    return finish_run("benchmark/decode_profile.py", argv, body, args.out_dir, "decode-profile-{date}.json")
+    return finish_run("benchmark/probes/decode_profile.py", argv, body, args.out_dir, "decode-profile-{date}.json")
 
 
 if __name__ == "__main__":

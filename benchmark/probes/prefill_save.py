@@ -18,7 +18,7 @@ CUDA events in one process, median of ``--reps``:
 ``summary_overhead_32k = summaries / base - 1`` (issue target: <= 0.05). Writes
 ``benchmark/results/transfer-<date>-prefill-save.json``::
 
-    PYTHONPATH=python python benchmark/prefill_save.py [--tokens 32768] [--reps 5]
+    PYTHONPATH=python python benchmark/probes/prefill_save.py [--tokens 32768] [--reps 5]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.testing.decode_setup import Llama8BShape, make_store
 from sparse_sglang.testing.provenance import finish_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHAPE = Llama8BShape(num_layers=32)
 HIDDEN, INTERMEDIATE = 4096, 14336
 TARGET = 0.05
@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     }
     summary["target_met"] = summary["summary_overhead_32k"] <= TARGET
     shape = {**SHAPE.__dict__, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": "bfloat16"}
-    return finish_run("benchmark/prefill_save.py", argv, {"shape": shape, **result, "summary": summary},
+    return finish_run("benchmark/probes/prefill_save.py", argv, {"shape": shape, **result, "summary": summary},
                           args.out_dir, "transfer-{date}-prefill-save.json")  # fmt: skip
 
 

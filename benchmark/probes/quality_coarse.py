@@ -8,7 +8,7 @@ quest at budget 512 page by page, and coarse-first with super-pages of 4 and 8 p
 request holds 224 pages; the budget keeps 16 and 4 budgets' worth of candidates is 64 of them, so
 the coarse pass discards less here than at 128K (4,096 pages). About a minute on 2 CPU cores::
 
-    python benchmark/quality_coarse.py
+    python benchmark/probes/quality_coarse.py
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import benchmark.quality as quality  # noqa: E402
@@ -73,7 +73,7 @@ def main() -> dict:
             "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
     for key, value in summary.items():
         print(f"{key}: {value}")
-    return finish_run("benchmark/quality_coarse.py", [], body, REPO / "benchmark" / "results",
+    return finish_run("benchmark/probes/quality_coarse.py", [], body, REPO / "benchmark" / "results",
                       "quality-coarse-{date}.json", device="cpu")  # fmt: skip
 
 

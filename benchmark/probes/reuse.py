@@ -10,8 +10,8 @@ prompt's first pages, as in the server), ``due_for_selection``/``cached_pages``/
 (the reuse rule) and the quest selection of ``benchmark/quality.py``. The last ``--queries``
 positions act as consecutive decode steps, each over its own prefix.
 
-    python benchmark/reuse.py           # about 2 minutes on 2 CPU cores
-    python benchmark/reuse.py --row-ratios 1 1.25 2 3 4 --intervals 1 8 \
+    python benchmark/probes/reuse.py           # about 2 minutes on 2 CPU cores
+    python benchmark/probes/reuse.py --row-ratios 1 1.25 2 3 4 --intervals 1 8 \
         --out benchmark/results/reuse-<date>-row-ratio.json   # rows wider than the selection
 
 Writes ``benchmark/results/reuse-<date>.json``.
@@ -30,7 +30,7 @@ from sparse_sglang.mem_cache import GPUPageCache
 from sparse_sglang.mem_cache.plan import row_width_for
 from sparse_sglang.testing.provenance import finish_run
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.quality import PAGE_SIZE, REPO, Policy, capture, choose_pages, license_tokens, load_model, summarize  # noqa: E402
 
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         "run_time_s": round(time.monotonic() - start, 1),
     }  # fmt: skip
     out = args.out or REPO / "benchmark" / "results" / "reuse-{date}.json"
-    return finish_run("benchmark/reuse.py", argv, body, out.parent, out.name, device="cpu")
+    return finish_run("benchmark/probes/reuse.py", argv, body, out.parent, out.name, device="cpu")
 
 
 if __name__ == "__main__":

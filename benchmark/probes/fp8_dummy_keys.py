@@ -17,7 +17,7 @@ here, ``sqrt(2)`` the most RoPE's rotation of a pair can raise one coordinate. T
 dummy layer are the same in distribution (SGLang draws V's weights like K's), so one scale serves
 K, V and every layer; anything beyond the range saturates (``SparseKVStore.to_store_dtype``).
 
-    python benchmark/fp8_dummy_keys.py        # a few seconds
+    python benchmark/probes/fp8_dummy_keys.py        # a few seconds
 
 Writes ``benchmark/results/fp8-dummy-keys-<date>.json`` and ``benchmark/kv-scales-llama3-8b-dummy.json``
 (the serving benchmark's fp8 runs pass it: ``--kv-cache-dtype fp8_e4m3 --quantization-param-path ...``).
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sparse_sglang.testing.models import LLAMA3_8B_CONFIG  # noqa: E402
 from sparse_sglang.testing.provenance import finish_run  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCALES_PATH = REPO / "benchmark" / "kv-scales-llama3-8b-dummy.json"
 HEADROOM = 2.0  # over the largest key seen, beyond RoPE's sqrt(2)
 E4M3_MAX = 448.0
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         "calibrated_key_rel_err": ((scaled - keys).norm() / keys.norm()).item(),
         "scales_file": str(args.scales_out.relative_to(REPO)) if args.scales_out.is_relative_to(REPO) else str(args.scales_out),
     }
-    return finish_run("benchmark/fp8_dummy_keys.py", argv, {"summary": summary}, args.out_dir,
+    return finish_run("benchmark/probes/fp8_dummy_keys.py", argv, {"summary": summary}, args.out_dir,
                       "fp8-dummy-keys-{date}.json", device="cpu")  # fmt: skip
 
 

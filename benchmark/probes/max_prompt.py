@@ -14,7 +14,7 @@ longest one answered before the first refused (or timed out) is the system's lon
 
 Summary: ``longest_prompt`` per system, ``max_prompt_ratio`` (sparse / vanilla), the budget.
 
-    python benchmark/max_prompt.py     # 3.5 GiB of KV, a 256K context: about 6 minutes on an H100
+    python benchmark/probes/max_prompt.py     # 3.5 GiB of KV, a 256K context: about 6 minutes on an H100
 
 Writes ``benchmark/results/max-prompt-<date>.json``.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root holds `benchmark`
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root holds `benchmark`
 from benchmark.serving import SYSTEM_SERVER_ARGS, SYSTEMS, sparse_gpu_cache_gb  # noqa: E402
 from sparse_sglang.config import GIB  # noqa: E402
 from sparse_sglang.testing.models import LLAMA3_8B_KV_BYTES_PER_TOKEN, LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy  # noqa: E402
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                "max_prompt_ratio": s / v if v and s else None}  # fmt: skip
     body = {"model": {"shape": "Llama-3-8B", "weights": "dummy", "context": args.context}, "ladder": lengths,
             "systems": systems, "summary": summary}  # fmt: skip
-    return finish_run("benchmark/max_prompt.py", argv, body, args.out_dir, "max-prompt-{date}.json")
+    return finish_run("benchmark/probes/max_prompt.py", argv, body, args.out_dir, "max-prompt-{date}.json")
 
 
 if __name__ == "__main__":

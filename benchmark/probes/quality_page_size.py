@@ -4,7 +4,7 @@ texts, the last 32 positions as decode queries); quest and the oracle (pages ran
 attention mass) at budgets 512 and 1024, one sink and two recent pages, for pages of 32, 16 and 8
 tokens. About 2 minutes on 2 CPU cores::
 
-    python benchmark/quality_page_size.py
+    python benchmark/probes/quality_page_size.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import benchmark.quality as quality  # noqa: E402
@@ -44,7 +44,7 @@ def main() -> dict:
         (p for p in sorted(PAGE_SIZES, reverse=True) if at[p, "quest", 512] >= quality.TARGET_RECALL), None)
     body = {"setup": {"tokens": 7168, "queries": 32, "sink_pages": 1, "recent_pages": 2, "group_reduce": "sum"},
             "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
-    return finish_run("benchmark/quality_page_size.py", [], body, REPO / "benchmark" / "results",
+    return finish_run("benchmark/probes/quality_page_size.py", [], body, REPO / "benchmark" / "results",
                       "quality-page-size-{date}.json", device="cpu")  # fmt: skip
 
 

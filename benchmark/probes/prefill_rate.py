@@ -11,7 +11,7 @@ with the serving benchmark's exact server flags (same KV budget, same extra args
 
 Fresh random token ids per prompt, so the radix cache reuses nothing.
 
-    python benchmark/prefill_rate.py --sparse-server-args "--kv-cache-dtype fp8_e4m3 \
+    python benchmark/probes/prefill_rate.py --sparse-server-args "--kv-cache-dtype fp8_e4m3 \
         --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json"   # about 6 minutes, H100
 
 Writes ``benchmark/results/prefill-rate-<date>.json``; summary ``sparse_over_vanilla_alone`` and
@@ -35,7 +35,7 @@ from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_du
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
 from sparse_sglang.testing.server import ServerProcess, flush_cache, generate_ids
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root holds `benchmark`
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root holds `benchmark`
 from benchmark.serving import SYSTEMS, server_args, warm_up  # noqa: E402
 
 ALONE_TOKENS = (16384, 32768, 49152)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sparse_over_vanilla_queued": ratio("queued_tokens_per_s"),
         **{f"{s}_{k}": v[k] for s, v in systems.items() for k in ("alone_tokens_per_s", "queued_tokens_per_s")},
     }
-    return finish_run("benchmark/prefill_rate.py", argv, {"systems": systems, "summary": summary}, args.out_dir,
+    return finish_run("benchmark/probes/prefill_rate.py", argv, {"systems": systems, "summary": summary}, args.out_dir,
                       "prefill-rate-{date}.json")  # fmt: skip
 
 

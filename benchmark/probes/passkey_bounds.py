@@ -5,7 +5,7 @@ power-of-two scale per page and kv head, rounded outward: ``--sparse-bound-forma
 (``--passkey-prefill question``: the question's tokens decode sparsely too), the one the committed
 ``passkey-bounds-2026-11-24.json`` ran::
 
-    python benchmark/passkey_bounds.py       # about 5 minutes on 2 CPU cores
+    python benchmark/probes/passkey_bounds.py       # about 5 minutes on 2 CPU cores
 
 Writes ``benchmark/results/passkey-bounds-<date>.json``.
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark import quality  # noqa: E402
 from sparse_sglang.testing.provenance import finish_run  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FORMATS = ("exact", "int8")
 PREFILL = "question"  # quality.PASSKEY_PROTOCOLS
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     body = {"policy": quality.Policy().name, "budget": quality.Policy().budget, "passkey_prefill": PREFILL,
             "cases": cases, "summary": summary,
             "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
-    return finish_run("benchmark/passkey_bounds.py", argv, body, REPO / "benchmark" / "results", "passkey-bounds-{date}.json", device="cpu")
+    return finish_run("benchmark/probes/passkey_bounds.py", argv, body, REPO / "benchmark" / "results", "passkey-bounds-{date}.json", device="cpu")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Each timing is a CUDA-graph replay of ``--reps`` top-ks over distinct priority b
 before each replay (as ``benchmark/decode.py`` times); the picks are checked against ``torch.topk``
 first (the same priority multiset per row). Writes ``benchmark/results/topk-probe-<date>.json``::
 
-    python benchmark/topk_probe.py          # GPU; needs torch and triton only (FlashInfer if present)
+    python benchmark/probes/topk_probe.py          # GPU; needs torch and triton only (FlashInfer if present)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "python")]
 from benchmark.decode import time_graph  # noqa: E402 (imports neither SGLang nor FlashInfer)
 
@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
     from sparse_sglang.testing.provenance import finish_run
 
     summary = {f"{r['pages']}p_x{r['rows']}": {k: round(v, 1) for k, v in r.items() if k.endswith("_us")} for r in results}
-    return finish_run("benchmark/topk_probe.py", argv, {"rows": results, "summary": summary}, args.out_dir,
+    return finish_run("benchmark/probes/topk_probe.py", argv, {"rows": results, "summary": summary}, args.out_dir,
                       "topk-probe-{date}.json")  # fmt: skip
 
 

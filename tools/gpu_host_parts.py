@@ -6,7 +6,7 @@ A call carries at most 64 MiB, the tracked tree included, and the tree holds the
 part's wheels to ``/root/wh`` and its GGUF pieces to ``/root/gguf``; the part that completes the set
 installs the wheels into ``/tmp/site`` and joins the GGUF.
 
-    python benchmark/gpu_host_parts.py .gpu-bundle        # after build_bundle.sh wrote b1 and b2
+    python tools/gpu_host_parts.py .gpu-bundle        # after build_bundle.sh wrote b1 and b2
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ operation to the last, the time any GPU operation ran (overlapping streams count
 the GPU time by kernel family (summed per stream, so families on a side stream can add up to
 more than the busy time).
 
-    python benchmark/prefill_profile.py --sparse-server-args "--kv-cache-dtype fp8_e4m3 \\
+    python benchmark/probes/prefill_profile.py --sparse-server-args "--kv-cache-dtype fp8_e4m3 \\
         --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json"   # about 7 minutes, H100
 
 Writes ``benchmark/results/prefill-profile-<date>.json``.
@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.decode_profile import top_kernels  # noqa: E402
-from benchmark.prefill_rate import add_system_args, fresh_prompt, system_flags  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmark.probes.decode_profile import top_kernels  # noqa: E402
+from benchmark.probes.prefill_rate import add_system_args, fresh_prompt, system_flags  # noqa: E402
 from benchmark.serving import SYSTEMS  # noqa: E402
 from sparse_sglang.testing.models import write_llama3_8b_dummy  # noqa: E402
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(system, json.dumps({k: v for k, v in systems[system].items() if k not in ("flags", "top_kernels")}), flush=True)
     keys = sorted({k for s in systems.values() for k in s if k.endswith("_ms")})
     summary = {k: {s: round(v.get(k, 0.0), 2) for s, v in systems.items()} for k in keys}
-    return finish_run("benchmark/prefill_profile.py", argv, {"args": vars(args) | {"out_dir": str(args.out_dir)},
+    return finish_run("benchmark/probes/prefill_profile.py", argv, {"args": vars(args) | {"out_dir": str(args.out_dir)},
                                                              "systems": systems, "summary": summary},
                       args.out_dir, "prefill-profile-{date}.json")  # fmt: skip
 

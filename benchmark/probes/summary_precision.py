@@ -11,7 +11,7 @@ the max up, so every key stays inside its page's box and Quest's score stays an 
 ``q . k`` over the page. Recall is ``benchmark/quality.py``'s (its capture: 7,168 tokens
 of license texts, the last 32 positions as queries), with bf16 and with fp8 bounds.
 
-    python benchmark/summary_precision.py       # about 1.5 minutes on 2 CPU cores
+    python benchmark/probes/summary_precision.py       # about 1.5 minutes on 2 CPU cores
 
 Writes ``benchmark/results/summary-precision-<date>.json``.
 """
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark import quality  # noqa: E402
 from sparse_sglang.mem_cache.summaries import dequantize_bounds, quantize_bounds  # noqa: E402
 from sparse_sglang.testing.provenance import finish_run  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUDGETS = (256, 512, 1024, 2048)
 E4M3_MAX = 448.0
 
@@ -101,7 +101,7 @@ def main() -> dict:
                       "fp8": "e4m3, a power-of-two scale per (layer, kv head), min rounded down and max up",
                       "int8": "int8 levels, a power-of-two scale per (page, kv head), min rounded down and max up"},
             "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
-    return finish_run("benchmark/summary_precision.py", [], body, REPO / "benchmark" / "results",
+    return finish_run("benchmark/probes/summary_precision.py", [], body, REPO / "benchmark" / "results",
                       "summary-precision-{date}.json", device="cpu")  # fmt: skip
 
 
