@@ -3,8 +3,8 @@
 The batch-1 sparse step spends ~8 us (32K) to ~11 us (128K) in FlashInfer's top-k over 8 rows of
 1,024 or 4,096 page priorities. A top-k that one program per row can run would fit at the tail of
 the score launch (the last of a row's programs to finish scoring selects), removing a launch. A
-bitonic `tl.topk` per row measured 15.5 and 74 us at best (RESULTS.md, "Two batch-1 kernels tried and
-dropped"); this probes a radix select instead: four passes of a 256-bin histogram over the
+bitonic `tl.topk` per row measured 15.5 and 74 us at best (docs/decisions/0001, which this probe's
+answer settled); this probes a radix select instead: four passes of a 256-bin histogram over the
 priorities' order-preserving 32-bit codes find the K-th largest exactly, then one prefix sum places
 the picks (ties at the threshold to the lower pages).
 
