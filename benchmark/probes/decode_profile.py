@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     # The serving benchmark's sparse server (benchmark/serving.py's flags and budgets).
     parser.add_argument("--sparse-host-cache-gb", type=float, default=80.0)
     parser.add_argument("--kv-hbm-gb", type=float, default=20.0)
-    parser.add_argument("--extra-server-args", default="--cuda-graph-max-bs 64")
+    parser.add_argument("--extra-server-args", default="--cuda-graph-max-bs-decode 64")
     add_server_run_args(parser, "decode-profile")
     args = parser.parse_args(argv)
     log_dir = Path(args.log_dir)

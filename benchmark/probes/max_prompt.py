@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "--sparse-gpu-cache-gb", f"{sparse_gpu_cache_gb(args.kv_hbm_gb, host_gb, args.context):.3f}"],
     }  # fmt: skip
     common = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.85",
-              "--cuda-graph-max-bs", "4", "--max-running-requests", "4"]  # fmt: skip
+              "--cuda-graph-max-bs-decode", "4", "--max-running-requests", "4"]  # fmt: skip
     lengths = ladder(pool, args.context, args.new_tokens)
     systems = {}
     for name in args.systems.split(","):
