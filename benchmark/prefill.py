@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_server_run_args(parser, "prefill")
     args = parser.parse_args(argv)
     model = write_llama3_8b_dummy(Path(args.log_dir) / "llama3-8b-dummy")
-    flags = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "32",
+    flags = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs-decode", "32",
              "--sparse-host-cache-gb", str(args.host_cache_gb), *args.extra_server_args.split()]  # fmt: skip
     systems = {}
     for name in args.systems.split(","):

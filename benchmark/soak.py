@@ -23,7 +23,7 @@ Writes ``benchmark/results/soak-<date>.json`` whose summary holds ``requests``, 
 ``output_matches_fresh``::
 
     python benchmark/soak.py --requests 1000 --rate 8 --layers 4 --host-cache-gb 1.5 --request-timeout 300 \
-        --extra-server-args "--cuda-graph-max-bs 64 --sparse-segmented-prefill true \
+        --extra-server-args "--cuda-graph-max-bs-decode 64 --sparse-segmented-prefill true \
         --sparse-working-set-admission true --sparse-gpu-cache-gb 0.25"
         # the 2026-11-23 run, with --abort-frac 0.8 (now the default): about 4 minutes on an H100
 """

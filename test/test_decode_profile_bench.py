@@ -1,8 +1,8 @@
-"""benchmark/decode_profile.py's trace reading: steps between CUDA-graph launches, kernels by family."""
+"""benchmark/probes/decode_profile.py's trace reading: steps between CUDA-graph launches, kernels by family."""
 
 import pytest
 
-from benchmark.decode_profile import family, step_profile
+from benchmark.probes.decode_profile import family, step_profile
 
 
 def test_steps_run_from_one_graph_launch_to_the_next_and_sum_kernels_by_family():

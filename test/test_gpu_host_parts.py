@@ -1,4 +1,4 @@
-"""benchmark/gpu_host_parts.py: every part fits its room, and the parts hold each wheel once and
+"""tools/gpu_host_parts.py: every part fits its room, and the parts hold each wheel once and
 the GGUF whole, in order."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("gpu_host_parts", Path(__file__).resolve().parents[1] / "benchmark" / "gpu_host_parts.py")
+spec = importlib.util.spec_from_file_location("gpu_host_parts", Path(__file__).resolve().parents[1] / "tools" / "gpu_host_parts.py")
 gpu_host_parts = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_host_parts)
 

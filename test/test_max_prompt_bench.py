@@ -1,7 +1,7 @@
-"""benchmark/max_prompt.py's plan: vanilla's pool at a KV budget, the prompt lengths tried, the
+"""benchmark/probes/max_prompt.py's plan: vanilla's pool at a KV budget, the prompt lengths tried, the
 longest one answered, and the sparse page cache that keeps the two systems' GPU memory equal."""
 
-from benchmark.max_prompt import host_cache_gb, ladder, longest, pool_tokens
+from benchmark.probes.max_prompt import host_cache_gb, ladder, longest, pool_tokens
 from benchmark.serving import sparse_gpu_cache_gb
 
 

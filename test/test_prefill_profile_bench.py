@@ -1,8 +1,8 @@
-"""benchmark/prefill_profile.py's trace reading (CPU, synthetic trace)."""
+"""benchmark/probes/prefill_profile.py's trace reading (CPU, synthetic trace)."""
 
 import pytest
 
-from benchmark.prefill_profile import busy_ms, family, prefill_profile
+from benchmark.probes.prefill_profile import busy_ms, family, prefill_profile
 
 
 def op(name, ts, dur, cat="kernel"):

@@ -1,4 +1,4 @@
-"""CPU test of the fp8 outward rounding benchmark/summary_precision.py applies to page bounds."""
+"""CPU test of the fp8 outward rounding benchmark/probes/summary_precision.py applies to page bounds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.summary_precision import e4m3_values, fp8_outward, int8_outward  # noqa: E402
+from benchmark.probes.summary_precision import e4m3_values, fp8_outward, int8_outward  # noqa: E402
 
 
 def test_fp8_bounds_contain_the_originals_and_are_e4m3_values_times_a_power_of_two():

@@ -1,4 +1,4 @@
-"""The radix top-k probe (``benchmark/topk_probe.py``) picks each row's top k, as ``torch.topk``.
+"""The radix top-k probe (``benchmark/probes/topk_probe.py``) picks each row's top k, as ``torch.topk``.
 
 Without CUDA the kernel runs in Triton's interpreter (``test/conftest.py``); on the GPU host the
 probe checks itself the same way before it times anything.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmark.topk_probe import check
+from benchmark.probes.topk_probe import check
 
 
 def test_radix_topk_picks_each_rows_top_k():

@@ -1,0 +1,1 @@
+"""One-off measurements whose decision is taken (docs/results.md says which): kept runnable, not the harness."""
