@@ -494,6 +494,8 @@ def serve(args) -> dict:
         items = [i for i in items if i.length in keep]
     if args.families:
         items = [i for i in items if i.family in args.families.split(",")]
+    if args.lengths:
+        items = [i for i in items if str(i.length) in args.lengths.split(",")]
     if args.per_cell:
         items = [i for i in items if int(i.id.rsplit("-", 1)[1]) < args.per_cell]
     extra = args.server_args.split() if args.server_args else []
@@ -519,7 +521,10 @@ def serve(args) -> dict:
     for o in outputs:
         if o["output"] is not None:
             o["score"] = score(by_id[o["id"]], o["output"])
+    import torch
+
     return {"kind": "server", "name": args.name, "vanilla": bool(args.vanilla), "budget": args.budget,
+            "concurrency": args.concurrency, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "server_args": extra, "command": command, "items_digest": meta.get("digest"), "commit": git_commit(),
             "seconds": round(time.time() - started, 1), "outputs": outputs}  # fmt: skip
 
@@ -606,74 +611,139 @@ def _reference_decode(model, hook, cache, first: int, new_tokens: int, tokenizer
 # Summary.
 
 
-def summarize(paths: list[str], items_path: str) -> dict:
-    _, items = load_items(Path(items_path))
-    by_id = {i.id: i for i in items}
-    runs = [json.loads(Path(p).read_text()) for p in paths]
-    dense = next(r for r in runs if r["kind"] == "server" and r["vanilla"])
-    dense_out = {o["id"]: o for o in dense["outputs"] if o.get("output") is not None}
-    cells = []
+def _mean(xs) -> float | None:
+    xs = list(xs)
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
+def _outputs(run: dict) -> dict[str, dict]:
+    return {o["id"]: o for o in run["outputs"] if o.get("output") is not None}
+
+
+def _pairs(runs: list[dict], by_id: dict[str, Item], prefix: str, reference: list[dict]):
+    """(item, output, dense output) for every item a run named ``prefix*`` answered and a run in
+    ``reference`` (dense) answered too."""
+    dense = {}
+    for run in reference:
+        dense.update(_outputs(run))
     for run in runs:
-        if run["kind"] != "server" or run["vanilla"]:
+        if not run["name"].startswith(prefix):
             continue
         ratios = budget_lengths(run["budget"])
-        for o in run["outputs"]:
-            item, d = by_id[o["id"]], dense_out.get(o["id"])
-            if o.get("output") is None or d is None:
-                continue
-            cells.append({"run": run["name"], "family": item.family, "length": item.length,
-                          "compression": nominal(ratios[item.length]), "ratio": round(ratios[item.length], 2),
-                          "dense_score": d["score"], "sparse_score": o["score"],
-                          "agree": normalize(o["output"]) == normalize(d["output"])})  # fmt: skip
-    return {"dense": dense, "cells": cells, "runs": runs}
+        for i, o in _outputs(run).items():
+            if i in dense:
+                yield run, by_id[i], nominal(ratios[by_id[i].length]), o, dense[i]
 
 
-def table(cells: list[dict], run_prefix: str) -> dict:
-    """family x compression: dense accuracy, sparse accuracy, agreement (means over items)."""
-    out: dict = {}
-    for c in cells:
-        if not c["run"].startswith(run_prefix):
-            continue
-        row = out.setdefault(c["family"], {}).setdefault(str(c["compression"]), {"n": 0, "dense": 0.0, "sparse": 0.0, "agree": 0})
-        row["n"] += 1
-        row["dense"] += c["dense_score"]
-        row["sparse"] += c["sparse_score"]
-        row["agree"] += c["agree"]
-    for fam in out.values():
-        for row in fam.values():
-            n = row["n"]
-            row.update(dense=round(row["dense"] / n, 3), sparse=round(row["sparse"] / n, 3), agree=round(row["agree"] / n, 3))
-    return out
+def family_table(pairs) -> dict:
+    """family -> compression -> {n, dense, sparse, agreement}: mean RULER scores and the share of
+    items whose answer (:func:`answer`) equals dense's."""
+    cells: dict = {}
+    for _, item, comp, o, d in pairs:
+        cells.setdefault(item.family, {}).setdefault(str(comp), []).append(
+            (d["score"], o["score"], answer(item, o["output"]) == answer(item, d["output"])))
+    return {f: {c: {"n": len(v), "dense": _mean(x[0] for x in v), "sparse": _mean(x[1] for x in v),
+                    "agreement": _mean(x[2] for x in v)} for c, v in sorted(by.items(), key=lambda kv: int(kv[0]))}
+            for f, by in cells.items()}  # fmt: skip
 
 
-def bars(cells: list[dict], run_prefix: str) -> dict:
-    sel = [c for c in cells if c["run"].startswith(run_prefix)]
-    at = lambda k: [c for c in sel if c["compression"] == k]  # noqa: E731
-    out = {}
-    four = at(4)
-    if four:
-        out["agreement_4x"] = round(sum(c["agree"] for c in four) / len(four), 4)
-    sixteen = at(16)
-    if sixteen:
-        fams = sorted({c["family"] for c in sixteen})
-        gaps = []
-        for f in fams:
-            rows = [c for c in sixteen if c["family"] == f]
-            gaps.append(sum(c["dense_score"] - c["sparse_score"] for c in rows) / len(rows))
-        out["accuracy_gap_16x"] = round(sum(gaps) / len(gaps), 4)
-    return out
+def summarize(paths: list[str], items_path: str) -> dict:
+    """The suite's result from ``serve`` and ``reference`` outputs (see the module doc and the bars
+    of the accuracy issue): family x compression tables, the dense run-to-run floors and the four
+    summary numbers."""
+    meta, items = load_items(Path(items_path))
+    by_id = {i.id: i for i in items}
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    server = [r for r in runs if r["kind"] == "server"]
+    dense_batched = [r for r in server if r["name"] == "dense"]
+    dense_alone = [r for r in server if r["name"].startswith("dense-alone")]
+    batched = family_table(_pairs(server, by_id, "sparse-", dense_batched))
+    batched = {f: {c: v for c, v in t.items()} for f, t in batched.items()}
+    alone = list(_pairs(server, by_id, "sparse-alone-", dense_alone))
+    headline = list(_pairs(server, by_id, "headline-alone-", dense_alone))
+
+    def floor(run_list):
+        pairs = [(by_id[o["id"]], o) for r in run_list for o in r["outputs"] if o.get("repeat_output") is not None]
+        return _mean(answer(i, o["output"]) == answer(i, o["repeat_output"]) for i, o in pairs)
+
+    def gap(table: dict, comp: str) -> float | None:
+        gaps = [t[comp]["dense"] - t[comp]["sparse"] for t in table.values() if comp in t]
+        return _mean(gaps)
+
+    summary = {
+        "agreement_4x": _mean(answer(i, o["output"]) == answer(i, d["output"]) for _, i, c, o, d in alone if c == 4),
+        "accuracy_gap_16x": gap(batched, "16"),
+        "headline_config_agreement_4x": _mean(answer(i, o["output"]) == answer(i, d["output"])
+                                              for _, i, c, o, d in headline if c == 4),  # fmt: skip
+        "dense_repeat_agreement_alone": floor(dense_alone),
+        "dense_repeat_agreement_batched": floor(dense_batched),
+        "items": len(items),
+    }
+    variants = {}
+    for name in sorted({r["name"].rsplit("-", 1)[0] for r in server} - {"dense", "dense-alone", "sparse", "sparse-alone",
+                                                                          "headline-alone"}):  # fmt: skip
+        table = family_table(_pairs(server, by_id, name + "-", dense_batched))
+        base = family_table(p for p in _pairs(server, by_id, "sparse-", dense_batched)
+                            if p[1].id in {o["id"] for r in server if r["name"].startswith(name + "-") for o in r["outputs"]})  # fmt: skip
+        variants[name] = {c: {"gap": gap(table, c), "default_gap": gap(base, c)} for c in ("4", "8", "16", "32")
+                          if gap(table, c) is not None}  # fmt: skip
+    references = [r for r in runs if r["kind"] == "reference"]
+    ref_rows = []
+    for ref in references:
+        name = f"sparse-{ref['budget']}"
+        srv = {}
+        for r in server:  # the deterministic run where there is one
+            if r["budget"] == ref["budget"] and not r["vanilla"] and r["name"] in (name, f"sparse-alone-{ref['budget']}"):
+                srv.update(_outputs(r)) if r["name"].startswith("sparse-alone") or not srv else None
+        for row in ref["outputs"]:
+            if row["id"] in srv:
+                ref_rows.append({"id": row["id"], "budget": ref["budget"], "reference": row[name]["score"],
+                                 "server": srv[row["id"]]["score"], "reference_dense": row["dense"]["score"]})  # fmt: skip
+    if ref_rows:
+        summary["server_vs_reference_gap"] = round(abs(_mean(r["server"] for r in ref_rows) - _mean(r["reference"] for r in ref_rows)), 4)
+        summary["reference_items"] = len(ref_rows)
+    return {"summary": summary, "by_family_batched": batched,
+            "by_family_alone_4x": family_table(alone), "headline_alone_4x": family_table(headline),
+            "variants_gap_batched": variants, "reference_vs_server": ref_rows,
+            "items_meta": meta, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
 
 
 # A grid: several servers at once on one GPU (SmolLM2 is small), each a `serve` subprocess.
 
 BUDGETS = (128, 256, 512, 1024, 2048)  # with LENGTHS, compressions 4x to 32x (budget_lengths)
-GRIDS = {
-    # name: [(run name, vanilla?, budget, extra server flags, items per cell (0: all))]
-    "bars": [("dense", True, None, "", 0), ("dense-fp8", True, None, "--kv-cache-dtype fp8_e4m3", 25)]
-    + [(f"sparse-{b}", False, b, "", 0) for b in BUDGETS]
-    + [(f"headline-{b}", False, b, "--kv-cache-dtype fp8_e4m3 --sparse-reselect-interval 8", 0) for b in (512, 1024, 2048)]
-    + [(f"exactbounds-{b}", False, b, "--sparse-bound-format exact", 25) for b in BUDGETS],
-}
+FOUR_X = {2048: 512, 4096: 1024, 8000: 2048}  # length -> budget at compression 4x
+HEADLINE_FLAGS = "--kv-cache-dtype fp8_e4m3 --sparse-reselect-interval 8"  # the serving headline's quality flags
+
+
+@dataclass(frozen=True)
+class Run:
+    """One server of a grid: its items (by budget, lengths, items per cell) and how they are sent.
+    ``alone``: one request at a time, so every request decodes as a batch of one and a server
+    answers the same item the same way every time (batched runs vary with what shares the batch)."""
+
+    name: str
+    vanilla: bool = False
+    budget: int | None = None
+    flags: str = ""
+    per_cell: int = 0
+    lengths: tuple[int, ...] = ()
+    alone: bool = False
+    repeat: bool = False
+
+
+def _grid_final() -> list[Run]:
+    runs = [Run("dense", vanilla=True, repeat=True)]
+    runs += [Run(f"dense-alone-{n}", vanilla=True, lengths=(n,), alone=True, repeat=n == 2048) for n in LENGTHS]
+    runs += [Run(f"sparse-{b}", budget=b) for b in BUDGETS]
+    runs += [Run(f"sparse-alone-{b}", budget=b, lengths=(n,), alone=True) for n, b in FOUR_X.items()]
+    runs += [Run(f"headline-alone-{b}", budget=b, lengths=(n,), alone=True, flags=HEADLINE_FLAGS) for n, b in FOUR_X.items()]
+    runs += [Run(f"{name}-{b}", budget=b, flags=flags, per_cell=25)
+             for name, flags in (("gmax", "--sparse-group-reduce max"), ("recent4", "--sparse-recent-pages 4"))
+             for b in (256, 512)]  # fmt: skip
+    return runs
+
+
+GRIDS = {"final": _grid_final}
 # Flags every grid server gets: a small share of the GPU and of pinned host memory each.
 GRID_SERVER_ARGS = "--mem-fraction-static 0.1 --cuda-graph-max-bs-decode 64 --max-running-requests 64"
 # Plain SGLang's attention backend: FlashInfer, which the sparse server's prefill and decode use too.
@@ -686,21 +756,24 @@ def grid(args) -> None:
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runs = [r for r in GRIDS[args.grid] if not args.only or r[0] in args.only.split(",")]
-    pending, running = list(runs), []
+    runs = [r for r in GRIDS[args.grid]() if not args.only or r.name in args.only.split(",")]
+    # the longest first: alone runs of many items
+    pending, running = sorted(runs, key=lambda r: not r.alone), []
     while pending or running:
         while pending and len(running) < args.parallel:
-            name, vanilla, budget, flags, per_cell = pending.pop(0)
-            cmd = [sys.executable, __file__, "serve", "--items", args.items, "--name", name, "--out", str(out / f"{name}.json"),
-                   "--server-args", " ".join([GRID_SERVER_ARGS, flags, GRID_VANILLA_ARGS if vanilla else GRID_SPARSE_ARGS]),
-                   "--log", str(out / f"{name}.server.log")]  # fmt: skip
-            cmd += ["--vanilla"] if vanilla else []
-            cmd += ["--budget", str(budget)] if budget else []
-            cmd += ["--repeat"] if name == "dense" else []
-            cmd += ["--per-cell", str(per_cell)] if per_cell else []
-            log = open(out / f"{name}.client.log", "w")
-            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), time.time()))
-            print(f"started {name}", flush=True)
+            run = pending.pop(0)
+            flags = " ".join([GRID_SERVER_ARGS, run.flags, GRID_VANILLA_ARGS if run.vanilla else GRID_SPARSE_ARGS])
+            cmd = [sys.executable, __file__, "serve", "--items", args.items, "--name", run.name,
+                   "--out", str(out / f"{run.name}.json"), "--server-args", flags,
+                   "--log", str(out / f"{run.name}.server.log"), "--concurrency", "1" if run.alone else "64"]  # fmt: skip
+            cmd += ["--vanilla"] if run.vanilla else []
+            cmd += ["--budget", str(run.budget)] if run.budget else []
+            cmd += ["--repeat"] if run.repeat else []
+            cmd += ["--per-cell", str(run.per_cell)] if run.per_cell else []
+            cmd += ["--lengths", ",".join(map(str, run.lengths))] if run.lengths else []
+            log = open(out / f"{run.name}.client.log", "w")
+            running.append((run.name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), time.time()))
+            print(f"started {run.name}", flush=True)
             time.sleep(args.stagger)
         for entry in list(running):
             name, proc, t0 = entry
@@ -726,6 +799,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--budget", type=int, default=None, help="--sparse-token-budget; runs the lengths it compresses 4-32x")
     s.add_argument("--server-args", default="", help="more server flags, one string")
     s.add_argument("--families", default="")
+    s.add_argument("--lengths", default="", help="comma-separated item lengths")
     s.add_argument("--url", default=None, help="a running server instead of starting one")
     s.add_argument("--model-path", default=None)
     s.add_argument("--concurrency", type=int, default=64)
@@ -745,9 +819,13 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--policy", action="append", default=[], help="more policies: name=field:value,... (quality.Policy)")
     r.add_argument("--lengths", default="", help="comma-separated item lengths")
     r.add_argument("--model-path", default=None)
+    sm = sub.add_parser("summarize", help="combine serve/reference outputs into accuracy-<date>.json")
+    sm.add_argument("runs", nargs="+")
+    sm.add_argument("--items", required=True)
+    sm.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
     gr = sub.add_parser("grid", help="run a grid of servers, several at once")
     gr.add_argument("--items", required=True)
-    gr.add_argument("--grid", default="bars", choices=sorted(GRIDS))
+    gr.add_argument("--grid", default="final", choices=sorted(GRIDS))
     gr.add_argument("--only", default="", help="comma-separated run names")
     gr.add_argument("--out-dir", required=True)
     gr.add_argument("--parallel", type=int, default=6)
@@ -755,6 +833,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.cmd == "grid":
         grid(args)
+    elif args.cmd == "summarize":
+        from sparse_sglang.testing.provenance import finish_run
+
+        result = summarize(args.runs, args.items)
+        devices = sorted({r.get("device") for r in result["runs"] if r.get("kind") == "server"} - {None})
+        finish_run("benchmark/accuracy.py", argv, result, args.out_dir, "accuracy-{date}.json", device=", ".join(devices) or "cpu")
     elif args.cmd == "generate":
         from transformers import AutoTokenizer
 

@@ -146,3 +146,38 @@ def test_budgets_give_the_compressions_asked():
     for budget in accuracy.BUDGETS:
         for length, ratio in accuracy.budget_lengths(budget).items():
             assert 0.97 * accuracy.nominal(ratio) <= ratio <= accuracy.nominal(ratio)
+
+
+def test_summary_bars_from_runs(tmp_path):
+    """The summary's numbers from synthetic runs: agreement on the alone runs at 4x, the 16x gap as
+    the mean over families of dense minus sparse accuracy, and dense's own run-to-run floor."""
+    items = [accuracy.Item(f"niah_single-2048-{i}", "niah_single", 2048, "p", [str(1000000 + i)], "all", 8,
+                           detail={"kind": "numbers"}) for i in range(4)]  # fmt: skip
+    items += [accuracy.Item(f"qa-2048-{i}", "qa", 2048, "p", ["word"], "part", 8) for i in range(2)]
+    items_path = tmp_path / "items.json.gz"
+    accuracy.save_items(items, items_path, {"digest": "x"})
+
+    def run(name, outputs, budget=None, vanilla=False, repeat=None):
+        rows = []
+        for item, out in zip(items, outputs):
+            row = {"id": item.id, "output": out, "score": accuracy.score(item, out)}
+            if repeat is not None:
+                row["repeat_output"] = repeat
+            rows.append(row)
+        path = tmp_path / f"{name}.json"
+        path.write_text(__import__("json").dumps({"kind": "server", "name": name, "vanilla": vanilla,
+                                                  "budget": budget, "outputs": rows}))  # fmt: skip
+        return str(path)
+
+    right = [f" {1000000 + i}." for i in range(4)] + [" word", " word"]
+    dense = run("dense", right, vanilla=True)
+    dense_alone = run("dense-alone-2048", right, vanilla=True)
+    # 4x at 2048 is budget 512: one answer changes its number, one only its wording
+    alone = run("sparse-alone-512", [" 1000000.", " 1000001. Yes", " 999.", " 1000003."] + right[4:], budget=512)
+    # 16x at 2048 is budget 128: niah loses half its items, qa none
+    sixteen = run("sparse-128", [" 1000000.", " 0", " 1000002.", " 0"] + right[4:], budget=128)
+    result = accuracy.summarize([dense, dense_alone, alone, sixteen], str(items_path))
+    summary = result["summary"]
+    assert summary["agreement_4x"] == pytest.approx(5 / 6, abs=1e-4)
+    assert summary["accuracy_gap_16x"] == pytest.approx((0.5 + 0.0) / 2)
+    assert result["by_family_batched"]["niah_single"]["16"]["sparse"] == 0.5
