@@ -190,3 +190,15 @@ def test_engine_is_sglangs_engine_with_our_args_and_scheduler():
     assert issubclass(sparse_sglang.Engine, SGLangEngine)
     assert sparse_sglang.Engine.server_args_class is SparseServerArgs
     assert sparse_sglang.Engine.run_scheduler_process_func is run_scheduler_process
+
+
+def test_sparse_config_errors_in_code_name_the_field(model_dir):
+    # The offline Engine's ``sparse={...}``: the field as the caller wrote it, not the CLI flag.
+    from sparse_sglang.config import SparseConfigError
+
+    with pytest.raises(SparseConfigError, match=r"^sparse\.token_budget: must be positive, got -1$"):
+        SparseServerArgs(model_path=model_dir, device="cpu", sparse={"token_budget": -1})
+    with pytest.raises(SparseConfigError, match=r"^sparse\.token_budget: must be a multiple of sparse\.page_size"):
+        SparseServerArgs(model_path=model_dir, device="cpu", sparse={"token_budget": 100})
+    with pytest.raises(SparseConfigError, match=r"^sparse\.tokens_budget: is not a sparse knob"):
+        SparseServerArgs(model_path=model_dir, device="cpu", sparse={"tokens_budget": 1024})

@@ -40,7 +40,12 @@ class SparseServerArgs(ServerArgs):
 
     def __post_init__(self):
         if isinstance(self.sparse, dict):  # e.g. Engine(..., sparse={"token_budget": 1024})
-            self.sparse = SparseConfig(**self.sparse)
+            try:
+                self.sparse = SparseConfig.from_fields(self.sparse)
+            except SparseConfigError as err:  # named as the caller wrote it: sparse.token_budget
+                raise err.named("sparse.") from None
+        elif not isinstance(self.sparse, SparseConfig):
+            raise TypeError(f"sparse: must be a SparseConfig or a dict of its fields, got {type(self.sparse).__name__}")
         if self.sparse.enabled:
             # Before SGLang resolves its backends: with sparse on, attention is ours.
             for name in ("attention_backend", "decode_attention_backend"):
@@ -210,7 +215,7 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
     try:
         sparse = sparse_config_from_args(args)
     except SparseConfigError as err:
-        raise CLIError(str(err)) from None
+        raise CLIError(err.cli_message()) from None
     if args.model_path is None:
         from sparse_sglang.default_model import DefaultModelUnavailable, default_model_path
 
