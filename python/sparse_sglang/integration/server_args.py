@@ -111,6 +111,20 @@ class SparseServerArgs(ServerArgs):
                 self.disable_decode_cuda_graph = True
 
 
+class NoUsableGPU(RuntimeError):
+    """Sparse decode needs a CUDA GPU and torch sees none."""
+
+
+def require_cuda_gpu() -> None:
+    """Raise :class:`NoUsableGPU` unless torch can use a CUDA GPU. A launch on ``--device cpu`` (the
+    CPU tests) is not checked: SGLang resolves that device itself."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoUsableGPU("sparse decode needs a CUDA GPU and torch sees none (torch.cuda.is_available() is "
+                          "false); --sparse-enabled false serves plain SGLang on other devices")  # fmt: skip
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (no usage dump) and exit status 2."""
 
@@ -216,6 +230,11 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
         sparse = sparse_config_from_args(args)
     except SparseConfigError as err:
         raise CLIError(err.cli_message()) from None
+    if sparse.enabled and args.device in (None, "cuda"):
+        try:  # before anything slow (the default model's conversion takes about a minute)
+            require_cuda_gpu()
+        except NoUsableGPU as err:
+            raise CLIError(f"--device: {err}") from None
     if args.model_path is None:
         from sparse_sglang.default_model import DefaultModelUnavailable, default_model_path
 
