@@ -111,6 +111,7 @@ BAD = [
     ({"input_ids": PROMPT, "image_data": "http://example.com/cat.png"}, "image_data", "text only"),
     ({"input_ids": PROMPT, "audio_data": "http://example.com/a.wav"}, "audio_data", "text only"),
     ({"input_embeds": [[0.1, 0.2]]}, "input_embeds", "sparse decode"),
+    ({"input_embeds": [[]]}, "input_embeds", "non-empty list"),
 ]
 
 

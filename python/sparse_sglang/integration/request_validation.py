@@ -131,6 +131,9 @@ def check_batch_form(obj) -> None:
             raise RequestRejected("input_ids", "must be a non-empty list of token ids, or of such lists")
         if not _is_int(obj.input_ids[0]) and not all(isinstance(row, list) and row for row in obj.input_ids):
             raise RequestRejected("input_ids", "a batch must be a list of non-empty lists of token ids")
+    embeds = obj.input_embeds
+    if embeds is not None and not (isinstance(embeds, list) and embeds and isinstance(embeds[0], list) and embeds[0]):
+        raise RequestRejected("input_embeds", "must be a non-empty list of embedding vectors, or of such lists")
     size = batch_size_of(obj)
     if size == 0:
         raise RequestRejected(given[0], "the batch is empty")
