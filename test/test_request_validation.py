@@ -78,6 +78,7 @@ BAD = [
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": -3}}, "sampling_params.max_new_tokens", "[0,"),
     ({"input_ids": PROMPT, "sampling_params": {"top_k": True}}, "sampling_params.top_k", "integer"),
     ({"input_ids": PROMPT, "sampling_params": {"n": 10**6}}, "sampling_params.n", "[1, 128]"),
+    ({"input_ids": PROMPT, "sampling_params": {"n": None}}, "sampling_params.n", "integer, got None"),
     ({"input_ids": PROMPT, "sampling_params": {"stream_interval": 0}}, "sampling_params.stream_interval", "[1,"),
     ({"input_ids": PROMPT, "sampling_params": {"sampling_seed": -1}}, "sampling_params.sampling_seed", "[0,"),
     ({"input_ids": PROMPT, "sampling_params": {"ignore_eos": "yes"}}, "sampling_params.ignore_eos", "true or false"),

@@ -150,8 +150,8 @@ def check_batch_form(obj) -> None:
         if not all(isinstance(p, dict) for p in items):
             raise RequestRejected("sampling_params", "must be an object, or a list of one object per prompt")
         counts = {p.get("n", 1) for p in items}
-        for n in counts:
-            _check_int("sampling_params.n", 1 if n is None else n, *SAMPLING_INTS["n"])
+        for n in counts:  # null too: SGLang compares it with 1 before any default applies
+            _check_int("sampling_params.n", n, *SAMPLING_INTS["n"])
         if len(counts) > 1:
             raise RequestRejected("sampling_params.n", "must be the same for every prompt of a batch")
     if obj.token_ids_logprob and size is not None and isinstance(obj.token_ids_logprob[0], list):
