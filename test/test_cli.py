@@ -190,3 +190,55 @@ def test_engine_is_sglangs_engine_with_our_args_and_scheduler():
     assert issubclass(sparse_sglang.Engine, SGLangEngine)
     assert sparse_sglang.Engine.server_args_class is SparseServerArgs
     assert sparse_sglang.Engine.run_scheduler_process_func is run_scheduler_process
+
+
+def test_sparse_config_errors_in_code_name_the_field(model_dir):
+    # The offline Engine's ``sparse={...}``: the field as the caller wrote it, not the CLI flag.
+    from sparse_sglang.config import SparseConfigError
+
+    with pytest.raises(SparseConfigError, match=r"^sparse\.token_budget: must be positive, got -1$"):
+        SparseServerArgs(model_path=model_dir, device="cpu", sparse={"token_budget": -1})
+    with pytest.raises(SparseConfigError, match=r"^sparse\.token_budget: must be a multiple of sparse\.page_size"):
+        SparseServerArgs(model_path=model_dir, device="cpu", sparse={"token_budget": 100})
+    with pytest.raises(SparseConfigError, match=r"^sparse\.tokens_budget: is not a sparse knob"):
+        SparseServerArgs(model_path=model_dir, device="cpu", sparse={"tokens_budget": 1024})
+
+
+def test_no_gpu_fails_before_the_default_model_is_converted(monkeypatch, capsys):
+    import torch
+
+    from sparse_sglang import default_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(default_model, "default_model_path", lambda: pytest.fail("converted the default model"))
+    with pytest.raises(SystemExit) as exit_info:
+        launch_server.main([])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "python -m sparse_sglang.launch_server: error: --device: sparse decode needs a CUDA GPU and torch sees "
+        "none (torch.cuda.is_available() is false); --sparse-enabled false serves plain SGLang on other devices"
+    ]
+
+
+def test_engine_without_model_path_serves_the_default_model(monkeypatch, tmp_path):
+    import torch
+    from sglang.srt.entrypoints.engine import Engine as SGLangEngine
+
+    import sparse_sglang
+    from sparse_sglang import default_model
+    from sparse_sglang.integration.server_args import NoUsableGPU
+
+    started = {}
+    monkeypatch.setattr(SGLangEngine, "__init__", lambda self, **kwargs: started.update(kwargs))
+    monkeypatch.setattr(default_model, "default_model_path", lambda: str(tmp_path / "smollm2"))
+    sparse_sglang.Engine(device="cpu", sparse={"token_budget": 1024})
+    assert started["model_path"] == str(tmp_path / "smollm2") and started["sparse"] == {"token_budget": 1024}
+    sparse_sglang.Engine(model_path="/given", device="cpu")
+    assert started["model_path"] == "/given"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(NoUsableGPU, match="^device: sparse decode needs a CUDA GPU"):
+        sparse_sglang.Engine()
+    monkeypatch.setattr(default_model, "default_model_path", lambda: (_ for _ in ()).throw(
+        default_model.DefaultModelUnavailable("no --model-path given and the default model is not installed")))  # fmt: skip
+    with pytest.raises(default_model.DefaultModelUnavailable, match="^model_path: "):
+        sparse_sglang.Engine(device="cpu")

@@ -135,16 +135,16 @@ def test_candidate_score_kernel_equals_the_reference(selector, group_reduce, reu
 
 
 def test_config_and_memory_of_coarse_selection():
-    with pytest.raises(SparseConfigError, match="coarse-pages.*power of two"):
+    with pytest.raises(SparseConfigError, match="coarse_pages.*power of two"):
         SparseConfig(host_cache_gb=1.0, coarse_pages=6)
-    with pytest.raises(SparseConfigError, match="coarse-candidates"):
+    with pytest.raises(SparseConfigError, match="coarse_candidates"):
         SparseConfig(host_cache_gb=1.0, coarse_pages=8, coarse_candidates=0.5)
     config = SparseConfig(host_cache_gb=1.0, coarse_pages=8)
     assert config.coarse_supers(64) == 32
     # Only where it spares the page-by-page score enough pages: batch 8 at 128K, not batch 1.
     assert config.coarse_pays(8, 4096, 64) and not config.coarse_pays(1, 4096, 64)
     assert not SparseConfig(host_cache_gb=1.0).coarse_pays(32, 4096, 64)  # off
-    with pytest.raises(SparseConfigError, match="coarse-min-pages"):
+    with pytest.raises(SparseConfigError, match="coarse_min_pages"):
         SparseConfig(host_cache_gb=1.0, coarse_min_pages=-1)
     for bound_format in ("int8", "exact"):
         plain = PageSummaries(3, 2, 100, 32, 64, torch.bfloat16, with_mean=False, bound_format=bound_format)

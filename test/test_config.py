@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -37,40 +38,58 @@ def test_inject_tokens_default_matches_a_2048_token_chunk():
 
 
 BAD_VALUES = [
-    ({"token_budget": -2048}, "--sparse-token-budget", "positive"),
-    ({"token_budget": 0}, "--sparse-token-budget", "positive"),
-    ({"token_budget": 2050}, "--sparse-token-budget", "multiple of --sparse-page-size"),
-    ({"page_size": 24}, "--sparse-page-size", "power of two"),
-    ({"page_size": 0}, "--sparse-page-size", "power of two"),
-    ({"page_size": -32}, "--sparse-page-size", "power of two"),
-    ({"selector": "topk"}, "--sparse-selector", "quest, arkvale, mean"),
-    ({"sink_pages": -1}, "--sparse-sink-pages", ">= 0"),
-    ({"recent_pages": 0}, "--sparse-recent-pages", ">= 1"),
-    ({"token_budget": 64, "sink_pages": 1, "recent_pages": 2}, "--sparse-recent-pages", "exceed"),
-    ({"working_set_window": 0}, "--sparse-working-set-window", ">= 1"),
-    ({"reselect_interval": 0}, "--sparse-reselect-interval", ">= 1"),
-    ({"cache_lru_buckets": -1}, "--sparse-cache-lru-buckets", ">= 0"),
-    ({"cache_lru_steps_per_bucket": 0}, "--sparse-cache-lru-steps-per-bucket", ">= 1"),
-    ({"gpu_cache_gb": 0.0}, "--sparse-gpu-cache-gb", "positive"),
-    ({"gpu_cache_gb": -1.0}, "--sparse-gpu-cache-gb", "positive"),
-    ({"host_cache_gb": 0.0}, "--sparse-host-cache-gb", "positive"),
-    ({"host_cache_gb": 1e7}, "--sparse-host-cache-gb", "more than this machine's RAM"),
-    ({"max_inject_tokens": 0}, "--sparse-max-inject-tokens", "positive"),
-    ({"page_size": "32"}, "--sparse-page-size", "must be int"),
-    ({"enabled": 1}, "--sparse-enabled", "must be bool"),
-    ({"token_budget": 2048.0}, "--sparse-token-budget", "must be int"),
+    ({"token_budget": -2048}, "token_budget", "positive"),
+    ({"token_budget": 0}, "token_budget", "positive"),
+    ({"token_budget": 2050}, "token_budget", "multiple of {page_size}"),
+    ({"page_size": 24}, "page_size", "power of two"),
+    ({"page_size": 0}, "page_size", "power of two"),
+    ({"page_size": -32}, "page_size", "power of two"),
+    ({"page_size": 2**40}, "page_size", "at most 2147483647"),
+    ({"selector": "topk"}, "selector", "quest, arkvale, mean"),
+    ({"sink_pages": -1}, "sink_pages", ">= 0"),
+    ({"sink_pages": 100}, "sink_pages", "no room for the newest page"),
+    ({"recent_pages": 0}, "recent_pages", ">= 1"),
+    ({"token_budget": 64, "sink_pages": 1, "recent_pages": 2}, "recent_pages", "exceed"),
+    ({"working_set_window": 0}, "working_set_window", ">= 1"),
+    ({"reselect_interval": 0}, "reselect_interval", ">= 1"),
+    ({"cache_lru_buckets": -1}, "cache_lru_buckets", ">= 0"),
+    ({"cache_lru_steps_per_bucket": 0}, "cache_lru_steps_per_bucket", ">= 1"),
+    ({"cache_row_ratio": math.inf}, "cache_row_ratio", "finite"),
+    ({"cache_row_ratio": math.nan}, "cache_row_ratio", "finite"),
+    ({"cache_row_ratio": 1e308}, "cache_row_ratio", "exceeds 2147483647 pages"),
+    ({"coarse_candidates": math.nan}, "coarse_candidates", "finite"),
+    ({"gpu_cache_gb": 0.0}, "gpu_cache_gb", "positive"),
+    ({"gpu_cache_gb": -1.0}, "gpu_cache_gb", "positive"),
+    ({"gpu_cache_gb": math.nan}, "gpu_cache_gb", "finite"),
+    ({"host_cache_gb": 0.0}, "host_cache_gb", "positive"),
+    ({"host_cache_gb": math.nan}, "host_cache_gb", "finite"),
+    ({"host_cache_gb": -math.inf}, "host_cache_gb", "finite"),
+    ({"host_cache_gb": 1e7}, "host_cache_gb", "more than this machine's RAM"),
+    ({"max_inject_tokens": 0}, "max_inject_tokens", "positive"),
+    ({"page_size": "32"}, "page_size", "must be int"),
+    ({"enabled": 1}, "enabled", "must be bool"),
+    ({"token_budget": 2048.0}, "token_budget", "must be int"),
 ]
 
 
-@pytest.mark.parametrize("kwargs,flag,reason", BAD_VALUES, ids=[str(b[0]) for b in BAD_VALUES])
-def test_bad_value_names_flag_and_reason(kwargs, flag, reason):
+@pytest.mark.parametrize("kwargs,field,reason", BAD_VALUES, ids=[str(b[0]) for b in BAD_VALUES])
+def test_bad_value_names_the_knob_as_the_caller_spells_it(kwargs, field, reason):
+    """Python names fields (``token_budget``), the CLI flags (``--sparse-token-budget``), an
+    object holding the config its path (``sparse.token_budget``); knobs the reason mentions too."""
     with pytest.raises(SparseConfigError) as err:
         SparseConfig(**kwargs)
-    message = str(err.value)
-    assert message.startswith(flag + ": ")
-    assert reason in message
-    assert "\n" not in message
-    assert err.value.flag == flag
+    error = err.value
+    assert (error.field, error.flag) == (field, flag_name(field))
+    for message, name_of in ((str(error), lambda f: f), (error.cli_message(), flag_name),
+                             (str(error.named("sparse.")), lambda f: "sparse." + f)):  # fmt: skip
+        assert message.startswith(name_of(field) + ": ") and "\n" not in message
+        assert reason.format(page_size=name_of("page_size")) in message
+
+
+def test_from_fields_names_an_unknown_knob():
+    with pytest.raises(SparseConfigError, match="^token_budgte: is not a sparse knob"):
+        SparseConfig.from_fields({"token_budgte": 1024})
+    assert SparseConfig.from_fields({"token_budget": 1024}).token_budget == 1024
 
 
 def test_valid_edge_values():

@@ -226,3 +226,34 @@ def test_the_backend_reads_request_slots_from_the_host_mirror():
     assert SparseAttnBackend._req_slots_cpu(backend, torch.tensor([5, 6])) == [5, 6]  # no mirror: the GPU's
     SparseAttnBackend.note_req_slots(backend, torch.tensor([1, 2, 3]))
     assert SparseAttnBackend._req_slots_cpu(backend, torch.tensor([1, 2])) == [1, 2]  # longer: not this batch's
+
+
+def test_a_request_the_scheduler_fails_on_fails_alone(monkeypatch):
+    """SGLang's ``Scheduler.handle_generate_request`` (patched) on a stand-in scheduler that lacks
+    what the method reads: instead of raising into the event loop, the request is queued finished
+    with an abort naming the error, and what the failed call had queued is taken back."""
+    import types
+
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sparse_sglang.integration.request_intake import patch_handle_generate_request
+
+    import sglang.srt.managers.schedule_batch as schedule_batch
+
+    patch_handle_generate_request()
+    monkeypatch.setattr(schedule_batch, "get_parallel", lambda: types.SimpleNamespace(tp_rank=0))  # no TP group on CPU
+    queued = []
+    scheduler = types.SimpleNamespace(
+        waiting_queue=["already waiting"], tokenizer=None, model_config=types.SimpleNamespace(vocab_size=100),
+        init_req_max_new_tokens=lambda req: None, _add_request_to_queue=queued.append,
+    )  # fmt: skip
+    # the fields of a TokenizedGenerateReqInput that a refusal reads; SGLang's method reads more, and fails
+    recv = types.SimpleNamespace(rid="bad-one", input_text="", input_ids=[1, 2, 3], sampling_params=SamplingParams(),
+                                 http_worker_ipc=None)  # fmt: skip
+    Scheduler.handle_generate_request(scheduler, recv)  # the stand-in lacks what SGLang reads: it fails inside
+    (req,) = queued
+    assert req.rid == "bad-one" and isinstance(req.to_finish, FINISH_ABORT)  # answered with the next batch
+    assert "the scheduler could not take this request: AttributeError" in req.to_finish.message
+    assert scheduler.waiting_queue == ["already waiting"]

@@ -46,7 +46,7 @@ def test_rows_are_at_least_the_row_ratio_and_may_grow_to_4x_the_selection():
     short = plan_memory(SparseConfig(host_cache_gb=1, token_budget=512), gpu_kv_bytes=4 * GIB, num_layers=30,
                         num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, context_len=1000)  # fmt: skip
     assert short.shape.min_row_width == 20 and short.shape.row_width == 32
-    with pytest.raises(Exception, match="--sparse-cache-row-ratio: must be >= 1"):
+    with pytest.raises(Exception, match="cache_row_ratio: must be >= 1"):
         SparseConfig(host_cache_gb=1, cache_row_ratio=0.5)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,16 +43,53 @@ GIB = 1 << 30
 
 
 class SparseConfigError(ValueError):
-    """An invalid sparse knob: ``str(err)`` is one line naming the flag and the reason."""
+    """An invalid sparse knob: ``field`` names it, ``reason`` says why, in one line.
 
-    def __init__(self, name: str, reason: str):
-        self.flag = flag_name(name)
-        super().__init__(f"{self.flag}: {reason}")
+    The caller chooses how knobs are named: ``str(err)`` names fields as Python spells them
+    (``token_budget: must be positive, got -1``), :meth:`named` with a prefix as a containing
+    object does (``sparse.token_budget``, ``sparse_sglang.Engine(sparse={...})``), and
+    :meth:`cli_message` by their flags (``--sparse-token-budget``). A reason that mentions another
+    knob does so through :func:`mention`, so that knob is named the same way.
+    """
+
+    def __init__(self, field: str, reason: str, *, prefix: str = ""):
+        self.field, self.reason, self.prefix = field, reason, prefix
+        super().__init__(self.render(lambda name: prefix + name))
+
+    @property
+    def flag(self) -> str:
+        return flag_name(self.field)
+
+    def render(self, name_of) -> str:
+        """The message with every knob (this one first) named by ``name_of(field)``."""
+        reason = _MENTION.sub(lambda m: name_of(m[1]), self.reason)
+        return f"{name_of(self.field)}: {reason}"
+
+    def cli_message(self) -> str:
+        return self.render(flag_name)
+
+    def named(self, prefix: str) -> SparseConfigError:
+        """The same error naming knobs as fields of a containing object (``prefix`` = ``"sparse."``)."""
+        return SparseConfigError(self.field, self.reason, prefix=prefix)
+
+
+# A knob named inside a reason; user values are shown with repr() or as numbers, which never
+# carry this control character, so a value cannot be mistaken for a mention.
+_MENTION = re.compile("\x1f(\\w+)\x1f")
+
+
+def mention(field: str) -> str:
+    """Another knob, inside a :class:`SparseConfigError` reason."""
+    return f"\x1f{field}\x1f"
 
 
 def flag_name(name: str) -> str:
     """CLI flag of a SparseConfig field: ``token_budget`` -> ``--sparse-token-budget``."""
     return "--sparse-" + name.replace("_", "-")
+
+
+# Integer knobs size or index int32 tensors on the GPU (page ids, row widths, step counters).
+INT32_MAX = 2**31 - 1
 
 
 def machine_ram_bytes() -> tuple[int, int]:
@@ -112,6 +150,7 @@ class SparseConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
+        self._check_finite_and_bounded()
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise SparseConfigError("page_size", f"must be a power of two, got {self.page_size}")
         if self.token_budget <= 0:
@@ -119,7 +158,7 @@ class SparseConfig:
         if self.token_budget % self.page_size:
             raise SparseConfigError(
                 "token_budget",
-                f"must be a multiple of --sparse-page-size ({self.page_size}), got {self.token_budget}",
+                f"must be a multiple of {mention('page_size')} ({self.page_size}), got {self.token_budget}",
             )
         if self.bound_format not in BOUND_FORMATS:
             raise SparseConfigError("bound_format", f"must be one of {', '.join(BOUND_FORMATS)}; got {self.bound_format!r}")
@@ -132,6 +171,12 @@ class SparseConfig:
         if self.recent_pages < 1:
             raise SparseConfigError("recent_pages", f"must be >= 1 (the newest page is always attended), got {self.recent_pages}")
         budget_pages = self.token_budget // self.page_size
+        if self.sink_pages >= budget_pages:  # the sink alone leaves no room for the newest page
+            raise SparseConfigError(
+                "sink_pages",
+                f"{self.sink_pages} pages leave no room for the newest page in the token budget's "
+                f"{budget_pages} pages ({mention('token_budget')} {self.token_budget})",
+            )
         if self.sink_pages + self.recent_pages > budget_pages:
             raise SparseConfigError(
                 "recent_pages",
@@ -148,6 +193,10 @@ class SparseConfig:
             raise SparseConfigError("reselect_interval", f"must be >= 1, got {self.reselect_interval}")
         if self.cache_row_ratio < 1:
             raise SparseConfigError("cache_row_ratio", f"must be >= 1 (a row holds at least one step's selection), got {self.cache_row_ratio}")
+        for name in ("cache_row_ratio", "coarse_candidates"):  # multiples of the budget's pages, as int32 widths
+            if getattr(self, name) * budget_pages > INT32_MAX:
+                raise SparseConfigError(name, f"{getattr(self, name):g} x the budget's {budget_pages} pages "
+                                              f"exceeds {INT32_MAX} pages")  # fmt: skip
         if self.cache_lru_buckets < 0:
             raise SparseConfigError("cache_lru_buckets", f"must be >= 0 (0 = exact LRU), got {self.cache_lru_buckets}")
         if self.cache_lru_steps_per_bucket < 1:
@@ -172,7 +221,7 @@ class SparseConfig:
 
     def _check_types(self) -> None:
         # Frozen dataclasses do not check annotations; a config built from code
-        # (not the CLI, which converts) must still fail with the flag's name.
+        # (not the CLI, which converts) must still fail with the field's name.
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             base = field_type(f)
@@ -183,6 +232,25 @@ class SparseConfig:
                 ok = True
             if not ok:
                 raise SparseConfigError(f.name, f"must be {base.__name__}, got {value!r}")
+
+    def _check_finite_and_bounded(self) -> None:
+        # Every comparison below is false for NaN, and an infinity overflows the sizing arithmetic
+        # (math.ceil), so non-finite numbers are refused first; integers must fit int32.
+        for f in dataclasses.fields(self):
+            value, base = getattr(self, f.name), field_type(f)
+            if base is float and value is not None and not math.isfinite(value):
+                raise SparseConfigError(f.name, f"must be a finite number, got {value}")
+            if base is int and value is not None and abs(value) > INT32_MAX:
+                raise SparseConfigError(f.name, f"must be at most {INT32_MAX} in magnitude, got {value}")
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> SparseConfig:
+        """A config from a dict of field values (the Python API); an unknown key is an error naming it."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for name in fields:
+            if name not in known:
+                raise SparseConfigError(name, f"is not a sparse knob (they are: {', '.join(known)})")
+        return cls(**fields)
 
     def coarse_supers(self, selected_pages: int) -> int:
         """Super-pages the coarse pass keeps when a step selects ``selected_pages`` pages."""

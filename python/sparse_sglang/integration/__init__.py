@@ -35,6 +35,11 @@ def install() -> None:
     from sparse_sglang.integration.input_length import patch_validate_input_length
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
     from sparse_sglang.integration.metrics import patch_report_decode_stats
+    from sparse_sglang.integration.request_intake import patch_handle_generate_request
+    from sparse_sglang.integration.request_validation import (
+        patch_normalize_batch_and_arguments,
+        patch_validate_one_request,
+    )
     from sparse_sglang.integration.retraction import patch_release_req
     from sparse_sglang.integration.scheduler_state import patch_get_internal_state
     from sparse_sglang.integration.segmented_prefill import patch_event_loop_normal
@@ -46,6 +51,10 @@ def install() -> None:
     patch_get_internal_state()
     patch_report_decode_stats()
     patch_validate_input_length()
+    # Requests are checked in the main process (the HTTP server and tokenizer manager run there).
+    patch_normalize_batch_and_arguments()
+    patch_validate_one_request()
+    patch_handle_generate_request()
     patch_prefill_adder()
     patch_abort_request()
     patch_check_decode_mem()

@@ -27,4 +27,26 @@ class Engine(SGLangEngine):
         from sparse_sglang.integration import install
 
         install()
+        if kwargs.get("model_path") is None and "server_args" not in kwargs:
+            kwargs["model_path"] = default_model_for_engine(kwargs)
         super().__init__(**kwargs)
+
+
+def default_model_for_engine(kwargs: dict) -> str:
+    """The model an ``Engine`` without ``model_path`` serves: the launcher's default (SmolLM2-135M-
+    Instruct, converted once), after the same GPU check, with errors naming the keyword argument."""
+    from sparse_sglang.config import SparseConfig
+    from sparse_sglang.default_model import DefaultModelUnavailable, default_model_path
+    from sparse_sglang.integration.server_args import NoUsableGPU, require_cuda_gpu
+
+    sparse = kwargs.get("sparse")
+    enabled = sparse.enabled if isinstance(sparse, SparseConfig) else (sparse or {}).get("enabled", True)
+    if enabled and kwargs.get("device") in (None, "cuda"):
+        try:
+            require_cuda_gpu()
+        except NoUsableGPU as err:
+            raise NoUsableGPU(f"device: {err}") from None
+    try:
+        return default_model_path()
+    except DefaultModelUnavailable as err:
+        raise DefaultModelUnavailable(f"model_path: {err}") from None

@@ -40,7 +40,12 @@ class SparseServerArgs(ServerArgs):
 
     def __post_init__(self):
         if isinstance(self.sparse, dict):  # e.g. Engine(..., sparse={"token_budget": 1024})
-            self.sparse = SparseConfig(**self.sparse)
+            try:
+                self.sparse = SparseConfig.from_fields(self.sparse)
+            except SparseConfigError as err:  # named as the caller wrote it: sparse.token_budget
+                raise err.named("sparse.") from None
+        elif not isinstance(self.sparse, SparseConfig):
+            raise TypeError(f"sparse: must be a SparseConfig or a dict of its fields, got {type(self.sparse).__name__}")
         if self.sparse.enabled:
             # Before SGLang resolves its backends: with sparse on, attention is ours.
             for name in ("attention_backend", "decode_attention_backend"):
@@ -104,6 +109,20 @@ class SparseServerArgs(ServerArgs):
                     "--sparse-cache-row-ratio to keep graphs)",
                     self.sparse.token_budget)  # fmt: skip
                 self.disable_decode_cuda_graph = True
+
+
+class NoUsableGPU(RuntimeError):
+    """Sparse decode needs a CUDA GPU and torch sees none."""
+
+
+def require_cuda_gpu() -> None:
+    """Raise :class:`NoUsableGPU` unless torch can use a CUDA GPU. A launch on ``--device cpu`` (the
+    CPU tests) is not checked: SGLang resolves that device itself."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoUsableGPU("sparse decode needs a CUDA GPU and torch sees none (torch.cuda.is_available() is "
+                          "false); --sparse-enabled false serves plain SGLang on other devices")  # fmt: skip
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -210,7 +229,12 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
     try:
         sparse = sparse_config_from_args(args)
     except SparseConfigError as err:
-        raise CLIError(str(err)) from None
+        raise CLIError(err.cli_message()) from None
+    if sparse.enabled and args.device in (None, "cuda"):
+        try:  # before anything slow (the default model's conversion takes about a minute)
+            require_cuda_gpu()
+        except NoUsableGPU as err:
+            raise CLIError(f"--device: {err}") from None
     if args.model_path is None:
         from sparse_sglang.default_model import DefaultModelUnavailable, default_model_path
 
