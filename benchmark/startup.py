@@ -29,7 +29,9 @@ SYSTEMS = ("vanilla", "sparse")
 def launcher_args(system: str, args) -> list[str]:
     """The flags each system starts with: the same SGLang ones, plus the host store for sparse."""
     shared = ["--load-format", "dummy", "--skip-tokenizer-init", *shlex.split(args.extra_server_args)]
-    if system == "sparse" and args.sparse_host_cache_gb is not None:
+    if system == "vanilla":
+        return [*shared, *shlex.split(args.vanilla_args)]
+    if args.sparse_host_cache_gb is not None:
         return [*shared, "--sparse-host-cache-gb", str(args.sparse_host_cache_gb)]
     return shared
 
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model-path", default=None, help="default: the Llama-3-8B shape with dummy weights")
     parser.add_argument("--sparse-host-cache-gb", type=float, default=None, help="default: the launcher's (half the available RAM)")
     parser.add_argument("--extra-server-args", default="", help="flags both servers get")
+    parser.add_argument("--vanilla-args", default="", help="flags vanilla alone gets (e.g. its attention backend, which the sparse launcher sets itself)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--start-timeout", type=float, default=900.0)
     add_server_run_args(parser, "startup")
