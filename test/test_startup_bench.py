@@ -6,12 +6,15 @@ from benchmark.startup import launcher_args, summarize
 
 
 def test_both_systems_get_the_same_sglang_flags_and_sparse_its_host_store():
-    args = argparse.Namespace(extra_server_args="--mem-fraction-static 0.8", sparse_host_cache_gb=92.0)
+    args = argparse.Namespace(extra_server_args="--mem-fraction-static 0.8", sparse_host_cache_gb=92.0, vanilla_args="")
     vanilla, sparse = launcher_args("vanilla", args), launcher_args("sparse", args)
     assert sparse[: len(vanilla)] == vanilla and sparse[len(vanilla):] == ["--sparse-host-cache-gb", "92.0"]
     assert "--mem-fraction-static" in vanilla and "--load-format" in vanilla
     args.sparse_host_cache_gb = None  # the launcher's own default
     assert launcher_args("sparse", args) == launcher_args("vanilla", args)
+    args.vanilla_args = "--attention-backend flashinfer"  # vanilla's alone: the sparse launcher sets its own
+    assert launcher_args("vanilla", args)[-2:] == ["--attention-backend", "flashinfer"]
+    assert "--attention-backend" not in launcher_args("sparse", args)
 
 
 def test_overhead_is_the_difference_of_medians_and_none_without_a_start():
