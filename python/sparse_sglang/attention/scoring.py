@@ -295,10 +295,8 @@ def summary_args(layer_summaries: dict[str, torch.Tensor], placeholder: torch.Te
 
 
 def score_launch() -> tuple[int, int]:
-    """Pages a score program takes and its warps: 32 pages, 4 warps, at any head_dim (64 had 4
-    already). 8 warps won 3a2efec's sweep (decode-kernels-2026-11-24.json) when a program reduced
-    once per query head; since the group's sum takes one pass (e0d7b97), 4 warps took 117 us
-    against 156 at 128K x 32 and 32 against 42 at 128K x 8 (decode-kernels-2026-11-24-warps.json)."""
+    """Pages a score program takes and its warps: 32 pages, 4 warps, at any head_dim
+    (``docs/decisions/0004-score-kernel-launch.md``)."""
     return 32, 4
 
 

@@ -3,7 +3,7 @@
 - :func:`index_runs` (the *Index* half of a save): fold new keys into the page summaries and
   write new K/V into the cached blocks of their pages. Its reference is
   :meth:`PageSummaries.update` + :meth:`GPUPageCache.store` (dozens of torch ops with atomics
-  when a page's tokens contend, 4 ms per layer of a 32K-token prefill on an H100).
+  when a page's tokens contend: too slow for a long prefill).
 - :func:`retrieve_pages`: for a decode step's selected pages, look up the page table, choose LRU
   victims in each request's cache row for the misses, update the table, and write FlashInfer's
   page indices and the FlashH2D copy list. Its reference is :meth:`GPUPageCache.retrieve`.
