@@ -701,7 +701,7 @@ def test_int8_bounds_hold_every_key_as_pages_fill_token_by_token():
     at a time, and as a prefill would, whole pages at once: every key stays inside its page's box,
     the box is at most a level or two wider than the exact one, a page starting over forgets its
     old keys, and ``reset`` empties pages to +-inf."""
-    from sparse_sglang.mem_cache.summaries import resolve_bound_format
+    from sparse_sglang.mem_cache.bounds import resolve_bound_format
 
     gen = torch.Generator().manual_seed(4)
     layers, heads, pages, page_size, dim = 1, 2, 6, 8, 16

@@ -342,7 +342,7 @@ def test_int8_bounds_score_as_their_values_and_still_bound_the_keys(selector, re
     each page's Quest score stays at or above ``q . k`` of every key in it."""
     from sparse_sglang.attention.scoring import score_pages
     from sparse_sglang.mem_cache.gpu_cache import CachedRows
-    from sparse_sglang.mem_cache.summaries import dequantize_bounds, quantize_bounds
+    from sparse_sglang.mem_cache.bounds import dequantize_bounds, quantize_bounds
 
     gen = torch.Generator().manual_seed(11)
     heads, pool, dim, group, page = 2, 50, 16, 3, 4

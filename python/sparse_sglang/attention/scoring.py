@@ -21,7 +21,7 @@ import torch
 from sparse_sglang.attention.selection import NOT_CACHED, force_pages, keep_cached
 from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
 from sparse_sglang.mem_cache.gpu_cache import CachedRows
-from sparse_sglang.mem_cache.summaries import dequantize_bounds
+from sparse_sglang.mem_cache.bounds import dequantize_bounds
 
 try:  # Triton comes with CUDA builds of torch; the CPU path does not need it.
     import triton
@@ -72,7 +72,7 @@ def score_pages_reference(
 
 
 if triton is not None:
-    from sparse_sglang.mem_cache.kernels import pow2
+    from sparse_sglang.mem_cache.bounds import pow2
 
     _NOT_CACHED = tl.constexpr(NOT_CACHED)
 
@@ -135,7 +135,7 @@ if triton is not None:
         else:
             lo = tl.load(kmin_ptr + rows, mask=mask).to(tl.float32)
             hi = tl.load(kmax_ptr + rows, mask=mask).to(tl.float32)
-            if INT8_BOUNDS:  # levels times the page's 2**e (summaries.dequantize_bounds)
+            if INT8_BOUNDS:  # levels times the page's 2**e (bounds.dequantize_bounds)
                 e = tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32)
                 scale = pow2(e)[:, None]
                 lo, hi = lo * scale, hi * scale

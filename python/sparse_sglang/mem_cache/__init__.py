@@ -16,7 +16,8 @@ from sparse_sglang.mem_cache.host_pool import (
     pages_for_budget,
 )
 from sparse_sglang.mem_cache.page_table import SegmentPoolExhausted, TwoLevelPageTable
-from sparse_sglang.mem_cache.summaries import PageSummaries, bound_dtype, cuboid_center, cuboid_half_extent, empty_bounds
+from sparse_sglang.mem_cache.bounds import bound_dtype, empty_bounds
+from sparse_sglang.mem_cache.summaries import PageSummaries, cuboid_center, cuboid_half_extent
 
 __all__ = [
     "GPUCacheFull",

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_sglang.mem_cache import summaries as summaries_module
 
 try:  # Triton comes with CUDA builds of torch (and runs on the CPU in its interpreter).
     import triton
@@ -97,23 +96,7 @@ class SaveRuns:
 
 
 if triton is not None:
-    MIN_BOUND_ABS = tl.constexpr(summaries_module.MIN_BOUND_ABS)
-    LEVELS_MANTISSA = tl.constexpr(summaries_module._LEVELS_MANTISSA)
-
-    @triton.jit
-    def pow2(e):
-        """``2.0**e`` in float32 for an int32 ``e`` in [-126, 127], built from its exponent bits:
-        exact (int8 bounds' scales; summaries.dequantize_bounds)."""
-        return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def quantize_outward(lo, hi):
-        """``lo``/``hi`` ``[D]`` float32 bounds as int8 levels (floats) and their scale exponent,
-        rounded outward (summaries.quantize_bounds, bit for bit)."""
-        amax = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), MIN_BOUND_ABS)
-        bits = amax.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 133 + ((bits & 0x7FFFFF) > LEVELS_MANTISSA).to(tl.int32)
-        return tl.floor(lo * pow2(-e)), tl.ceil(hi * pow2(-e)), e
+    from sparse_sglang.mem_cache.bounds import pow2, quantize_outward
 
     @triton.jit
     def _index_runs_kernel(
@@ -147,7 +130,7 @@ if triton is not None:
         # fp8 e4m3 has no infinity (NaN).
         old_min = tl.load(kmin_ptr + s, mask=keep).to(tl.float32)  # masked lanes: replaced below
         old_max = tl.load(kmax_ptr + s, mask=keep).to(tl.float32)
-        if INT8_BOUNDS:  # levels times the page's scale 2**e (summaries.dequantize_bounds): exact
+        if INT8_BOUNDS:  # levels times the page's scale 2**e (bounds.dequantize_bounds): exact
             e_at = h.to(tl.int64) * exp_head_stride + page
             old_exp = tl.load(exp_ptr + e_at, mask=ok & (offset > 0), other=0).to(tl.int32)
             old_min, old_max = old_min * pow2(old_exp), old_max * pow2(old_exp)
@@ -158,7 +141,7 @@ if triton is not None:
         c = offset.to(tl.float32)
         total = c + n.to(tl.float32)
         store = ok & (d < D)
-        if INT8_BOUNDS:  # requantized outward (summaries.quantize_bounds, bit for bit)
+        if INT8_BOUNDS:  # requantized outward (bounds.quantize_bounds, bit for bit)
             lo, hi, e = quantize_outward(lo, hi)
             tl.store(exp_ptr + h.to(tl.int64) * exp_head_stride + page, e.to(tl.int8), mask=ok)
             lo_value, hi_value = lo * pow2(e), hi * pow2(e)

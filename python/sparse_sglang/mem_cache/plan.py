@@ -18,7 +18,7 @@ from sparse_sglang.mem_cache.gpu_cache import slot_bytes
 from sparse_sglang.mem_cache.host_pool import pages_for_budget
 from sparse_sglang.mem_cache.kernels import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2
 from sparse_sglang.mem_cache.kv_store import StoreShape
-from sparse_sglang.mem_cache.summaries import bound_dtype
+from sparse_sglang.mem_cache.bounds import bound_dtype
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
 
 # Widest row (rows grow into slots no other request needs), over the selection: SPIN found ~5x
