@@ -16,7 +16,7 @@ runs once per layer, on the device only:
    ones are scored page by page (:func:`score_candidates`);
 3. **Retrieve**: hits come from the GPU page cache, misses are loaded by FlashH2D into LRU slots
    of the request's cache row (one fused kernel, :func:`retrieve_pages`, finds them and writes
-   FlashInfer's indices; :meth:`GPUPageCache.retrieve` is the reference);
+   FlashInfer's indices; :func:`retrieve_reference` is the reference);
 4. **Attend** with FlashInfer's paged decode: every (request, kv head) is its own sequence of
    one kv head and its group's ``G`` query heads over its ``K`` cache slots (HND layout), the
    newest page last so ``last_page_len`` covers the partial page.
@@ -32,13 +32,9 @@ import torch.nn.functional as F
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.config import SparseConfig
-from sparse_sglang.mem_cache.kernels import (
-    MAX_RETRIEVE_CELLS,
-    build_coarse,
-    fits_fused_retrieve,
-    next_pow2,
-    retrieve_pages,
-)
+from sparse_sglang.attention.reference import retrieve_reference
+from sparse_sglang.attention.retrieval import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
+from sparse_sglang.mem_cache.kernels import build_coarse
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.summaries import coarse_built
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
@@ -92,9 +88,9 @@ class SparseDecoder:
     fused : bool
         The per-layer path of fused kernels (default: on CUDA, for rows :func:`fits_fused_retrieve`
         takes; wider rows, from large budgets, take the torch path): the score kernel writes selection
-        priorities, a top-k selects, :func:`~sparse_sglang.mem_cache.kernels.retrieve_pages` does
+        priorities, a top-k selects, :func:`~sparse_sglang.attention.retrieval.retrieve_pages` does
         the cache bookkeeping and writes FlashInfer's indices, FlashH2D loads the misses. ``False``
-        runs the torch reference path (``select_pages`` + :meth:`GPUPageCache.retrieve`).
+        runs the torch reference path (``select_pages`` + :func:`retrieve_reference`).
     topk : str
         ``"flashinfer"`` (radix top-k) or ``"torch"`` for the fused path's top-k.
     """
@@ -392,11 +388,12 @@ class SparseDecoder:
         if self.fused:  # retrieve_pages takes each row's pages in ascending order (a fixed FlashInfer sum order)
             n = self.batch * self.num_kv_heads * self.width
             src, dst = self.miss_src[:n], self.miss_dst[:n]
-            retrieve_pages(store.cache, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,
+            retrieve_pages(store.cache.view, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,
                            store.shape.num_host_pages, self.indptr, self.indices, src, dst)  # fmt: skip
             store.load(src, dst)
         else:
-            slots = store.cache.retrieve(layer, self.req_slots, page_ids, self.host_pages, store.load, store.shape.num_host_pages)
+            slots = retrieve_reference(store.cache, layer, self.req_slots, page_ids, self.host_pages, store.load,
+                                       store.shape.num_host_pages)  # fmt: skip
             self.indices[self.dest] = slots.view(-1).to(torch.int32)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
