@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
-from sparse_sglang.mem_cache import GPUPageCache, PageSummaries
 from sparse_sglang.attention.reference import retrieve_reference
 from sparse_sglang.attention.retrieval import retrieve_pages
+from sparse_sglang.mem_cache import GPUPageCache, PageSummaries
 from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

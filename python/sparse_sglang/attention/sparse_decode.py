@@ -29,16 +29,15 @@ import math
 import torch
 import torch.nn.functional as F
 
+from sparse_sglang.attention.reference import retrieve_reference, score_coarse_reference
+from sparse_sglang.attention.retrieval import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.config import SparseConfig
-from sparse_sglang.attention.reference import retrieve_reference
-from sparse_sglang.attention.retrieval import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
 from sparse_sglang.mem_cache.kernels import build_coarse
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.summaries import coarse_built
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
-
 
 TOPK_IMPLS = ("flashinfer", "torch")
 
@@ -352,8 +351,8 @@ class SparseDecoder:
     def _coarse_candidates_reference(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
         """``[B, Hkv, N]`` bool: the pages the coarse pass leaves to score (all of a request
         reusing its selection), in plain torch (``torch.topk`` breaks ties its own way)."""
-        coarse = score_coarse(qg, self.store.summaries.coarse_layer(layer), self.host_pages, self.built, self.coarse,
-                              self.forced[0], self.group_reduce, use_kernel=False)  # fmt: skip
+        coarse = score_coarse_reference(qg, self.store.summaries.coarse_layer(layer), self.host_pages, self.built,
+                                        self.coarse, self.forced[0], self.group_reduce)  # fmt: skip
         top = coarse.topk(min(self.supers, coarse.shape[-1]), dim=-1)
         supers = torch.where(top.values > -math.inf, top.indices, -1)
         keep = candidate_pages(supers, self.built, self.num_pages, self.coarse, self.host_pages.shape[1])

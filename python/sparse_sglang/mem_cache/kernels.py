@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 try:  # Triton comes with CUDA builds of torch (and runs on the CPU in its interpreter).
     import triton
     import triton.language as tl

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from sparse_sglang.config import GIB, SparseConfig
+from sparse_sglang.mem_cache.bounds import bound_dtype
 from sparse_sglang.mem_cache.gpu_cache import slot_bytes
 from sparse_sglang.mem_cache.host_pool import pages_for_budget
 from sparse_sglang.mem_cache.kv_store import StoreShape
-from sparse_sglang.mem_cache.bounds import bound_dtype
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
+
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (Triton block sizes)."""

@@ -54,6 +54,7 @@ from sparse_sglang.mem_cache.bounds import (
     resolve_bound_format,
 )
 
+
 def cuboid_center(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """ArkVale's cuboid centre ``(max + min) / 2`` in float32."""
     return (kmax.float() + kmin.float()) / 2
