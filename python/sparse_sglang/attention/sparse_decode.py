@@ -84,19 +84,17 @@ class SparseDecoder:
         Most requests one step decodes.
     use_tensor_cores : bool
         FlashInfer's tensor-core decode (prefill kernels), better for ``G >= 4``.
-    fused : bool
-        The per-layer path of fused kernels (default: on CUDA, for rows :func:`fits_fused_retrieve`
-        takes; wider rows, from large budgets, take the torch path): the score kernel writes selection
-        priorities, a top-k selects, :func:`~sparse_sglang.attention.retrieval.retrieve_pages` does
-        the cache bookkeeping and writes FlashInfer's indices, FlashH2D loads the misses. ``False``
-        runs the torch reference path (``select_pages`` + :func:`retrieve_reference`).
     topk : str
-        ``"flashinfer"`` (radix top-k) or ``"torch"`` for the fused path's top-k.
+        ``"flashinfer"`` (radix top-k) or ``"torch"``.
+
+    Each layer runs the fused kernels: the score kernel writes selection priorities, a top-k
+    selects, :func:`~sparse_sglang.attention.retrieval.retrieve_pages` does the cache bookkeeping
+    and writes FlashInfer's indices, FlashH2D loads the misses. :class:`TorchPathDecoder` is the
+    same decoder over the torch references (:func:`make_decoder` picks between them).
     """
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
-                 max_batch: int, use_tensor_cores: bool | None = None, fused: bool | None = None,
-                 topk: str = "flashinfer"):  # fmt: skip
+                 max_batch: int, use_tensor_cores: bool | None = None, topk: str = "flashinfer"):  # fmt: skip
         import flashinfer
 
         shape = store.shape
@@ -110,10 +108,6 @@ class SparseDecoder:
         self.eager_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=use_tensor_cores)
         self.wrapper = self.eager_wrapper
         self.graph_wrappers: dict = {}  # batch size -> CUDA-graph wrapper (init_cuda_graph)
-        device = store.device
-        if fused is None:  # rows too wide for one retrieve program (a large budget) take the torch path
-            fused = store.device.type == "cuda" and fits_fused_retrieve(self.width, shape.row_width)
-        self.fused = fused
         if topk not in TOPK_IMPLS:
             raise ValueError(f"topk must be one of {TOPK_IMPLS}, got {topk!r}")
         self.topk = topk
@@ -150,7 +144,7 @@ class SparseDecoder:
         # The wrapper reads page indices from this buffer; run() rewrites it per layer. The last
         # entry takes the padding of rows with fewer than K pages (reference path).
         self.indices = torch.zeros(rows * self.width + 1, dtype=torch.int32, device=device)
-        # FlashH2D's copy list, written by retrieve_pages (fused path).
+        # FlashH2D's copy list, written by retrieve_pages.
         self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
         self.miss_dst = torch.empty_like(self.miss_src)
         self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
@@ -171,10 +165,6 @@ class SparseDecoder:
         per-step values live in these buffers, rewritten by :meth:`plan` before each replay.
         Request slot 0 (SGLang's padding row) has no cache row: ``retrieve_pages`` skips it.
         """
-        if not self.fused:
-            raise ValueError(f"--sparse-decode-cuda-graph: CUDA-graph decode runs the fused kernels, which take up to "
-                             f"{MAX_RETRIEVE_CELLS} (selected x row) page pairs; this budget's rows need "
-                             f"{next_pow2(self.width) * next_pow2(self.store.shape.row_width)}: lower --sparse-token-budget")  # fmt: skip
         heads, device = self.num_kv_heads, self.store.device
         rows = max_batch * heads
         if self.indices.numel() < rows * self.width + 1:  # before any capture: the buffers never move after
@@ -235,11 +225,7 @@ class SparseDecoder:
         torch.cumsum(per_row, 0, out=indptr[1:])
         last_page_len = ((seq_lens_cpu - 1) % page + 1).to(torch.int32).repeat_interleave(heads)
         nnz = int(indptr[-1])
-        if not self.fused:
-            # Where entry (b, h, j) of a [B, Hkv, K] selection goes in the indices buffer.
-            j = torch.arange(width).view(1, 1, width)
-            dest = torch.where(j < selected_cpu.view(-1, 1, 1), indptr[:-1].view(batch, heads, 1) + j, self.indices.numel() - 1)
-            self.dest = dest.view(-1).to(device, non_blocking=True)
+        self._plan_indices(indptr, selected_cpu, device)
         self.wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
         self.wrapper.plan(
             indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
@@ -277,6 +263,10 @@ class SparseDecoder:
             pages = torch.arange(width, device=device).view(1, 1, width)
             self.all_pages = torch.where(pages < self.num_pages.view(-1, 1, 1), pages, -1).expand(batch, heads, width)
 
+    def _plan_indices(self, indptr: torch.Tensor, selected_cpu: torch.Tensor, device: torch.device) -> None:
+        """Where a layer's selection goes in FlashInfer's indices: nothing to plan here, the
+        retrieve kernel writes each row at its ``indptr`` (:class:`TorchPathDecoder` plans it)."""
+
     def _plan_coarse(self, num_pages: torch.Tensor, num_pages_cpu: torch.Tensor, g: dict | None = None) -> None:
         """Complete super-pages per request, and their coarse bounds built where missing (one
         launch for every layer: new super-pages since the last step, all of a new request's)."""
@@ -300,37 +290,30 @@ class SparseDecoder:
         self.coarse_steps += 1
         if max_built == 0:
             return
-        summaries = self.store.summaries
-        if self.fused:
-            build_coarse(summaries, self.host_pages, self.built, max_built)
-        else:
-            summaries.build_coarse(self.host_pages, self.built)
+        self._build_coarse(max_built)
+
+    def _build_coarse(self, max_built: int) -> None:
+        """The coarse bounds of the super-pages not built yet (one launch for every layer)."""
+        build_coarse(self.store.summaries, self.host_pages, self.built, max_built)
 
     def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, K]`` logical pages one layer attends (``-1`` padded; ascending on the
-        reference path, any order on the fused one)."""
+        """``[B, Hkv, K]`` logical pages one layer attends (``-1`` padded; any order)."""
         ids = self.select_raw(layer, q)
-        return ids if not self.fused else torch.where(ids < self.num_pages.view(-1, 1, 1), ids, -1)
+        return torch.where(ids < self.num_pages.view(-1, 1, 1), ids, -1)
 
     def select_raw(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """The selection as :meth:`run` uses it: on the fused path entries ``-1`` or ``>= num_pages``
-        (what the top-k gives a request holding fewer than ``K`` pages) stand for none."""
+        """The selection as :meth:`run` uses it: entries ``-1`` or ``>= num_pages`` (what the top-k
+        gives a request holding fewer than ``K`` pages) stand for none."""
         if self.exact:
             return self.all_pages
         qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
         summaries = self.store.summaries.layer(layer)
-        if not self.fused:
-            scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages, self.group_reduce)
-            if self.use_coarse:  # only the candidates of requests due for a full selection
-                scores = scores.masked_fill(~self._coarse_candidates_reference(layer, qg), -math.inf)
-            scores = self._keep_cached(layer, scores)
-            return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
         # FlashInfer's ragged top-k reads each row up to its request's pages, so the score kernel
         # leaves the rest of the row unwritten; torch.topk reads whole rows, so there the rest
         # scores -inf and its picks (of a request holding < K pages) are ids >= num_pages, which
         # retrieve_pages ignores like the ragged top-k's -1. Requests reusing their selection
-        # score only the pages their rows hold (the reference path above masks full scores: the
-        # GPU tests compare them).
+        # score only the pages their rows hold (TorchPathDecoder masks full scores: the GPU tests
+        # compare them).
         ragged = self.topk == "flashinfer"
         reuse = None if self.reselect is None else self.store.cache.cached_rows(layer, self.req_slots, self.reselect)
         if self.use_coarse:
@@ -347,21 +330,6 @@ class SparseDecoder:
         if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
             priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
         return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
-
-    def _coarse_candidates_reference(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, N]`` bool: the pages the coarse pass leaves to score (all of a request
-        reusing its selection), in plain torch (``torch.topk`` breaks ties its own way)."""
-        coarse = score_coarse_reference(qg, self.store.summaries.coarse_layer(layer), self.host_pages, self.built,
-                                        self.coarse, self.forced[0], self.group_reduce)  # fmt: skip
-        top = coarse.topk(min(self.supers, coarse.shape[-1]), dim=-1)
-        supers = torch.where(top.values > -math.inf, top.indices, -1)
-        keep = candidate_pages(supers, self.built, self.num_pages, self.coarse, self.host_pages.shape[1])
-        return keep if self.reselect is None else keep | ~self.reselect.view(-1, 1, 1)
-
-    def _keep_cached(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
-        if self.reselect is None:
-            return scores
-        return keep_cached(scores, self.store.cache.cached_pages(layer, self.req_slots, scores.shape[-1]), self.reselect)
 
     def run(self, layer: int, q: torch.Tensor, sm_scale: float | None = None, logits_soft_cap: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:  # fmt: skip
@@ -381,24 +349,101 @@ class SparseDecoder:
             ``[B, Hq, D]``.
         """
         page_ids = self.select_raw(layer, q)
-        store = self.store
-        if self.selection_log is not None:  # -1 for none (the fused top-k's picks past a request's end)
+        if self.selection_log is not None:  # -1 for none (the top-k's picks past a request's end)
             self.selection_log[: self.batch, layer] = torch.where(page_ids < self.num_pages.view(-1, 1, 1), page_ids, -1)
-        if self.fused:  # retrieve_pages takes each row's pages in ascending order (a fixed FlashInfer sum order)
-            n = self.batch * self.num_kv_heads * self.width
-            src, dst = self.miss_src[:n], self.miss_dst[:n]
-            retrieve_pages(store.cache.view, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,
-                           store.shape.num_host_pages, self.indptr, self.indices, src, dst)  # fmt: skip
-            store.load(src, dst)
-        else:
-            slots = retrieve_reference(store.cache, layer, self.req_slots, page_ids, self.host_pages, store.load,
-                                       store.shape.num_host_pages)  # fmt: skip
-            self.indices[self.dest] = slots.view(-1).to(torch.int32)
+        self._retrieve(layer, page_ids)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
         out = self.wrapper.forward(qs, self.kv, sm_scale=scale, logits_soft_cap=logits_soft_cap or None,
                                    k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return out.view(q.shape)
+
+    def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
+        """Hits and misses of one layer's selection, the misses loaded, FlashInfer's indices
+        written (retrieve_pages takes each row's pages in ascending order: a fixed FlashInfer sum
+        order)."""
+        store = self.store
+        n = self.batch * self.num_kv_heads * self.width
+        src, dst = self.miss_src[:n], self.miss_dst[:n]
+        retrieve_pages(store.cache.view, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,
+                       store.shape.num_host_pages, self.indptr, self.indices, src, dst)  # fmt: skip
+        store.load(src, dst)
+
+
+class TorchPathDecoder(SparseDecoder):
+    """:class:`SparseDecoder` over the torch references: the scores (the score kernel where it
+    runs) masked and selected by :func:`select_pages` (ascending pages), the cache bookkeeping by
+    :func:`~sparse_sglang.attention.reference.retrieve_reference`, the coarse bounds by
+    :meth:`PageSummaries.build_coarse`. The server takes it for rows too wide for the retrieve
+    kernel's one program (:func:`fits_fused_retrieve`, large budgets), outside CUDA graphs; the GPU
+    tests compare the two decoders step by step.
+    """
+
+    def init_cuda_graph(self, max_batch: int) -> None:
+        raise ValueError(f"--sparse-decode-cuda-graph: CUDA-graph decode runs the fused kernels, which take up to "
+                         f"{MAX_RETRIEVE_CELLS} (selected x row) page pairs; this budget's rows need "
+                         f"{next_pow2(self.width) * next_pow2(self.store.shape.row_width)}: lower --sparse-token-budget")  # fmt: skip
+
+    def _plan_indices(self, indptr: torch.Tensor, selected_cpu: torch.Tensor, device: torch.device) -> None:
+        """Where entry (b, h, j) of a ``[B, Hkv, K]`` selection goes in the indices buffer (the
+        last entry takes the padding)."""
+        batch, width = selected_cpu.shape[0], self.width
+        j = torch.arange(width).view(1, 1, width)
+        dest = torch.where(j < selected_cpu.view(-1, 1, 1), indptr[:-1].view(batch, self.num_kv_heads, 1) + j,
+                           self.indices.numel() - 1)  # fmt: skip
+        self.dest = dest.view(-1).to(device, non_blocking=True)
+
+    def _build_coarse(self, max_built: int) -> None:
+        self.store.summaries.build_coarse(self.host_pages, self.built)
+
+    def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, K]`` logical pages one layer attends (``-1`` padded; ascending)."""
+        return self.select_raw(layer, q)
+
+    def select_raw(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return self.all_pages
+        qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
+        summaries = self.store.summaries.layer(layer)
+        scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages, self.group_reduce)
+        if self.use_coarse:  # only the candidates of requests due for a full selection
+            scores = scores.masked_fill(~self._coarse_candidates_reference(layer, qg), -math.inf)
+        scores = self._keep_cached(layer, scores)
+        return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
+
+    def _coarse_candidates_reference(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, N]`` bool: the pages the coarse pass leaves to score (all of a request
+        reusing its selection), in plain torch (``torch.topk`` breaks ties its own way)."""
+        coarse = score_coarse_reference(qg, self.store.summaries.coarse_layer(layer), self.host_pages, self.built,
+                                        self.coarse, self.forced[0], self.group_reduce)  # fmt: skip
+        top = coarse.topk(min(self.supers, coarse.shape[-1]), dim=-1)
+        supers = torch.where(top.values > -math.inf, top.indices, -1)
+        keep = candidate_pages(supers, self.built, self.num_pages, self.coarse, self.host_pages.shape[1])
+        return keep if self.reselect is None else keep | ~self.reselect.view(-1, 1, 1)
+
+    def _keep_cached(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
+        if self.reselect is None:
+            return scores
+        return keep_cached(scores, self.store.cache.cached_pages(layer, self.req_slots, scores.shape[-1]), self.reselect)
+
+    def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
+        store = self.store
+        slots = retrieve_reference(store.cache, layer, self.req_slots, page_ids, self.host_pages, store.load,
+                                   store.shape.num_host_pages)  # fmt: skip
+        self.indices[self.dest] = slots.view(-1).to(torch.int32)
+
+
+def make_decoder(store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
+                 max_batch: int, *, fused: bool | None = None, **options) -> SparseDecoder:  # fmt: skip
+    """The decoder for ``store``: :class:`SparseDecoder` (the fused kernels) or, with ``fused``
+    false, :class:`TorchPathDecoder`. By default the fused one on CUDA for rows
+    :func:`fits_fused_retrieve` takes; wider rows, from large budgets, take the torch path.
+    ``options`` go to the decoder (``use_tensor_cores``, ``topk``)."""
+    if fused is None:
+        width = min(config.budget_pages, store.shape.row_width)
+        fused = store.device.type == "cuda" and fits_fused_retrieve(width, store.shape.row_width)
+    decoder = SparseDecoder if fused else TorchPathDecoder
+    return decoder(store, config, num_q_heads, workspace, max_batch, **options)
 
 
 def host_page_table(req_to_token: torch.Tensor, req_slots: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:
