@@ -451,8 +451,3 @@ def host_page_table(req_to_token: torch.Tensor, req_slots: torch.Tensor, num_pag
     SGLang's ``req_to_token`` rows (token location ``page * page_size + offset``)."""
     cols = torch.arange(num_pages, device=req_to_token.device) * page_size
     return (req_to_token[req_slots.long().view(-1, 1), cols.view(1, -1)] // page_size).to(torch.int32)
-
-
-def exact_budget_pages(seq_len: int, page_size: int) -> int:
-    """Pages a context of ``seq_len`` tokens holds (the budget that makes decode exact)."""
-    return math.ceil(seq_len / page_size)
