@@ -25,6 +25,7 @@ runs once per layer, on the device only:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,39 @@ def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer", lengths
     else:
         ids = torch.topk(rows, k, dim=-1, sorted=False).indices
     return ids.view(*priority.shape[:-1], k)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphBuffers:
+    """The static buffers of CUDA-graph decode steps (on the GPU), for batches of up to
+    ``max_batch`` requests: a captured step reads its per-step values from here, and
+    :meth:`SparseDecoder.plan` rewrites their first ``batch`` (or ``batch * Hkv``) entries before
+    each replay. Allocated once, before any capture; never reallocated (the graphs hold their
+    addresses).
+    """
+
+    # fmt: off
+    indptr:        torch.Tensor  # [max_batch * Hkv + 1] int32  FlashInfer indptr (the graph wrappers' buffer)
+    last_page_len: torch.Tensor  # [max_batch * Hkv]     int32  FlashInfer last_page_len
+    num_pages:     torch.Tensor  # [max_batch]           int32  pages each request holds
+    row_pages:     torch.Tensor  # [max_batch * Hkv]     int32  the same per selection row (the top-k's lengths)
+    host_pages:    torch.Tensor  # [max_batch, max_pages] int32 host page of each logical page
+    reselect:      torch.Tensor  # [max_batch]           bool   requests selecting from all their pages
+    built:         torch.Tensor  # [max_batch]           int32  complete super-pages (coarse-first)
+    built_rows:    torch.Tensor  # [max_batch * Hkv]     int32  the same per selection row
+    # fmt: on
+
+    @classmethod
+    def allocate(cls, max_batch: int, num_kv_heads: int, max_pages: int, device: torch.device) -> GraphBuffers:
+        rows = max_batch * num_kv_heads
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            indptr=torch.zeros(rows + 1, **i32), last_page_len=torch.ones(rows, **i32),
+            num_pages=torch.ones(max_batch, **i32), row_pages=torch.ones(rows, **i32),
+            host_pages=torch.zeros(max_batch, max_pages, **i32),
+            reselect=torch.ones(max_batch, dtype=torch.bool, device=device),
+            built=torch.zeros(max_batch, **i32), built_rows=torch.zeros(rows, **i32),
+        )  # fmt: skip
 
 
 class SparseDecoder:
@@ -133,7 +167,7 @@ class SparseDecoder:
         self.row_pages = None  # [B * Hkv] int32 pages of each selection row's request (the top-k's lengths)
         self.batch = 0
         self.exact = False
-        self.graph = None  # static buffers of CUDA-graph mode (init_cuda_graph)
+        self.graph: GraphBuffers | None = None  # static buffers of CUDA-graph mode (init_cuda_graph)
         # [max_batch, num_layers, Hkv, K] each layer's selection of the current step, -1 = none
         # (allocated by log_selections: the working-set tracker reads it after the step).
         self.selection_log: torch.Tensor | None = None
@@ -169,17 +203,7 @@ class SparseDecoder:
         rows = max_batch * heads
         if self.indices.numel() < rows * self.width + 1:  # before any capture: the buffers never move after
             self._alloc_row_buffers(rows)
-        pages = self.store.shape.max_pages
-        self.graph = {
-            "indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
-            "last_page_len": torch.ones(rows, dtype=torch.int32, device=device),
-            "num_pages": torch.ones(max_batch, dtype=torch.int32, device=device),
-            "row_pages": torch.ones(rows, dtype=torch.int32, device=device),
-            "host_pages": torch.zeros(max_batch, pages, dtype=torch.int32, device=device),
-            "reselect": torch.ones(max_batch, dtype=torch.bool, device=device),
-            "built": torch.zeros(max_batch, dtype=torch.int32, device=device),
-            "built_rows": torch.zeros(rows, dtype=torch.int32, device=device),
-        }
+        self.graph = GraphBuffers.allocate(max_batch, heads, self.store.shape.max_pages, device)
 
     def _graph_wrapper(self, batch: int):
         import flashinfer
@@ -188,8 +212,8 @@ class SparseDecoder:
             rows, g = batch * self.num_kv_heads, self.graph
             self.graph_wrappers[batch] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=g["indptr"][: rows + 1], paged_kv_indices_buffer=self.indices,
-                paged_kv_last_page_len_buffer=g["last_page_len"][:rows],
+                paged_kv_indptr_buffer=g.indptr[: rows + 1], paged_kv_indices_buffer=self.indices,
+                paged_kv_last_page_len_buffer=g.last_page_len[:rows],
             )  # fmt: skip
         return self.graph_wrappers[batch]
 
@@ -237,14 +261,14 @@ class SparseDecoder:
         if graph:  # into the static buffers the captured kernels read
             g = self.graph
             if reselect is not None:
-                self.reselect = g["reselect"][:batch]
+                self.reselect = g.reselect[:batch]
                 self.reselect.copy_(reselect)
-            self.indptr = g["indptr"][: batch * heads + 1]  # the graph wrapper's: plan() filled it
-            self.num_pages = g["num_pages"][:batch]
+            self.indptr = g.indptr[: batch * heads + 1]  # the graph wrapper's: plan() filled it
+            self.num_pages = g.num_pages[:batch]
             self.num_pages.copy_(num_pages_dev)
-            self.row_pages = g["row_pages"][: batch * heads]
+            self.row_pages = g.row_pages[: batch * heads]
             self.row_pages.copy_(num_pages_dev.repeat_interleave(heads))
-            self.host_pages = g["host_pages"][:batch]
+            self.host_pages = g.host_pages[:batch]
             self.host_pages[:, : host_pages.shape[1]].copy_(host_pages)
             self.max_pages = self.host_pages.shape[1]
             self.exact = False
@@ -267,7 +291,7 @@ class SparseDecoder:
         """Where a layer's selection goes in FlashInfer's indices: nothing to plan here, the
         retrieve kernel writes each row at its ``indptr`` (:class:`TorchPathDecoder` plans it)."""
 
-    def _plan_coarse(self, num_pages: torch.Tensor, num_pages_cpu: torch.Tensor, g: dict | None = None) -> None:
+    def _plan_coarse(self, num_pages: torch.Tensor, num_pages_cpu: torch.Tensor, g: GraphBuffers | None = None) -> None:
         """Complete super-pages per request, and their coarse bounds built where missing (one
         launch for every layer: new super-pages since the last step, all of a new request's)."""
         self.use_coarse = False
@@ -277,7 +301,7 @@ class SparseDecoder:
         built = coarse_built(num_pages, self.coarse, recent)
         max_built = int(coarse_built(num_pages_cpu, self.coarse, recent).max())  # on the host: sizes a grid
         if g is not None:  # a CUDA graph's path is fixed per batch size, for the longest context
-            self.built, self.built_rows = g["built"][: self.batch], g["built_rows"][: self.batch * self.num_kv_heads]
+            self.built, self.built_rows = g.built[: self.batch], g.built_rows[: self.batch * self.num_kv_heads]
             self.built.copy_(built)
             self.built_rows.copy_(built.repeat_interleave(self.num_kv_heads))
             self.use_coarse = self.config.coarse_pays(self.batch, self.max_pages, self.width)
