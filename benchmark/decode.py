@@ -38,7 +38,7 @@ import torch
 
 from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
 from sparse_sglang.config import BOUND_FORMATS, SparseConfig
-from sparse_sglang.mem_cache.summaries import resolve_bound_format
+from sparse_sglang.mem_cache.bounds import resolve_bound_format
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import finish_run
 

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from sparse_sglang.mem_cache.bucketed_lru import BucketedLRU, exact_lru_evict_reference, split_by_length
+from sparse_sglang.mem_cache.reference import BucketedLRU, exact_lru_evict_reference, split_by_length
 
 
 def random_state(seed: int, num_slots: int, steps: int, num_buckets: int, steps_per_bucket: int):

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
+from sparse_sglang.attention.reference import score_candidates_reference, score_coarse_reference, score_pages_reference
+from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse
 from sparse_sglang.config import SparseConfig, SparseConfigError
 from sparse_sglang.mem_cache import PageSummaries
 from sparse_sglang.mem_cache.gpu_cache import CachedRows
@@ -71,8 +72,8 @@ def test_coarse_bounds_bound_every_page_of_their_super_page():
     built = coarse_built(num_pages, S, 2)
     summ.build_coarse(host, built)
     q = torch.randn(3, HEADS, GROUP, DIM, device=DEVICE)
-    fine = score_pages("quest", q, summ.layer(1), host, num_pages, use_kernel=False)
-    coarse = score_coarse(q, summ.coarse_layer(1), host, built, S, 0, use_kernel=False)
+    fine = score_pages_reference("quest", q, summ.layer(1), host, num_pages)
+    coarse = score_coarse_reference(q, summ.coarse_layer(1), host, built, S, 0)
     for b in range(3):
         for s in range(int(built[b])):
             assert (coarse[b, :, s] >= fine[b, :, s * S : (s + 1) * S].amax(-1) - 1e-4).all()
@@ -87,8 +88,8 @@ def test_coarse_score_kernel_equals_the_reference(group_reduce, sink):
     built = coarse_built(num_pages, S, 2)
     build_coarse(summ, host, built, int(built.max()))
     q = torch.randn(3, HEADS, GROUP, DIM, device=DEVICE)
-    want = score_coarse(q, summ.coarse_layer(0), host, built, S, sink, group_reduce, use_kernel=False)
-    got = score_coarse(q, summ.coarse_layer(0), host, built, S, sink, group_reduce, use_kernel=True)
+    want = score_coarse_reference(q, summ.coarse_layer(0), host, built, S, sink, group_reduce)
+    got = score_coarse(q, summ.coarse_layer(0), host, built, S, sink, group_reduce)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert (got[..., 0] == math.inf).all() == bool(sink) or built.min() == 0
 
@@ -123,8 +124,8 @@ def test_candidate_score_kernel_equals_the_reference(selector, group_reduce, reu
         reselect = torch.tensor([True, False, True], device=DEVICE)
         cached = CachedRows(reselect, rows, torch.tensor([0, 2, 1], dtype=torch.int32, device=DEVICE), slot_page)
     args = (selector, q, summ.layer(0), host, num_pages, supers, built, S, S + 1, group_reduce)
-    want = score_candidates(*args, forced=(1, 2), reuse=cached, use_kernel=False)
-    got = score_candidates(*args, forced=(1, 2), reuse=cached, use_kernel=True)
+    want = score_candidates_reference(*args, forced=(1, 2), reuse=cached)
+    got = score_candidates(*args, forced=(1, 2), reuse=cached)
     for b in range(3):
         n = int(num_pages[b])
         w, g = want[b, :, :n], got[b, :, :n]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sparse_sglang.attention import keep_cached, page_mean_abs_deviation, select_pages
+from sparse_sglang.attention.reference import retrieve_reference
 from sparse_sglang.mem_cache import (
     GPUCacheFull,
     GPUPageCache,
@@ -395,7 +396,7 @@ def test_write_allocate_unmaps_a_page_a_decode_step_loaded_into_its_column():
     assert cache.write_allocate(1, 8, 2) == 2  # prefix pages 0-7 stay on the host
     cache.next_step()
     for layer in range(2):
-        cache.retrieve(layer, torch.tensor([1]), torch.tensor([[[0, 1, 2]] * 2]), torch.arange(12).view(1, -1),
+        retrieve_reference(cache, layer, torch.tensor([1]), torch.tensor([[[0, 1, 2]] * 2]), torch.arange(12).view(1, -1),
                        lambda src, dst: None, 12)  # fmt: skip
     assert cache.write_allocate(1, 10, 1) == 1  # column 2, which a step filled with page 0
     for layer in range(2):
@@ -482,7 +483,7 @@ def test_gpu_cache_random_operations_keep_table_rows_and_blocks_consistent(elast
                         chosen = rng.sample(range(num_pages[r]), min(3, num_pages[r]))
                         ids[b, h, : len(chosen)] = torch.tensor(chosen)
                 load = lambda src, dst: gather_blocks_reference(host.k, host.v, cache.k, cache.v, src, dst)  # noqa: E731
-                cache.retrieve(layer, torch.tensor(reqs), ids, host_pages, load, host.num_pages)
+                retrieve_reference(cache, layer, torch.tensor(reqs), ids, host_pages, load, host.num_pages)
         elif op == "close" and num_pages:
             r = rng.choice(sorted(num_pages))
             cache.close_request(r)
@@ -501,7 +502,7 @@ def test_elastic_rows_grow_into_free_slots_and_give_back_their_least_recently_us
     for page in range(6):  # fill request 1's rows: page p last used at step p + 1
         cache.next_step()
         for layer in range(2):
-            cache.retrieve(layer, torch.tensor([1]), torch.full((1, 2, 1), page), torch.arange(12).view(1, -1), no_load, 12)
+            retrieve_reference(cache, layer, torch.tensor([1]), torch.full((1, 2, 1), page), torch.arange(12).view(1, -1), no_load, 12)
     cache.open_request(2, 12)
     assert (cache.width(1), cache.width(2), cache.num_free) == (6, 6, 0)
     cache.open_request(3, 12)  # a third of the pool each: requests 1 and 2 give back 2 columns
@@ -527,7 +528,7 @@ def test_elastic_rows_grow_into_free_slots_and_give_back_their_least_recently_us
     # Misses go to the grown (empty) columns first; the pages request 1 kept stay cached.
     cache.next_step()
     kept = cache.page_table.lookup(1, 0, 0, torch.arange(12))
-    slots = cache.retrieve(0, torch.tensor([1]), torch.tensor([[[10], [10]]]), torch.arange(12).view(1, -1), no_load, 12)
+    slots = retrieve_reference(cache, 0, torch.tensor([1]), torch.tensor([[[10], [10]]]), torch.arange(12).view(1, -1), no_load, 12)
     assert int(slots[0, 0, 0]) in cache.rows[1, 0, 0, 2:].tolist()  # it had shrunk to 2 columns
     assert kept[4] >= 0 and kept[5] >= 0  # its two most recently used pages
     assert torch.equal(cache.page_table.lookup(1, 0, 0, torch.arange(10)), kept[:10])
@@ -579,7 +580,7 @@ def test_gpu_cache_retrieve_loads_misses_into_lru_victims_like_a_per_row_lru(dty
                     hits = [p for p in lru if p in chosen]
                     kept = [p for p in lru if p not in chosen][len(missing) - (width - len(lru)) if len(lru) + len(missing) > width else 0:]
                     model[b, layer, h] = kept + hits + missing
-            slots = cache.retrieve(layer, req_slots, page_ids, host_pages, load, host.num_pages)
+            slots = retrieve_reference(cache, layer, req_slots, page_ids, host_pages, load, host.num_pages)
             for b, h, j in (page_ids >= 0).nonzero().tolist():
                 last_use[b, layer, h, int(page_ids[b, h, j])] = step
             assert loads.pop() == expected_misses
@@ -622,7 +623,7 @@ def test_reselect_interval_reuses_cached_pages_between_full_selections():
         assert torch.equal(held[0], want_held)
         scores = torch.randn(1, heads, 32, generator=gen)
         sel = select_pages(keep_cached(scores, held, due), num_pages, budget, sink, recent).page_ids
-        cache.retrieve(0, req, sel, host_pages, lambda src, dst: loads.append(int((dst >= 0).sum())), host.num_pages)
+        retrieve_reference(cache, 0, req, sel, host_pages, lambda src, dst: loads.append(int((dst >= 0).sum())), host.num_pages)
         if due.item():
             assert torch.equal(sel, select_pages(scores, num_pages, budget, sink, recent).page_ids)
             continue
@@ -680,7 +681,7 @@ def test_gpu_cache_write_allocate_holds_every_token_like_the_host_store(dtype):
                     assert torch.equal(gpu[slots.long(), :filled].view(torch.uint8), want)
     every = torch.tensor([[0, 1, 2, 3], [0, 1, 2, -1]]).view(2, 1, 4).expand(2, heads, 4)  # 15 and 10 tokens
     loads = []
-    slots = cache.retrieve(1, torch.tensor([0, 1]), every, host_pages, lambda s, d: loads.append(d), 16)
+    slots = retrieve_reference(cache, 1, torch.tensor([0, 1]), every, host_pages, lambda s, d: loads.append(d), 16)
     assert (loads[0] < 0).all()  # all hits
     want = cache.page_table.lookup(torch.tensor([0, 1]).view(2, 1, 1), 1, torch.arange(heads).view(1, -1, 1), every)
     assert torch.equal(slots, want.long())
@@ -701,7 +702,7 @@ def test_int8_bounds_hold_every_key_as_pages_fill_token_by_token():
     at a time, and as a prefill would, whole pages at once: every key stays inside its page's box,
     the box is at most a level or two wider than the exact one, a page starting over forgets its
     old keys, and ``reset`` empties pages to +-inf."""
-    from sparse_sglang.mem_cache.summaries import resolve_bound_format
+    from sparse_sglang.mem_cache.bounds import resolve_bound_format
 
     gen = torch.Generator().manual_seed(4)
     layers, heads, pages, page_size, dim = 1, 2, 6, 8, 16

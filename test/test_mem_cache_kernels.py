@@ -13,8 +13,10 @@ import random
 import pytest
 import torch
 
+from sparse_sglang.attention.reference import retrieve_reference
+from sparse_sglang.attention.retrieval import retrieve_pages
 from sparse_sglang.mem_cache import GPUPageCache, PageSummaries
-from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs, retrieve_pages
+from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -163,11 +165,11 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
             ascending = page_ids.sort(dim=-1).values
             ref_ids = torch.where(ascending < num_pages.view(-1, 1, 1), ascending, -1)
             loads = []
-            slots = ref.retrieve(layer, req_slots, ref_ids, host_pages, lambda s, d: loads.append((s, d)), 50)
+            slots = retrieve_reference(ref, layer, req_slots, ref_ids, host_pages, lambda s, d: loads.append((s, d)), 50)
             indices = torch.full((int(indptr[-1]),), -7, dtype=torch.int32, device=DEVICE)
             miss_src = torch.empty(2 * heads * k_sel, dtype=torch.int64, device=DEVICE)
             miss_dst = torch.empty_like(miss_src)
-            retrieve_pages(cache, layer, req_slots, page_ids, num_pages, host_pages, 50, indptr, indices, miss_src, miss_dst)
+            retrieve_pages(cache.view, layer, req_slots, page_ids, num_pages, host_pages, 50, indptr, indices, miss_src, miss_dst)
             src, dst = loads[0]
             assert torch.equal(miss_dst, dst.view(-1)), (step, layer)
             assert torch.equal(miss_src[dst.view(-1) >= 0], src.view(-1)[dst.view(-1) >= 0])
@@ -201,7 +203,7 @@ def test_retrieve_pages_leaves_padding_rows_alone():
     host_pages = torch.arange(32, dtype=torch.int32, device=DEVICE).view(2, 16)
     miss_src = torch.empty(2 * heads * width, dtype=torch.int64, device=DEVICE)
     miss_dst = torch.empty_like(miss_src)
-    retrieve_pages(cache, 0, req_slots, page_ids, num_pages, host_pages, 40, indptr, indices, miss_src, miss_dst)
+    retrieve_pages(cache.view, 0, req_slots, page_ids, num_pages, host_pages, 40, indptr, indices, miss_src, miss_dst)
     assert indices[:2].tolist() == [0, 0] and (indices[2:] >= 0).all()  # padding rows, then request 3's slots
     assert (miss_dst[: heads * width] == -1).all() and (miss_dst[heads * width :] >= 0).sum() == 2 * 4  # 4 misses per head
     changed = cache.slot_page != before["slot_page"]

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from sparse_sglang.config import PREFILL_CHUNK_TOKENS_EQUIVALENT, SparseConfig
-from sparse_sglang.model_runner import Segment, layers_per_iteration, next_segment_end, plan_segments, segment_hbm_pages
+from sparse_sglang.prefill import layers_per_iteration, next_segment_end
+from sparse_sglang.prefill.reference import Segment, plan_segments, segment_hbm_pages
 
 INJECT_32 = SparseConfig(host_cache_gb=1.0).inject_tokens(32)  # the default budget of a 32-layer model
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from sparse_sglang import config
 from sparse_sglang.attention import (
     NOT_CACHED,
@@ -223,7 +224,8 @@ def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, g
     ``select_pages``'s selection. Each (request, kv head) row's blocks of pages are split among
     the grid's columns, one block each or all in one column."""
     from sparse_sglang.attention import scoring
-    from sparse_sglang.attention.scoring import score_pages, score_pages_reference
+    from sparse_sglang.attention.reference import score_pages_reference
+    from sparse_sglang.attention.scoring import score_pages
     from sparse_sglang.attention.selection import force_pages
 
     monkeypatch.setattr(scoring, "SCORE_PROGRAMS", programs)
@@ -240,13 +242,13 @@ def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, g
     summ, host_pages, num_pages, q = ({k: t.to(device) for k, t in summ.items()}, host_pages.to(device),
                                       num_pages.to(device), q.to(device))  # fmt: skip
     want = score_pages_reference(selector, q, summ, host_pages, num_pages, group_reduce)
-    got = score_pages(selector, q, summ, host_pages, num_pages, group_reduce, use_kernel=True)
+    got = score_pages(selector, q, summ, host_pages, num_pages, group_reduce)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
-    prio = score_pages(selector, q, summ, host_pages, num_pages, group_reduce, forced=(1, 2), use_kernel=True)
+    prio = score_pages(selector, q, summ, host_pages, num_pages, group_reduce, forced=(1, 2))
     torch.testing.assert_close(prio, force_pages(want, num_pages, 1, 2), atol=1e-3, rtol=1e-4)
     # Left unwritten past each request's pages (for the ragged top-k), at another launch shape.
     out = torch.full_like(prio, 7.0)
-    score_pages(selector, q, summ, host_pages, num_pages, group_reduce, out=out, forced=(1, 2), use_kernel=True,
+    score_pages(selector, q, summ, host_pages, num_pages, group_reduce, out=out, forced=(1, 2),
                 fill_tail=False, block_n=64, num_warps=2)  # fmt: skip
     held = torch.arange(prio.shape[-1], device=device) < num_pages.view(-1, 1, 1)
     torch.testing.assert_close(out[held.expand_as(out)], prio[held.expand_as(prio)])
@@ -262,6 +264,7 @@ def test_score_kernel_and_its_forced_priorities_equal_the_torch_path(selector, g
 def test_score_kernel_with_reuse_scores_only_the_cached_pages_of_rows_not_due(forced):
     """``reuse``: the kernels (a full-row pass that reads no summary for rows reusing their
     selection, then a pass over their cache rows) equal the torch path's ``keep_cached``."""
+    from sparse_sglang.attention.reference import score_pages_reference
     from sparse_sglang.attention.scoring import score_pages
     from sparse_sglang.mem_cache.gpu_cache import CachedRows
 
@@ -289,8 +292,8 @@ def test_score_kernel_with_reuse_scores_only_the_cached_pages_of_rows_not_due(fo
     host_pages, num_pages, q, rows, req_slots, slot_page = (t.to(device) for t in (host_pages, num_pages, q, rows, req_slots, slot_page))
     for due in ([False, False, True], [True, True, True], [False, True, False]):
         reuse = CachedRows(torch.tensor(due, device=device), rows, req_slots, slot_page)
-        want = score_pages("quest", q, summ, host_pages, num_pages, forced=forced, reuse=reuse, use_kernel=False)
-        got = score_pages("quest", q, summ, host_pages, num_pages, forced=forced, reuse=reuse, use_kernel=True)
+        want = score_pages_reference("quest", q, summ, host_pages, num_pages, forced=forced, reuse=reuse)
+        got = score_pages("quest", q, summ, host_pages, num_pages, forced=forced, reuse=reuse)
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
         assert (got[~torch.tensor(due, device=device)] == NOT_CACHED).any() or all(due)  # some pages really were left out
 
@@ -300,6 +303,7 @@ def test_score_kernel_with_reuse_scores_only_the_cached_pages_of_rows_not_due(fo
 def test_scores_of_fp8_bounds_equal_those_of_the_same_bounds_in_bf16(selector, use_kernel):
     """Bounds of fp8 keys stored as fp8 (what an fp8 store keeps) score exactly as the same
     values stored as bf16: both paths widen the bounds to float32 before any arithmetic."""
+    from sparse_sglang.attention.reference import score_pages_reference
     from sparse_sglang.attention.scoring import score_pages
 
     gen = torch.Generator().manual_seed(9)
@@ -314,8 +318,9 @@ def test_scores_of_fp8_bounds_equal_those_of_the_same_bounds_in_bf16(selector, u
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernel runs in Triton's interpreter
     fp8, bf16 = ({k: t.to(device) for k, t in summ.items()} for summ in (fp8, bf16))
     host_pages, num_pages, q = host_pages.to(device), num_pages.to(device), q.to(device)
-    got = score_pages(selector, q, fp8, host_pages, num_pages, forced=(1, 2), use_kernel=use_kernel)
-    want = score_pages(selector, q, bf16, host_pages, num_pages, forced=(1, 2), use_kernel=use_kernel)
+    score = score_pages if use_kernel else score_pages_reference
+    got = score(selector, q, fp8, host_pages, num_pages, forced=(1, 2))
+    want = score(selector, q, bf16, host_pages, num_pages, forced=(1, 2))
     assert torch.equal(got, want) and got[1, :, :13].isfinite().any()
 
 
@@ -340,9 +345,10 @@ def test_int8_bounds_score_as_their_values_and_still_bound_the_keys(selector, re
     """int8 bounds (levels x a power-of-two scale per page and kv head) score as their float32
     values do, in the kernels (full rows and cached rows) and the torch path; rounded outward,
     each page's Quest score stays at or above ``q . k`` of every key in it."""
+    from sparse_sglang.attention.reference import score_pages_reference
     from sparse_sglang.attention.scoring import score_pages
+    from sparse_sglang.mem_cache.bounds import dequantize_bounds, quantize_bounds
     from sparse_sglang.mem_cache.gpu_cache import CachedRows
-    from sparse_sglang.mem_cache.summaries import dequantize_bounds, quantize_bounds
 
     gen = torch.Generator().manual_seed(11)
     heads, pool, dim, group, page = 2, 50, 16, 3, 4
@@ -364,8 +370,9 @@ def test_int8_bounds_score_as_their_values_and_still_bound_the_keys(selector, re
     if reuse:
         cached = CachedRows(torch.tensor([True, False], device=device), rows.to(device),
                             torch.tensor([0, 1], dtype=torch.int32, device=device), slot_page.to(device))  # fmt: skip
-    got = score_pages(selector, q, int8, host_pages, num_pages, reuse=cached, use_kernel=use_kernel)
-    want = score_pages(selector, q, values, host_pages, num_pages, reuse=cached, use_kernel=False)
+    score = score_pages if use_kernel else score_pages_reference
+    got = score(selector, q, int8, host_pages, num_pages, reuse=cached)
+    want = score_pages_reference(selector, q, values, host_pages, num_pages, reuse=cached)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
     if selector == "quest" and not reuse:  # an upper bound of q . k over each held page's keys
         qk = torch.einsum("bhgd,hbptd->bhgpt", q.float(), keys[:, host_pages.long()].float()).amax(-1).sum(2)

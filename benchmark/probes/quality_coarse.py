@@ -4,7 +4,7 @@ Same capture as ``benchmark/quality.py`` (SmolLM2 on CPU, 7,168 tokens of licens
 32 positions as decode queries, 32-token pages, 1 sink + 2 recent pages, GQA scores summed):
 quest at budget 512 page by page, and coarse-first with super-pages of 4 and 8 pages keeping 2, 3,
 4 or 6 budgets' worth of candidates, through the code the server runs (``PageSummaries.build_coarse``,
-``score_coarse``, ``candidate_pages``; the torch references of the GPU kernels). At 7K tokens a
+``score_coarse_reference``, ``candidate_pages``; the torch references of the GPU kernels). At 7K tokens a
 request holds 224 pages; the budget keeps 16 and 4 budgets' worth of candidates is 64 of them, so
 the coarse pass discards less here than at 128K (4,096 pages). About a minute on 2 CPU cores::
 
@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO))
 
 import benchmark.quality as quality  # noqa: E402
 from sparse_sglang.attention import attention_mass_recall, get_selector, select_pages  # noqa: E402
-from sparse_sglang.attention.scoring import candidate_pages, score_coarse  # noqa: E402
+from sparse_sglang.attention.reference import score_coarse_reference  # noqa: E402
+from sparse_sglang.attention.scoring import candidate_pages  # noqa: E402
 from sparse_sglang.mem_cache import PageSummaries  # noqa: E402
 from sparse_sglang.mem_cache.summaries import coarse_built  # noqa: E402
 from sparse_sglang.testing.provenance import finish_run  # noqa: E402
@@ -57,7 +58,7 @@ def main() -> dict:
             if s:
                 built = coarse_built(num_pages, s, RECENT)
                 summ.build_coarse(host, built)
-                coarse = score_coarse(qg, summ.coarse_layer(0), host, built, s, SINK, use_kernel=False)
+                coarse = score_coarse_reference(qg, summ.coarse_layer(0), host, built, s, SINK)
                 top = coarse.topk(min(math.ceil(cand * k_pages / s), coarse.shape[-1]), dim=-1)
                 supers = torch.where(top.values > -math.inf, top.indices, -1)
                 scores = scores.masked_fill(~candidate_pages(supers, built, num_pages, s, n), -math.inf)

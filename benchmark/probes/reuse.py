@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from sparse_sglang.attention import attention_mass_recall
+from sparse_sglang.attention.reference import retrieve_reference
 from sparse_sglang.mem_cache import GPUPageCache
 from sparse_sglang.mem_cache.plan import row_width_for
 from sparse_sglang.testing.provenance import finish_run
@@ -57,7 +58,7 @@ def simulate(cap, policy: Policy, interval: int, scale: float, row_ratio: float 
             cached = cache.cached_pages(layer, req, num_pages)
             pages = choose_pages(policy, q, summaries, layer, k, seq_len, cached, due)
             misses = []
-            cache.retrieve(layer, req, pages.long(), host_pages, lambda src, dst: misses.append(int((dst >= 0).sum())), 1)
+            retrieve_reference(cache, layer, req, pages.long(), host_pages, lambda src, dst: misses.append(int((dst >= 0).sum())), 1)
             step_loads += misses[0]
             recall.append(attention_mass_recall(q, k, pages, PAGE_SIZE, seq_len, scale).mean().item())
         loads.append(step_loads)

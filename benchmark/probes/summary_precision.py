@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark import quality  # noqa: E402
-from sparse_sglang.mem_cache.summaries import dequantize_bounds, quantize_bounds  # noqa: E402
+from sparse_sglang.mem_cache.bounds import dequantize_bounds, quantize_bounds  # noqa: E402
 from sparse_sglang.testing.provenance import finish_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def int8_outward(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor, 
     """``kmin``/``kmax`` ``[..., D]`` (float32) as int8 levels times one power-of-two scale per
     ``[D]`` vector (per page and kv head), the min rounded down and the max up: ``lo <= kmin`` and
     ``hi >= kmax``, each exactly ``level * scale`` with ``|level| <= 127`` (non-finite bounds stay).
-    The server's own rounding (``summaries.quantize_bounds``), read back as values."""
+    The server's own rounding (``bounds.quantize_bounds``), read back as values."""
     lo, hi, e = quantize_bounds(*(torch.where(x.isfinite(), x, 0.0) for x in (kmin, kmax)))
     lo, hi = dequantize_bounds(lo, e), dequantize_bounds(hi, e)
     return torch.where(kmin.isfinite(), lo, kmin), torch.where(kmax.isfinite(), hi, kmax)

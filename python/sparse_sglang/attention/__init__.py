@@ -9,6 +9,12 @@ Shared by the CPU reference (tests, ``benchmark/quality.py``) and the GPU decode
 - :mod:`.selectors`: ``Selector`` and the registry ``SELECTORS`` (quest, arkvale, mean).
 - :mod:`.selection`: ``select_pages``, ``keep_cached``, ``max_reduce_logical``, ``sparse_attention_reference``,
   ``attention_mass_recall``.
+
+The decode path runs downhill, each stage importing only those below it and ``mem_cache``'s views:
+:mod:`.sparse_decode` (``make_decoder``; plan once per step, run per layer) -> selection
+(:mod:`.scoring`, the score kernels; a top-k) -> retrieval (:mod:`.retrieval`, the retrieve kernel
+over ``GPUPageCache.view``) -> attention (FlashInfer's paged decode). :mod:`.reference` holds the
+torch references of the kernels, which the CPU tests compare them with.
 """
 
 from sparse_sglang.attention.selection import (

@@ -17,8 +17,8 @@ them.
 An fp8 store's prefix is converted to bf16 as it is staged (on the load stream, one pass over the
 piece in HBM; the KV scales still go to the kernel, which folds them into the softmax scale and the
 output): FlashInfer's Hopper (FA3) kernels take fp8 KV only with fp8 queries, so an fp8 prefix
-ran on the FA2 kernel, 1.2x slower than FA2 over bf16 and 1.9x slower than FA3 (H100 profile of a
-32K-token prefill, ``prefill-profile-2026-11-24.json``).
+ran on the FA2 kernel, slower than FA2 over bf16 and than FA3
+(``docs/decisions/0012-fp8-prefix-attended-in-bf16.md``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """Page scores for a decode batch, straight from the host-page-indexed summaries.
 
-:func:`score_pages_reference` gathers each request's page summaries into dense ``[B, Hkv, N, D]``
-tensors and calls the :class:`~sparse_sglang.attention.Selector` (plain torch, any device).
-:func:`score_pages` is the GPU path: one Triton kernel reads the summaries of the pages each
+:func:`score_pages` is one Triton kernel that reads the summaries of the pages each
 request holds and writes the group-reduced scores, never materializing the gathered copies
 (at 128K tokens and batch 32 those would be ~1 GiB per layer). When requests reuse their
 selection (``--sparse-reselect-interval``), those not due for a full one read no summaries there;
 a second, row-sized kernel scores only the pages their cache rows hold.
 
-Both return ``[B, Hkv, N]`` float32 with ``-inf`` past each request's pages (the kernel may leave
-whole blocks there unwritten when asked: ``fill_tail=False``).
+Its torch reference, :func:`~sparse_sglang.attention.reference.score_pages_reference`, gathers
+each request's page summaries into dense ``[B, Hkv, N, D]`` tensors and calls the
+:class:`~sparse_sglang.attention.Selector`. Both return ``[B, Hkv, N]`` float32 with ``-inf``
+past each request's pages (the kernel may leave whole blocks there unwritten when asked:
+``fill_tail=False``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ import math
 
 import torch
 
-from sparse_sglang.attention.selection import NOT_CACHED, force_pages, keep_cached
-from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
+from sparse_sglang.attention.selection import NOT_CACHED
+from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE
 from sparse_sglang.mem_cache.gpu_cache import CachedRows
-from sparse_sglang.mem_cache.summaries import dequantize_bounds
 
-try:  # Triton comes with CUDA builds of torch; the CPU path does not need it.
+try:  # Triton comes with CUDA builds of torch (and runs on the CPU in its interpreter).
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
@@ -32,47 +32,8 @@ except ImportError:  # pragma: no cover
 KERNEL_SELECTORS = ("quest", "arkvale", "mean")
 
 
-def gather_layer(summary: torch.Tensor, host_pages: torch.Tensor) -> torch.Tensor:
-    """``[Hkv, num_host_pages, D]`` summaries of one layer -> ``[B, Hkv, N, D]`` for the pages
-    ``host_pages`` ``[B, N]`` (entries past a request's pages may be any valid page id)."""
-    return summary[:, host_pages.long()].permute(1, 0, 2, 3)
-
-
-def score_pages_reference(
-    selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
-    num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE,
-) -> torch.Tensor:
-    """Scores of every page of every request (plain torch).
-
-    Parameters
-    ----------
-    selector : str
-        A registered selector name.
-    q : torch.Tensor
-        ``[B, Hkv, G, D]`` decode queries.
-    layer_summaries : dict
-        ``kmin``/``kmax``/``mean``/``radius`` of one layer, each ``[Hkv, num_host_pages, D]``
-        (only those the selector reads are needed), and ``bound_exp`` ``[Hkv, num_host_pages]``
-        when the bounds are int8 levels (:meth:`PageSummaries.layer <sparse_sglang.mem_cache.PageSummaries.layer>`).
-    host_pages : torch.Tensor
-        ``[B, N]`` host page id of each logical page (anything valid past ``num_pages``).
-    num_pages : torch.Tensor
-        ``[B]`` pages each request holds.
-    """
-    sel = get_selector(selector)
-    gathered = {name: gather_layer(layer_summaries[name], host_pages) for name in sel.summaries}
-    if "bound_exp" in layer_summaries and "kmin" in gathered:  # int8 levels -> values
-        e = layer_summaries["bound_exp"][:, host_pages.long()].permute(1, 0, 2)
-        for name in ("kmin", "kmax"):
-            gathered[name] = dequantize_bounds(gathered[name], e)
-    scores = sel.score(q, gathered.get("kmin"), gathered.get("kmax"), gathered.get("mean"), group_reduce,
-                       radius=gathered.get("radius"))  # fmt: skip
-    held = torch.arange(host_pages.shape[1], device=q.device) < num_pages.to(q.device).view(-1, 1)
-    return scores.masked_fill(~held.unsqueeze(1), -math.inf)
-
-
 if triton is not None:
-    from sparse_sglang.mem_cache.kernels import pow2
+    from sparse_sglang.mem_cache.bounds import pow2
 
     _NOT_CACHED = tl.constexpr(NOT_CACHED)
 
@@ -135,7 +96,7 @@ if triton is not None:
         else:
             lo = tl.load(kmin_ptr + rows, mask=mask).to(tl.float32)
             hi = tl.load(kmax_ptr + rows, mask=mask).to(tl.float32)
-            if INT8_BOUNDS:  # levels times the page's 2**e (summaries.dequantize_bounds)
+            if INT8_BOUNDS:  # levels times the page's 2**e (bounds.dequantize_bounds)
                 e = tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32)
                 scale = pow2(e)[:, None]
                 lo, hi = lo * scale, hi * scale
@@ -295,20 +256,19 @@ def summary_args(layer_summaries: dict[str, torch.Tensor], placeholder: torch.Te
 
 
 def score_launch() -> tuple[int, int]:
-    """Pages a score program takes and its warps: 32 pages, 4 warps, at any head_dim (64 had 4
-    already). 8 warps won 3a2efec's sweep (decode-kernels-2026-11-24.json) when a program reduced
-    once per query head; since the group's sum takes one pass (e0d7b97), 4 warps took 117 us
-    against 156 at 128K x 32 and 32 against 42 at 128K x 8 (decode-kernels-2026-11-24-warps.json)."""
+    """Pages a score program takes and its warps: 32 pages, 4 warps, at any head_dim
+    (``docs/decisions/0004-score-kernel-launch.md``)."""
     return 32, 4
 
 
 def score_pages(
     selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
     num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
-    forced: tuple[int, int] | None = None, reuse: CachedRows | None = None, use_kernel: bool | None = None,
+    forced: tuple[int, int] | None = None, reuse: CachedRows | None = None,
     fill_tail: bool = True, block_n: int | None = None, num_warps: int | None = None, only_reused: bool = False,
 ) -> torch.Tensor:
-    """:func:`score_pages_reference` in one Triton kernel (CUDA tensors; same arguments).
+    """:func:`~sparse_sglang.attention.reference.score_pages_reference` in one Triton kernel (on CPU
+    tensors it runs in Triton's interpreter).
 
     ``host_pages`` is ``[B, N]`` int32/int64 and contiguous; ``out`` (optional) a ``[B, Hkv, N]``
     float32 buffer to write into (e.g. inside a CUDA graph). ``forced = (sink, recent)`` makes
@@ -317,19 +277,12 @@ def score_pages(
     ``reuse`` (``--sparse-reselect-interval``) restricts the requests not due for a full
     selection to the pages their cache rows hold, as :func:`keep_cached` does; the kernel path
     then reads only those pages' summaries for them (a second, row-sized launch).
-    ``use_kernel`` (default: CUDA tensors) runs the kernel on CPU tensors too, in Triton's interpreter.
     ``fill_tail=False`` lets the kernel leave each row past its request's pages unwritten (for a
     ragged top-k that reads only up to each request's pages; the torch path writes ``-inf`` anyway).
     ``block_n`` (pages per program) and ``num_warps`` override the launch (``benchmark/decode_kernels.py``
     sweeps them). ``only_reused`` (kernel path, with ``reuse``) writes only the rows reusing their
     selection (:func:`score_candidates` scores the others).
     """
-    if use_kernel is None:
-        use_kernel = q.is_cuda
-    if not use_kernel or triton is None or selector not in KERNEL_SELECTORS:
-        scores = score_pages_reference(selector, q, layer_summaries, host_pages, num_pages, group_reduce)
-        scores = scores if forced is None else force_pages(scores, num_pages, *forced)
-        return scores if reuse is None else keep_cached(scores, reuse.held(scores.shape[-1]), reuse.reselect)
     batch, heads, group, dim = q.shape
     max_pages = host_pages.shape[1]
     if out is None:
@@ -371,21 +324,17 @@ def coarse_host_pages(host_pages: torch.Tensor, coarse_pages: int) -> torch.Tens
 def score_coarse(
     q: torch.Tensor, coarse_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor, built: torch.Tensor,
     coarse_pages: int, sink_pages: int, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
-    reselect: torch.Tensor | None = None, use_kernel: bool | None = None,
+    reselect: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quest scores of each request's first ``built[b]`` super-pages of ``coarse_pages`` pages,
     from their coarse bounds (:meth:`PageSummaries.coarse_layer`), whatever the selector (the
     bounds bound every key of the super-page, so its score bounds its pages'); the super-pages
     holding sink pages score ``+inf``. ``[B, Hkv, N // S]`` float32, ``-inf`` past ``built``.
     ``reselect`` (``[B]`` bool): rows of requests reusing their selection are not read (any value).
+    Its reference: :func:`~sparse_sglang.attention.reference.score_coarse_reference`.
     """
-    if use_kernel is None:
-        use_kernel = q.is_cuda
     supers = coarse_host_pages(host_pages, coarse_pages)
     sink_supers = -(-sink_pages // coarse_pages)
-    if not use_kernel or triton is None:
-        scores = score_pages_reference("quest", q, coarse_summaries, supers, built, group_reduce)
-        return force_pages(scores, built, sink_supers, 0) if sink_supers else scores
     batch, heads, group, dim = q.shape
     width = supers.shape[1]
     if out is None:
@@ -421,23 +370,15 @@ def score_candidates(
     selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
     num_pages: torch.Tensor, supers: torch.Tensor, built: torch.Tensor, coarse_pages: int, tail: int,
     group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
-    forced: tuple[int, int] = (0, 1), reuse: CachedRows | None = None, use_kernel: bool | None = None,
+    forced: tuple[int, int] = (0, 1), reuse: CachedRows | None = None,
 ) -> torch.Tensor:
     """Selection priorities (:func:`score_pages` with ``forced``) of only the candidate pages
     (:func:`candidate_pages`), ``-inf`` elsewhere: the second, fine pass of a coarse-first
     selection. Rows reusing their selection (``reuse``) get :func:`score_pages`'s priorities.
     ``tail`` is the most pages a request holds from ``built * S`` on (``S + recent_pages - 1``
-    when ``built`` is :func:`~sparse_sglang.mem_cache.summaries.coarse_built`'s)."""
-    if use_kernel is None:
-        use_kernel = q.is_cuda
+    when ``built`` is :func:`~sparse_sglang.mem_cache.summaries.coarse_built`'s). Its reference:
+    :func:`~sparse_sglang.attention.reference.score_candidates_reference`."""
     host_pages, max_pages = host_pages.contiguous(), host_pages.shape[1]
-    if not use_kernel or triton is None:
-        scores = score_pages(selector, q, layer_summaries, host_pages, num_pages, group_reduce, forced=forced,
-                             reuse=reuse, use_kernel=False)  # fmt: skip
-        keep = candidate_pages(supers, built, num_pages, coarse_pages, max_pages)
-        if reuse is not None:  # rows reusing their selection keep score_pages' priorities
-            keep = keep | ~reuse.reselect.to(keep.device).view(-1, 1, 1)
-        return scores.masked_fill(~keep, -math.inf)
     batch, heads, group, dim = q.shape
     if out is None:
         out = torch.empty(batch, heads, max_pages, dtype=torch.float32, device=q.device)
@@ -456,5 +397,5 @@ def score_candidates(
     )  # fmt: skip
     if reuse is not None:  # the rows reusing their selection, as score_pages scores them
         score_pages(selector, q, layer_summaries, host_pages, num_pages, group_reduce, out=out, forced=forced,
-                    reuse=reuse, use_kernel=True, fill_tail=False, only_reused=True)  # fmt: skip
+                    reuse=reuse, fill_tail=False, only_reused=True)  # fmt: skip
     return out

@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 GROUP_REDUCES = ("sum", "max")
-DEFAULT_GROUP_REDUCE = "sum"  # higher attention-mass recall on SmolLM2 (benchmark/results/quality-*.json)
+DEFAULT_GROUP_REDUCE = "sum"  # higher attention-mass recall than "max" on SmolLM2 (benchmark/quality.py)
 
 
 def cuboid_score(q: torch.Tensor, center: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
@@ -155,11 +155,11 @@ class ArkVale(Selector):
     ``c = (kmax + kmin) / 2`` with the radius shrunk to the mean distance of the keys from it,
     ``r_d = mean_t |k_td - c_d|``, scored as a cuboid: ``q . c + |q| . r``.
 
-    As in pku-liang/ArkVale@0c3b45e: ``source/arkvale/infer_state.py:448-462``
+    As in pku-liang/ArkVale: ``source/arkvale/infer_state.py``
     (``_summarize_keys``: centers = (maxs + mins) / 2; dists = |centers - keys|.mean over the
     page; digest = (centers + dists, centers - dists)) scored by
-    ``source/arkvale_cpp/src/estimate.cu:43`` (``sum max(q * dmax, q * dmin)``) and averaged over
-    a group of query heads at ``estimate.cu:559-560``. ArkVale's group is, by default, every head
+    ``source/arkvale_cpp/src/estimate.cu`` (``sum max(q * dmax, q * dmin)``) and averaged over
+    a group of query heads there. ArkVale's group is, by default, every head
     of the layer (one page choice per layer); here it is the kv head's ``G`` query heads, and the
     mean is ``group_reduce="sum"`` up to a constant factor.
 

@@ -16,7 +16,7 @@ runs once per layer, on the device only:
    ones are scored page by page (:func:`score_candidates`);
 3. **Retrieve**: hits come from the GPU page cache, misses are loaded by FlashH2D into LRU slots
    of the request's cache row (one fused kernel, :func:`retrieve_pages`, finds them and writes
-   FlashInfer's indices; :meth:`GPUPageCache.retrieve` is the reference);
+   FlashInfer's indices; :func:`retrieve_reference` is the reference);
 4. **Attend** with FlashInfer's paged decode: every (request, kv head) is its own sequence of
    one kv head and its group's ``G`` query heads over its ``K`` cache slots (HND layout), the
    newest page last so ``last_page_len`` covers the partial page.
@@ -25,24 +25,20 @@ runs once per layer, on the device only:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from sparse_sglang.attention.reference import retrieve_reference, score_coarse_reference
+from sparse_sglang.attention.retrieval import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.config import SparseConfig
-from sparse_sglang.mem_cache.kernels import (
-    MAX_RETRIEVE_CELLS,
-    build_coarse,
-    fits_fused_retrieve,
-    next_pow2,
-    retrieve_pages,
-)
+from sparse_sglang.mem_cache.kernels import build_coarse
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.summaries import coarse_built
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
-
 
 TOPK_IMPLS = ("flashinfer", "torch")
 
@@ -73,6 +69,39 @@ def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer", lengths
     return ids.view(*priority.shape[:-1], k)
 
 
+@dataclass(frozen=True, slots=True)
+class GraphBuffers:
+    """The static buffers of CUDA-graph decode steps (on the GPU), for batches of up to
+    ``max_batch`` requests: a captured step reads its per-step values from here, and
+    :meth:`SparseDecoder.plan` rewrites their first ``batch`` (or ``batch * Hkv``) entries before
+    each replay. Allocated once, before any capture; never reallocated (the graphs hold their
+    addresses).
+    """
+
+    # fmt: off
+    indptr:        torch.Tensor  # [max_batch * Hkv + 1] int32  FlashInfer indptr (the graph wrappers' buffer)
+    last_page_len: torch.Tensor  # [max_batch * Hkv]     int32  FlashInfer last_page_len
+    num_pages:     torch.Tensor  # [max_batch]           int32  pages each request holds
+    row_pages:     torch.Tensor  # [max_batch * Hkv]     int32  the same per selection row (the top-k's lengths)
+    host_pages:    torch.Tensor  # [max_batch, max_pages] int32 host page of each logical page
+    reselect:      torch.Tensor  # [max_batch]           bool   requests selecting from all their pages
+    built:         torch.Tensor  # [max_batch]           int32  complete super-pages (coarse-first)
+    built_rows:    torch.Tensor  # [max_batch * Hkv]     int32  the same per selection row
+    # fmt: on
+
+    @classmethod
+    def allocate(cls, max_batch: int, num_kv_heads: int, max_pages: int, device: torch.device) -> GraphBuffers:
+        rows = max_batch * num_kv_heads
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            indptr=torch.zeros(rows + 1, **i32), last_page_len=torch.ones(rows, **i32),
+            num_pages=torch.ones(max_batch, **i32), row_pages=torch.ones(rows, **i32),
+            host_pages=torch.zeros(max_batch, max_pages, **i32),
+            reselect=torch.ones(max_batch, dtype=torch.bool, device=device),
+            built=torch.zeros(max_batch, **i32), built_rows=torch.zeros(rows, **i32),
+        )  # fmt: skip
+
+
 class SparseDecoder:
     """Plan once per step, run once per layer (see module doc).
 
@@ -89,19 +118,17 @@ class SparseDecoder:
         Most requests one step decodes.
     use_tensor_cores : bool
         FlashInfer's tensor-core decode (prefill kernels), better for ``G >= 4``.
-    fused : bool
-        The per-layer path of fused kernels (default: on CUDA, for rows :func:`fits_fused_retrieve`
-        takes; wider rows, from large budgets, take the torch path): the score kernel writes selection
-        priorities, a top-k selects, :func:`~sparse_sglang.mem_cache.kernels.retrieve_pages` does
-        the cache bookkeeping and writes FlashInfer's indices, FlashH2D loads the misses. ``False``
-        runs the torch reference path (``select_pages`` + :meth:`GPUPageCache.retrieve`).
     topk : str
-        ``"flashinfer"`` (radix top-k) or ``"torch"`` for the fused path's top-k.
+        ``"flashinfer"`` (radix top-k) or ``"torch"``.
+
+    Each layer runs the fused kernels: the score kernel writes selection priorities, a top-k
+    selects, :func:`~sparse_sglang.attention.retrieval.retrieve_pages` does the cache bookkeeping
+    and writes FlashInfer's indices, FlashH2D loads the misses. :class:`TorchPathDecoder` is the
+    same decoder over the torch references (:func:`make_decoder` picks between them).
     """
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
-                 max_batch: int, use_tensor_cores: bool | None = None, fused: bool | None = None,
-                 topk: str = "flashinfer"):  # fmt: skip
+                 max_batch: int, use_tensor_cores: bool | None = None, topk: str = "flashinfer"):  # fmt: skip
         import flashinfer
 
         shape = store.shape
@@ -115,10 +142,6 @@ class SparseDecoder:
         self.eager_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=use_tensor_cores)
         self.wrapper = self.eager_wrapper
         self.graph_wrappers: dict = {}  # batch size -> CUDA-graph wrapper (init_cuda_graph)
-        device = store.device
-        if fused is None:  # rows too wide for one retrieve program (a large budget) take the torch path
-            fused = store.device.type == "cuda" and fits_fused_retrieve(self.width, shape.row_width)
-        self.fused = fused
         if topk not in TOPK_IMPLS:
             raise ValueError(f"topk must be one of {TOPK_IMPLS}, got {topk!r}")
         self.topk = topk
@@ -144,7 +167,7 @@ class SparseDecoder:
         self.row_pages = None  # [B * Hkv] int32 pages of each selection row's request (the top-k's lengths)
         self.batch = 0
         self.exact = False
-        self.graph = None  # static buffers of CUDA-graph mode (init_cuda_graph)
+        self.graph: GraphBuffers | None = None  # static buffers of CUDA-graph mode (init_cuda_graph)
         # [max_batch, num_layers, Hkv, K] each layer's selection of the current step, -1 = none
         # (allocated by log_selections: the working-set tracker reads it after the step).
         self.selection_log: torch.Tensor | None = None
@@ -155,7 +178,7 @@ class SparseDecoder:
         # The wrapper reads page indices from this buffer; run() rewrites it per layer. The last
         # entry takes the padding of rows with fewer than K pages (reference path).
         self.indices = torch.zeros(rows * self.width + 1, dtype=torch.int32, device=device)
-        # FlashH2D's copy list, written by retrieve_pages (fused path).
+        # FlashH2D's copy list, written by retrieve_pages.
         self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
         self.miss_dst = torch.empty_like(self.miss_src)
         self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
@@ -176,25 +199,11 @@ class SparseDecoder:
         per-step values live in these buffers, rewritten by :meth:`plan` before each replay.
         Request slot 0 (SGLang's padding row) has no cache row: ``retrieve_pages`` skips it.
         """
-        if not self.fused:
-            raise ValueError(f"--sparse-decode-cuda-graph: CUDA-graph decode runs the fused kernels, which take up to "
-                             f"{MAX_RETRIEVE_CELLS} (selected x row) page pairs; this budget's rows need "
-                             f"{next_pow2(self.width) * next_pow2(self.store.shape.row_width)}: lower --sparse-token-budget")  # fmt: skip
         heads, device = self.num_kv_heads, self.store.device
         rows = max_batch * heads
         if self.indices.numel() < rows * self.width + 1:  # before any capture: the buffers never move after
             self._alloc_row_buffers(rows)
-        pages = self.store.shape.max_pages
-        self.graph = {
-            "indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
-            "last_page_len": torch.ones(rows, dtype=torch.int32, device=device),
-            "num_pages": torch.ones(max_batch, dtype=torch.int32, device=device),
-            "row_pages": torch.ones(rows, dtype=torch.int32, device=device),
-            "host_pages": torch.zeros(max_batch, pages, dtype=torch.int32, device=device),
-            "reselect": torch.ones(max_batch, dtype=torch.bool, device=device),
-            "built": torch.zeros(max_batch, dtype=torch.int32, device=device),
-            "built_rows": torch.zeros(rows, dtype=torch.int32, device=device),
-        }
+        self.graph = GraphBuffers.allocate(max_batch, heads, self.store.shape.max_pages, device)
 
     def _graph_wrapper(self, batch: int):
         import flashinfer
@@ -203,8 +212,8 @@ class SparseDecoder:
             rows, g = batch * self.num_kv_heads, self.graph
             self.graph_wrappers[batch] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=g["indptr"][: rows + 1], paged_kv_indices_buffer=self.indices,
-                paged_kv_last_page_len_buffer=g["last_page_len"][:rows],
+                paged_kv_indptr_buffer=g.indptr[: rows + 1], paged_kv_indices_buffer=self.indices,
+                paged_kv_last_page_len_buffer=g.last_page_len[:rows],
             )  # fmt: skip
         return self.graph_wrappers[batch]
 
@@ -240,11 +249,7 @@ class SparseDecoder:
         torch.cumsum(per_row, 0, out=indptr[1:])
         last_page_len = ((seq_lens_cpu - 1) % page + 1).to(torch.int32).repeat_interleave(heads)
         nnz = int(indptr[-1])
-        if not self.fused:
-            # Where entry (b, h, j) of a [B, Hkv, K] selection goes in the indices buffer.
-            j = torch.arange(width).view(1, 1, width)
-            dest = torch.where(j < selected_cpu.view(-1, 1, 1), indptr[:-1].view(batch, heads, 1) + j, self.indices.numel() - 1)
-            self.dest = dest.view(-1).to(device, non_blocking=True)
+        self._plan_indices(indptr, selected_cpu, device)
         self.wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
         self.wrapper.plan(
             indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
@@ -256,14 +261,14 @@ class SparseDecoder:
         if graph:  # into the static buffers the captured kernels read
             g = self.graph
             if reselect is not None:
-                self.reselect = g["reselect"][:batch]
+                self.reselect = g.reselect[:batch]
                 self.reselect.copy_(reselect)
-            self.indptr = g["indptr"][: batch * heads + 1]  # the graph wrapper's: plan() filled it
-            self.num_pages = g["num_pages"][:batch]
+            self.indptr = g.indptr[: batch * heads + 1]  # the graph wrapper's: plan() filled it
+            self.num_pages = g.num_pages[:batch]
             self.num_pages.copy_(num_pages_dev)
-            self.row_pages = g["row_pages"][: batch * heads]
+            self.row_pages = g.row_pages[: batch * heads]
             self.row_pages.copy_(num_pages_dev.repeat_interleave(heads))
-            self.host_pages = g["host_pages"][:batch]
+            self.host_pages = g.host_pages[:batch]
             self.host_pages[:, : host_pages.shape[1]].copy_(host_pages)
             self.max_pages = self.host_pages.shape[1]
             self.exact = False
@@ -282,7 +287,11 @@ class SparseDecoder:
             pages = torch.arange(width, device=device).view(1, 1, width)
             self.all_pages = torch.where(pages < self.num_pages.view(-1, 1, 1), pages, -1).expand(batch, heads, width)
 
-    def _plan_coarse(self, num_pages: torch.Tensor, num_pages_cpu: torch.Tensor, g: dict | None = None) -> None:
+    def _plan_indices(self, indptr: torch.Tensor, selected_cpu: torch.Tensor, device: torch.device) -> None:
+        """Where a layer's selection goes in FlashInfer's indices: nothing to plan here, the
+        retrieve kernel writes each row at its ``indptr`` (:class:`TorchPathDecoder` plans it)."""
+
+    def _plan_coarse(self, num_pages: torch.Tensor, num_pages_cpu: torch.Tensor, g: GraphBuffers | None = None) -> None:
         """Complete super-pages per request, and their coarse bounds built where missing (one
         launch for every layer: new super-pages since the last step, all of a new request's)."""
         self.use_coarse = False
@@ -292,7 +301,7 @@ class SparseDecoder:
         built = coarse_built(num_pages, self.coarse, recent)
         max_built = int(coarse_built(num_pages_cpu, self.coarse, recent).max())  # on the host: sizes a grid
         if g is not None:  # a CUDA graph's path is fixed per batch size, for the longest context
-            self.built, self.built_rows = g["built"][: self.batch], g["built_rows"][: self.batch * self.num_kv_heads]
+            self.built, self.built_rows = g.built[: self.batch], g.built_rows[: self.batch * self.num_kv_heads]
             self.built.copy_(built)
             self.built_rows.copy_(built.repeat_interleave(self.num_kv_heads))
             self.use_coarse = self.config.coarse_pays(self.batch, self.max_pages, self.width)
@@ -305,37 +314,30 @@ class SparseDecoder:
         self.coarse_steps += 1
         if max_built == 0:
             return
-        summaries = self.store.summaries
-        if self.fused:
-            build_coarse(summaries, self.host_pages, self.built, max_built)
-        else:
-            summaries.build_coarse(self.host_pages, self.built)
+        self._build_coarse(max_built)
+
+    def _build_coarse(self, max_built: int) -> None:
+        """The coarse bounds of the super-pages not built yet (one launch for every layer)."""
+        build_coarse(self.store.summaries, self.host_pages, self.built, max_built)
 
     def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, K]`` logical pages one layer attends (``-1`` padded; ascending on the
-        reference path, any order on the fused one)."""
+        """``[B, Hkv, K]`` logical pages one layer attends (``-1`` padded; any order)."""
         ids = self.select_raw(layer, q)
-        return ids if not self.fused else torch.where(ids < self.num_pages.view(-1, 1, 1), ids, -1)
+        return torch.where(ids < self.num_pages.view(-1, 1, 1), ids, -1)
 
     def select_raw(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """The selection as :meth:`run` uses it: on the fused path entries ``-1`` or ``>= num_pages``
-        (what the top-k gives a request holding fewer than ``K`` pages) stand for none."""
+        """The selection as :meth:`run` uses it: entries ``-1`` or ``>= num_pages`` (what the top-k
+        gives a request holding fewer than ``K`` pages) stand for none."""
         if self.exact:
             return self.all_pages
         qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
         summaries = self.store.summaries.layer(layer)
-        if not self.fused:
-            scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages, self.group_reduce)
-            if self.use_coarse:  # only the candidates of requests due for a full selection
-                scores = scores.masked_fill(~self._coarse_candidates_reference(layer, qg), -math.inf)
-            scores = self._keep_cached(layer, scores)
-            return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
         # FlashInfer's ragged top-k reads each row up to its request's pages, so the score kernel
         # leaves the rest of the row unwritten; torch.topk reads whole rows, so there the rest
         # scores -inf and its picks (of a request holding < K pages) are ids >= num_pages, which
         # retrieve_pages ignores like the ragged top-k's -1. Requests reusing their selection
-        # score only the pages their rows hold (the reference path above masks full scores: the
-        # GPU tests compare them).
+        # score only the pages their rows hold (TorchPathDecoder masks full scores: the GPU tests
+        # compare them).
         ragged = self.topk == "flashinfer"
         reuse = None if self.reselect is None else self.store.cache.cached_rows(layer, self.req_slots, self.reselect)
         if self.use_coarse:
@@ -352,21 +354,6 @@ class SparseDecoder:
         if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
             priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
         return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
-
-    def _coarse_candidates_reference(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
-        """``[B, Hkv, N]`` bool: the pages the coarse pass leaves to score (all of a request
-        reusing its selection), in plain torch (``torch.topk`` breaks ties its own way)."""
-        coarse = score_coarse(qg, self.store.summaries.coarse_layer(layer), self.host_pages, self.built, self.coarse,
-                              self.forced[0], self.group_reduce, use_kernel=False)  # fmt: skip
-        top = coarse.topk(min(self.supers, coarse.shape[-1]), dim=-1)
-        supers = torch.where(top.values > -math.inf, top.indices, -1)
-        keep = candidate_pages(supers, self.built, self.num_pages, self.coarse, self.host_pages.shape[1])
-        return keep if self.reselect is None else keep | ~self.reselect.view(-1, 1, 1)
-
-    def _keep_cached(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
-        if self.reselect is None:
-            return scores
-        return keep_cached(scores, self.store.cache.cached_pages(layer, self.req_slots, scores.shape[-1]), self.reselect)
 
     def run(self, layer: int, q: torch.Tensor, sm_scale: float | None = None, logits_soft_cap: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:  # fmt: skip
@@ -386,23 +373,101 @@ class SparseDecoder:
             ``[B, Hq, D]``.
         """
         page_ids = self.select_raw(layer, q)
-        store = self.store
-        if self.selection_log is not None:  # -1 for none (the fused top-k's picks past a request's end)
+        if self.selection_log is not None:  # -1 for none (the top-k's picks past a request's end)
             self.selection_log[: self.batch, layer] = torch.where(page_ids < self.num_pages.view(-1, 1, 1), page_ids, -1)
-        if self.fused:  # retrieve_pages takes each row's pages in ascending order (a fixed FlashInfer sum order)
-            n = self.batch * self.num_kv_heads * self.width
-            src, dst = self.miss_src[:n], self.miss_dst[:n]
-            retrieve_pages(store.cache, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,
-                           store.shape.num_host_pages, self.indptr, self.indices, src, dst)  # fmt: skip
-            store.load(src, dst)
-        else:
-            slots = store.cache.retrieve(layer, self.req_slots, page_ids, self.host_pages, store.load, store.shape.num_host_pages)
-            self.indices[self.dest] = slots.view(-1).to(torch.int32)
+        self._retrieve(layer, page_ids)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
         out = self.wrapper.forward(qs, self.kv, sm_scale=scale, logits_soft_cap=logits_soft_cap or None,
                                    k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return out.view(q.shape)
+
+    def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
+        """Hits and misses of one layer's selection, the misses loaded, FlashInfer's indices
+        written (retrieve_pages takes each row's pages in ascending order: a fixed FlashInfer sum
+        order)."""
+        store = self.store
+        n = self.batch * self.num_kv_heads * self.width
+        src, dst = self.miss_src[:n], self.miss_dst[:n]
+        retrieve_pages(store.cache.view, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,
+                       store.shape.num_host_pages, self.indptr, self.indices, src, dst)  # fmt: skip
+        store.load(src, dst)
+
+
+class TorchPathDecoder(SparseDecoder):
+    """:class:`SparseDecoder` over the torch references: the scores (the score kernel where it
+    runs) masked and selected by :func:`select_pages` (ascending pages), the cache bookkeeping by
+    :func:`~sparse_sglang.attention.reference.retrieve_reference`, the coarse bounds by
+    :meth:`PageSummaries.build_coarse`. The server takes it for rows too wide for the retrieve
+    kernel's one program (:func:`fits_fused_retrieve`, large budgets), outside CUDA graphs; the GPU
+    tests compare the two decoders step by step.
+    """
+
+    def init_cuda_graph(self, max_batch: int) -> None:
+        raise ValueError(f"--sparse-decode-cuda-graph: CUDA-graph decode runs the fused kernels, which take up to "
+                         f"{MAX_RETRIEVE_CELLS} (selected x row) page pairs; this budget's rows need "
+                         f"{next_pow2(self.width) * next_pow2(self.store.shape.row_width)}: lower --sparse-token-budget")  # fmt: skip
+
+    def _plan_indices(self, indptr: torch.Tensor, selected_cpu: torch.Tensor, device: torch.device) -> None:
+        """Where entry (b, h, j) of a ``[B, Hkv, K]`` selection goes in the indices buffer (the
+        last entry takes the padding)."""
+        batch, width = selected_cpu.shape[0], self.width
+        j = torch.arange(width).view(1, 1, width)
+        dest = torch.where(j < selected_cpu.view(-1, 1, 1), indptr[:-1].view(batch, self.num_kv_heads, 1) + j,
+                           self.indices.numel() - 1)  # fmt: skip
+        self.dest = dest.view(-1).to(device, non_blocking=True)
+
+    def _build_coarse(self, max_built: int) -> None:
+        self.store.summaries.build_coarse(self.host_pages, self.built)
+
+    def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, K]`` logical pages one layer attends (``-1`` padded; ascending)."""
+        return self.select_raw(layer, q)
+
+    def select_raw(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return self.all_pages
+        qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
+        summaries = self.store.summaries.layer(layer)
+        scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages, self.group_reduce)
+        if self.use_coarse:  # only the candidates of requests due for a full selection
+            scores = scores.masked_fill(~self._coarse_candidates_reference(layer, qg), -math.inf)
+        scores = self._keep_cached(layer, scores)
+        return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
+
+    def _coarse_candidates_reference(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, N]`` bool: the pages the coarse pass leaves to score (all of a request
+        reusing its selection), in plain torch (``torch.topk`` breaks ties its own way)."""
+        coarse = score_coarse_reference(qg, self.store.summaries.coarse_layer(layer), self.host_pages, self.built,
+                                        self.coarse, self.forced[0], self.group_reduce)  # fmt: skip
+        top = coarse.topk(min(self.supers, coarse.shape[-1]), dim=-1)
+        supers = torch.where(top.values > -math.inf, top.indices, -1)
+        keep = candidate_pages(supers, self.built, self.num_pages, self.coarse, self.host_pages.shape[1])
+        return keep if self.reselect is None else keep | ~self.reselect.view(-1, 1, 1)
+
+    def _keep_cached(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
+        if self.reselect is None:
+            return scores
+        return keep_cached(scores, self.store.cache.cached_pages(layer, self.req_slots, scores.shape[-1]), self.reselect)
+
+    def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
+        store = self.store
+        slots = retrieve_reference(store.cache, layer, self.req_slots, page_ids, self.host_pages, store.load,
+                                   store.shape.num_host_pages)  # fmt: skip
+        self.indices[self.dest] = slots.view(-1).to(torch.int32)
+
+
+def make_decoder(store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
+                 max_batch: int, *, fused: bool | None = None, **options) -> SparseDecoder:  # fmt: skip
+    """The decoder for ``store``: :class:`SparseDecoder` (the fused kernels) or, with ``fused``
+    false, :class:`TorchPathDecoder`. By default the fused one on CUDA for rows
+    :func:`fits_fused_retrieve` takes; wider rows, from large budgets, take the torch path.
+    ``options`` go to the decoder (``use_tensor_cores``, ``topk``)."""
+    if fused is None:
+        width = min(config.budget_pages, store.shape.row_width)
+        fused = store.device.type == "cuda" and fits_fused_retrieve(width, store.shape.row_width)
+    decoder = SparseDecoder if fused else TorchPathDecoder
+    return decoder(store, config, num_q_heads, workspace, max_batch, **options)
 
 
 def host_page_table(req_to_token: torch.Tensor, req_slots: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:
@@ -410,8 +475,3 @@ def host_page_table(req_to_token: torch.Tensor, req_slots: torch.Tensor, num_pag
     SGLang's ``req_to_token`` rows (token location ``page * page_size + offset``)."""
     cols = torch.arange(num_pages, device=req_to_token.device) * page_size
     return (req_to_token[req_slots.long().view(-1, 1), cols.view(1, -1)] // page_size).to(torch.int32)
-
-
-def exact_budget_pages(seq_len: int, page_size: int) -> int:
-    """Pages a context of ``seq_len`` tokens holds (the budget that makes decode exact)."""
-    return math.ceil(seq_len / page_size)

@@ -25,7 +25,7 @@ import torch
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
 from sparse_sglang.attention.prefix import PrefixAttention
-from sparse_sglang.attention.sparse_decode import SparseDecoder, host_page_table
+from sparse_sglang.attention.sparse_decode import host_page_table, make_decoder
 from sparse_sglang.integration.registry import relies_on
 from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.mem_cache.plan import prefix_staging_tokens
@@ -58,7 +58,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         self.row_generation: dict[int, int] = {}  # request slot -> generation its cache row belongs to
         self.num_q_heads = self.num_qo_heads_per_rank(model_runner)
         max_batch = model_runner.req_to_token_pool.size + 1
-        self.decoder = SparseDecoder(self.store, self.sparse_config, self.num_q_heads, self.workspace_buffer, max_batch)
+        self.decoder = make_decoder(self.store, self.sparse_config, self.num_q_heads, self.workspace_buffer, max_batch)
         self.extend_runs: SaveRuns | None = None  # the tokens the current prefill saves
         # The next forward's request slots on the host (``ForwardBatch.init_new`` hands them over):
         # reading the GPU copy back would wait for the forward before it (overlap scheduling).

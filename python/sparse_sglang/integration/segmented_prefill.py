@@ -8,7 +8,7 @@ multiplexing, ``forward_split_prefill``), and each iteration runs
 
 1. one decode step of the running batch, then
 2. the prefill's next layers, as many as ``--sparse-max-inject-tokens`` allows
-   (:func:`~sparse_sglang.model_runner.segments.next_segment_end`).
+   (:func:`~sparse_sglang.prefill.segments.next_segment_end`).
 
 The hidden states wait in the split batch's ``ForwardBatch`` between iterations; every layer's KV
 has gone to the host by then (the ``sparse`` backend saves it as the layer runs), so the GPU holds
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sparse_sglang.integration.registry import relies_on, wrap_once
-from sparse_sglang.model_runner.segments import layers_per_iteration, next_segment_end
+from sparse_sglang.prefill.segments import layers_per_iteration, next_segment_end
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch

@@ -97,7 +97,7 @@ class SparseServerArgs(ServerArgs):
         self.disable_prefill_cuda_graph = True
         self.disable_decode_cuda_graph = not self.sparse.decode_cuda_graph
         if self.sparse.decode_cuda_graph:
-            from sparse_sglang.mem_cache.kernels import fits_fused_retrieve
+            from sparse_sglang.mem_cache.plan import fits_fused_retrieve
             from sparse_sglang.mem_cache.plan import row_width_for
 
             budget_pages = self.sparse.budget_pages

@@ -7,6 +7,7 @@
 - :class:`GPUPageCache`: the GPU slot pool with write-allocate and LRU eviction.
 """
 
+from sparse_sglang.mem_cache.bounds import bound_dtype, empty_bounds
 from sparse_sglang.mem_cache.gpu_cache import GPUCacheFull, GPUPageCache, slots_for_budget
 from sparse_sglang.mem_cache.host_pool import (
     HostKVPool,
@@ -16,7 +17,7 @@ from sparse_sglang.mem_cache.host_pool import (
     pages_for_budget,
 )
 from sparse_sglang.mem_cache.page_table import SegmentPoolExhausted, TwoLevelPageTable
-from sparse_sglang.mem_cache.summaries import PageSummaries, bound_dtype, cuboid_center, cuboid_half_extent, empty_bounds
+from sparse_sglang.mem_cache.summaries import PageSummaries, cuboid_center, cuboid_half_extent
 
 __all__ = [
     "GPUCacheFull",

@@ -20,13 +20,14 @@ Where the work happens
 ----------------------
 - ``open_request``/``close_request``/``resize_request``/``write_allocate`` run on the host
   between steps (the scheduler knows request lengths): free-slot bookkeeping is CPU-side.
-- ``store`` and ``retrieve`` are device ops with fixed shapes and no host synchronization, so a
+- ``store`` and the decode step's retrieval (:mod:`sparse_sglang.attention.retrieval`, over
+  :attr:`GPUPageCache.view`) are device ops with fixed shapes and no host synchronization, so a
   decode step can run inside a CUDA graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -71,6 +72,44 @@ class CachedRows(NamedTuple):
         pages = torch.where((pages >= 0) & (pages < num_pages), pages, num_pages)
         held = torch.zeros(*pages.shape[:2], num_pages + 1, dtype=torch.bool, device=pages.device)
         return held.scatter_(-1, pages, True)[..., :num_pages]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheView:
+    """What the decode step's retrieve kernel reads and writes of a :class:`GPUPageCache`: its
+    device tensors (the same objects, not copies: the kernel updates them in place, as the cache's
+    own device ops do) and the sizes that shape the launch. The fields never rebind.
+
+    Attributes
+    ----------
+    rows : torch.Tensor
+        ``[max_requests, num_layers, num_kv_heads, row_width]`` int64 slots of each open request.
+    slot_page, last_used : torch.Tensor
+        ``[num_slots + 1]`` int64: logical page of each slot, and the step that last used it.
+    step : torch.Tensor
+        0-dim int64 decode step counter.
+    counters : torch.Tensor
+        ``[2]`` int64: pages selected and pages loaded since start.
+    directory, segments : torch.Tensor
+        The page table's (:class:`TwoLevelPageTable`): ``[max_requests, num_layers, num_kv_heads,
+        num_dir]`` segment ids and ``[num_segments + 2, segment_pages]`` int32 slots.
+    num_layers, segment_pages, row_width : int
+    lru_buckets, lru_steps_per_bucket : int
+        The replacement order (:meth:`GPUPageCache.recency`).
+    """
+
+    rows: torch.Tensor
+    slot_page: torch.Tensor
+    last_used: torch.Tensor
+    step: torch.Tensor
+    counters: torch.Tensor
+    directory: torch.Tensor
+    segments: torch.Tensor
+    num_layers: int
+    segment_pages: int
+    row_width: int
+    lru_buckets: int
+    lru_steps_per_bucket: int
 
 
 class GPUPageCache:
@@ -163,6 +202,13 @@ class GPUPageCache:
         self._width: dict[int, int] = {}
 
     @property
+    def view(self) -> CacheView:
+        """The tensors a decode step's retrieve kernel takes (:class:`CacheView`)."""
+        pt = self.page_table
+        return CacheView(self.rows, self.slot_page, self.last_used, self.step, self.counters, pt.directory, pt.segments,
+                         self.num_layers, pt.segment_pages, self.row_width, self.lru_buckets, self.lru_steps_per_bucket)  # fmt: skip
+
+    @property
     def row_slots(self) -> int:
         """Slots one request's row takes in all layers and heads, at its narrowest."""
         return self.num_layers * self.num_kv_heads * self.min_row_width
@@ -198,7 +244,7 @@ class GPUPageCache:
         if not req_slots:
             return []
         rows = self.rows[torch.tensor(req_slots, device=self.rows.device)]  # [n, L, H, W], -1 past the width
-        used = self.last_used[self._scratch(rows)]  # the scratch slot is never used (-1)
+        used = self.last_used[self.scratch(rows)]  # the scratch slot is never used (-1)
         return ((used >= 0) & (used > self.step - window)).flatten(1).sum(1).tolist()
 
     def stats(self, window: int = 12) -> dict:
@@ -217,7 +263,7 @@ class GPUPageCache:
         stays lowest): the step itself (exact LRU), or with ``lru_buckets`` > 0 SPIN's bucketed LRU,
         the step's bucket with every use older than the newest ``lru_buckets`` buckets tied at the
         oldest. A stable sort of it takes ties by row position, the victims a histogram over
-        the buckets would take (:class:`~sparse_sglang.mem_cache.bucketed_lru.BucketedLRU`)."""
+        the buckets would take (:class:`~sparse_sglang.mem_cache.reference.BucketedLRU`, its reference)."""
         if not self.lru_buckets:
             return used
         oldest = self.step // self.lru_steps_per_bucket - (self.lru_buckets - 1)
@@ -361,7 +407,7 @@ class GPUPageCache:
 
     # Device side: token writes and the decode read path.
 
-    def _scratch(self, slots: torch.Tensor) -> torch.Tensor:
+    def scratch(self, slots: torch.Tensor) -> torch.Tensor:
         """``slots`` as int64 with padding (-1) redirected to the scratch slot."""
         slots = slots.long()
         return torch.where(slots < 0, self.num_slots, slots)
@@ -380,7 +426,7 @@ class GPUPageCache:
         """
         pages = torch.where(positions >= 0, positions // self.page_size, -1)
         slots = self.page_table.lookup(req_slots[:, None], layer, self._heads[None], pages[:, None])  # [T, H]
-        slots = self._scratch(slots)
+        slots = self.scratch(slots)
         offsets = (positions % self.page_size)[:, None].expand_as(slots)
         self.k_with_scratch[slots, offsets] = k
         self.v_with_scratch[slots, offsets] = v
@@ -406,63 +452,3 @@ class GPUPageCache:
         """``[B, Hkv, num_pages]`` bool: which logical pages ``< num_pages`` of each request the
         rows of ``layer`` hold (no sync; a closed or padding row holds none)."""
         return self.cached_rows(layer, req_slots).held(num_pages)
-
-    def retrieve(
-        self, layer: int, req_slots: torch.Tensor, page_ids: torch.Tensor, host_pages: torch.Tensor,
-        load: Callable[[torch.Tensor, torch.Tensor], None], num_host_pages: int,
-    ) -> torch.Tensor:
-        """Slots holding the selected pages of one layer, loading the misses from the host.
-
-        Parameters
-        ----------
-        layer : int
-        req_slots : torch.Tensor
-            ``[B]`` request slots (each open).
-        page_ids : torch.Tensor
-            ``[B, Hkv, K]`` selected logical pages, ``-1`` padded; ``K <= row_width``.
-        host_pages : torch.Tensor
-            ``[B, N]`` host page id of each logical page of each request.
-        load : callable
-            ``load(src_blocks, dst_slots)`` copies host blocks into slots, skipping ``dst < 0``
-            (FlashH2D, or ``gather_blocks_reference`` on the CPU).
-        num_host_pages : int
-            Pages in the host store (its flat block index is ``(layer * Hkv + head) * N + page``).
-
-        Returns
-        -------
-        torch.Tensor
-            ``[B, Hkv, K]`` int64 slots, ``-1`` where ``page_ids`` is.
-
-        Notes
-        -----
-        Hits are marked used in this step first; the row's other slots, sorted by last use
-        (empty ones first), are the victims, and the ``i``-th miss of a row takes its ``i``-th
-        victim. Every row has at least ``K - hits >= misses`` such slots.
-        """
-        batch, heads, width = page_ids.shape
-        assert width <= self.row_width, f"{width} selected pages exceed the cache row ({self.row_width})"
-        req = req_slots.long().view(batch, 1, 1)
-        head = self._heads.view(1, heads, 1)
-        page = page_ids.long()
-        hit = self.page_table.lookup(req, layer, head, page).long()  # [B, H, K]
-        self.last_used[self._scratch(hit)] = self.step
-        miss = (page >= 0) & (hit < 0)
-        self.counters += torch.stack([(page >= 0).sum(), miss.sum()])
-
-        row = self.rows[req_slots.long(), layer]  # [B, H, W], -1 past the row's width
-        never = torch.iinfo(torch.int64).max  # columns past the width are never victims
-        recency = self.recency(self.last_used[self._scratch(row)])
-        victims = row.gather(-1, torch.where(row >= 0, recency, never).argsort(dim=-1, stable=True))
-        rank = (miss.long().cumsum(-1) - 1).clamp(0, self.row_width - 1)
-        dst = torch.where(miss, victims.gather(-1, rank), -1)  # [B, H, K]
-
-        # Unmap what the victims held, map the misses, then fill them.
-        old = torch.where(dst >= 0, self.slot_page[self._scratch(dst)], -1)
-        self.page_table.invalidate(req, layer, head, old)
-        self.page_table.assign(req, layer, head, torch.where(miss, page, -1), dst)
-        self.slot_page[self._scratch(dst)] = torch.where(miss, page, -1)
-        self.last_used[self._scratch(dst)] = self.step
-        host_page = host_pages.long().gather(1, page.clamp_min(0).view(batch, -1)).view(batch, heads, width)
-        src = (layer * self.num_kv_heads + head) * num_host_pages + host_page
-        load(src.reshape(-1), dst.reshape(-1))
-        return torch.where(miss, dst, hit)

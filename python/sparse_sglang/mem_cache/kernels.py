@@ -1,17 +1,19 @@
-"""Fused Triton kernels of the hierarchy's two per-layer hot paths, each one launch:
+"""Fused Triton kernels of the save path, each one launch per layer:
 
 - :func:`index_runs` (the *Index* half of a save): fold new keys into the page summaries and
   write new K/V into the cached blocks of their pages. Its reference is
   :meth:`PageSummaries.update` + :meth:`GPUPageCache.store` (dozens of torch ops with atomics
-  when a page's tokens contend, 4 ms per layer of a 32K-token prefill on an H100).
-- :func:`retrieve_pages`: for a decode step's selected pages, look up the page table, choose LRU
-  victims in each request's cache row for the misses, update the table, and write FlashInfer's
-  page indices and the FlashH2D copy list. Its reference is :meth:`GPUPageCache.retrieve`.
+  when a page's tokens contend: too slow for a long prefill).
+- :func:`build_coarse`: the coarse bounds of the super-pages not built yet, every layer at once.
+  Its reference is :meth:`PageSummaries.build_coarse`.
 
-Both work on *runs*: tokens are saved in runs of consecutive positions of one request inside one
-page (:class:`SaveRuns`), so one program owns one (page, kv head) and needs no atomics. A page's
-tokens arrive in position order (SGLang appends), so a run starting at page offset ``o`` finds
-``o`` tokens in the page already: that is the page's old count.
+(The decode step's retrieve kernel lives with the decode path:
+:mod:`sparse_sglang.attention.retrieval`.)
+
+:func:`index_runs` works on *runs*: tokens are saved in runs of consecutive positions of one
+request inside one page (:class:`SaveRuns`), so one program owns one (page, kv head) and needs no
+atomics. A page's tokens arrive in position order (SGLang appends), so a run starting at page
+offset ``o`` finds ``o`` tokens in the page already: that is the page's old count.
 
 Without CUDA, the CPU tests run these kernels in Triton's interpreter (``TRITON_INTERPRET=1``,
 set by ``test/conftest.py``) and compare them with the torch references.
@@ -22,8 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from sparse_sglang.mem_cache import summaries as summaries_module
 
 try:  # Triton comes with CUDA builds of torch (and runs on the CPU in its interpreter).
     import triton
@@ -97,23 +97,7 @@ class SaveRuns:
 
 
 if triton is not None:
-    MIN_BOUND_ABS = tl.constexpr(summaries_module.MIN_BOUND_ABS)
-    LEVELS_MANTISSA = tl.constexpr(summaries_module._LEVELS_MANTISSA)
-
-    @triton.jit
-    def pow2(e):
-        """``2.0**e`` in float32 for an int32 ``e`` in [-126, 127], built from its exponent bits:
-        exact (int8 bounds' scales; summaries.dequantize_bounds)."""
-        return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def quantize_outward(lo, hi):
-        """``lo``/``hi`` ``[D]`` float32 bounds as int8 levels (floats) and their scale exponent,
-        rounded outward (summaries.quantize_bounds, bit for bit)."""
-        amax = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), MIN_BOUND_ABS)
-        bits = amax.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 133 + ((bits & 0x7FFFFF) > LEVELS_MANTISSA).to(tl.int32)
-        return tl.floor(lo * pow2(-e)), tl.ceil(hi * pow2(-e)), e
+    from sparse_sglang.mem_cache.bounds import pow2, quantize_outward
 
     @triton.jit
     def _index_runs_kernel(
@@ -147,7 +131,7 @@ if triton is not None:
         # fp8 e4m3 has no infinity (NaN).
         old_min = tl.load(kmin_ptr + s, mask=keep).to(tl.float32)  # masked lanes: replaced below
         old_max = tl.load(kmax_ptr + s, mask=keep).to(tl.float32)
-        if INT8_BOUNDS:  # levels times the page's scale 2**e (summaries.dequantize_bounds): exact
+        if INT8_BOUNDS:  # levels times the page's scale 2**e (bounds.dequantize_bounds): exact
             e_at = h.to(tl.int64) * exp_head_stride + page
             old_exp = tl.load(exp_ptr + e_at, mask=ok & (offset > 0), other=0).to(tl.int32)
             old_min, old_max = old_min * pow2(old_exp), old_max * pow2(old_exp)
@@ -158,7 +142,7 @@ if triton is not None:
         c = offset.to(tl.float32)
         total = c + n.to(tl.float32)
         store = ok & (d < D)
-        if INT8_BOUNDS:  # requantized outward (summaries.quantize_bounds, bit for bit)
+        if INT8_BOUNDS:  # requantized outward (bounds.quantize_bounds, bit for bit)
             lo, hi, e = quantize_outward(lo, hi)
             tl.store(exp_ptr + h.to(tl.int64) * exp_head_stride + page, e.to(tl.int8), mask=ok)
             lo_value, hi_value = lo * pow2(e), hi * pow2(e)
@@ -191,92 +175,6 @@ if triton is not None:
             tl.store(cache_k_ptr + dst, x.to(cache_k_ptr.dtype.element_ty), mask=cached)
             xv = tl.load(v_ptr + rows, mask=cached, other=0.0)
             tl.store(cache_v_ptr + dst, xv, mask=cached)
-
-    @triton.jit
-    def _retrieve_kernel(
-        pages_ptr, num_pages_ptr, req_slots_ptr, host_pages_ptr,
-        directory_ptr, segments_ptr, rows_ptr, slot_page_ptr, last_used_ptr, step_ptr,
-        indptr_ptr, indices_ptr, miss_src_ptr, miss_dst_ptr, counters_ptr,
-        layer, num_layers, num_heads, num_dir, host_pages_stride, num_host_pages,
-        K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, SEG: tl.constexpr,
-        LRU_BUCKETS: tl.constexpr, LRU_STEPS: tl.constexpr,
-    ):  # fmt: skip
-        # One program: one (request, kv head) row of the selection.
-        bh = tl.program_id(0)
-        b = bh // num_heads
-        h = bh % num_heads
-        req = tl.load(req_slots_ptr + b).to(tl.int64)
-        n = tl.load(num_pages_ptr + b).to(tl.int64)
-        step = tl.load(step_ptr)
-        j = tl.arange(0, KP)
-        # Ascending pages (the top-k's order is arbitrary): FlashInfer then sums the row's pages in
-        # one fixed order, so a step's output does not depend on the top-k's order. The lanes past
-        # K load a page past every request's end, so they sort last and the K entries stay in
-        # lanes 0..K-1 (the miss list's).
-        page = tl.sort(tl.load(pages_ptr + bh * K + j, mask=j < K, other=2147483647).to(tl.int64))
-        row_base = ((req * num_layers + layer) * num_heads + h) * W
-        # A request without a cache row (slot 0: SGLang's CUDA-graph padding) selects nothing.
-        has_row = tl.load(rows_ptr + row_base) >= 0
-        valid = (page >= 0) & (page < n) & has_row
-        page = tl.where(valid, page, 0)
-        dir_base = ((req * num_layers + layer) * num_heads + h) * num_dir
-        seg = tl.load(directory_ptr + dir_base + page // SEG, mask=valid, other=0).to(tl.int64)
-        entry = seg * SEG + page % SEG
-        hit = tl.load(segments_ptr + entry, mask=valid, other=-1).to(tl.int64)
-        is_hit = valid & (hit >= 0)
-        miss = valid & (hit < 0)
-
-        # A row whose pages all hit (most rows of a warm step, every row of a step reusing its
-        # selection) skips the victim search: a chain of dependent loads and a sort of the row.
-        dst = tl.full([KP], -1, rows_ptr.dtype.element_ty)
-        if tl.sum(miss.to(tl.int32), axis=0) > 0:
-            # Victims: the row's slots by last use (hits count as used now), oldest first; ties by position.
-            w = tl.arange(0, WP)
-            row = tl.load(rows_ptr + row_base + w, mask=w < W, other=-1)
-            # Columns past the row's width (and a padding request's whole row) hold -1: never victims,
-            # and their last_used[-1] loads (outside the tensor: an illegal address when the
-            # allocation starts a mapping) stay masked.
-            in_row = (w < W) & (row >= 0)
-            used = tl.load(last_used_ptr + row, mask=in_row, other=0)
-            hit_now = tl.max(((row[:, None] == hit[None, :]) & is_hit[None, :]).to(tl.int32), axis=1) > 0
-            used = tl.where(hit_now, step, used)
-            if LRU_BUCKETS > 0:  # bucketed LRU: GPUPageCache.recency
-                oldest = step // LRU_STEPS - (LRU_BUCKETS - 1)
-                used = tl.where(used >= 0, tl.maximum(used // LRU_STEPS, oldest), -1)
-            order = tl.sort(tl.where(in_row, (used + 1) * WP + w, (step + 2) * WP + w))
-            rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
-            victim = tl.gather(order % WP, tl.where(miss, rank, 0), 0)
-            dst = tl.load(rows_ptr + row_base + victim, mask=miss, other=-1)
-
-            # Unmap what the victims held, map the misses.
-            old = tl.load(slot_page_ptr + dst, mask=miss, other=-1)
-            had = miss & (old >= 0)
-            old_c = tl.where(had, old, 0)
-            old_seg = tl.load(directory_ptr + dir_base + old_c // SEG, mask=had, other=0).to(tl.int64)
-            tl.store(segments_ptr + old_seg * SEG + old_c % SEG, tl.full([KP], -1, tl.int32), mask=had)
-            tl.store(segments_ptr + entry, dst.to(tl.int32), mask=miss)
-            tl.store(slot_page_ptr + dst, page, mask=miss)
-        # Stamp the use.
-        slot = tl.where(miss, dst, hit)
-        tl.store(last_used_ptr + slot, tl.full([KP], 0, tl.int64) + step, mask=valid)
-
-        # FlashInfer's page indices for this row: the newest page last (last_page_len covers it).
-        count = tl.sum(valid.to(tl.int32), axis=0)
-        tl.atomic_add(counters_ptr, count.to(tl.int64))  # metrics: pages selected, pages missed
-        tl.atomic_add(counters_ptr + 1, tl.sum(miss.to(tl.int64), axis=0))
-        newest = valid & (page == n - 1)
-        other = valid & (page != n - 1)
-        pos = tl.where(newest, count - 1, tl.cumsum(other.to(tl.int32), axis=0) - 1)
-        base = tl.load(indptr_ptr + bh)
-        tl.store(indices_ptr + base + pos, slot.to(tl.int32), mask=valid)
-        if not has_row:  # a padding row still gets the entries its indptr counts: any valid slot
-            span = tl.load(indptr_ptr + bh + 1) - base
-            tl.store(indices_ptr + base + j, tl.zeros([KP], tl.int32), mask=j < span)
-
-        # FlashH2D's copy list: flat host block (layer, head, host page) -> slot; -1 = nothing.
-        host_page = tl.load(host_pages_ptr + b * host_pages_stride + page, mask=miss, other=0).to(tl.int64)
-        tl.store(miss_src_ptr + bh * K + j, ((layer * num_heads + h) * num_host_pages + host_page), mask=j < K)
-        tl.store(miss_dst_ptr + bh * K + j, tl.where(miss, dst, -1), mask=j < K)
 
 
 if triton is not None:
@@ -341,22 +239,6 @@ def build_coarse(summaries, host_pages: torch.Tensor, built: torch.Tensor, max_b
     )  # fmt: skip
 
 
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (Triton block sizes)."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
-# retrieve_pages compares a row's slots with its selected pages in one program: (K x row) pairs,
-# rounded to powers of two. 256 x 256 ran on an H100 (budget 4096 covering a 4K context); wider
-# rows take the torch path (and decode outside CUDA graphs).
-MAX_RETRIEVE_CELLS = 256 * 256
-
-
-def fits_fused_retrieve(selected_pages: int, row_width: int) -> bool:
-    """Whether :func:`retrieve_pages` takes rows of ``row_width`` slots with ``selected_pages`` selections."""
-    return next_pow2(selected_pages) * next_pow2(row_width) <= MAX_RETRIEVE_CELLS
-
-
 def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, token_slots: torch.Tensor,
                runs: SaveRuns, *, store_cache: bool = True) -> None:  # fmt: skip
     """Fold one layer's new keys into ``summaries`` and write new K/V into ``cache`` (one launch).
@@ -391,54 +273,4 @@ def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, t
         layer, pt.num_layers, heads, pt.directory.shape[-1], kmin.stride(0), exp.stride(0),
         P=cache.page_size, D=dim, SEG=pt.segment_pages, WITH_MEAN="mean" in lay, WITH_RADIUS="radius" in lay,
         STORE_CACHE=store_cache, INT8_BOUNDS="bound_exp" in lay, COARSE=summaries.coarse_first is not None,
-    )  # fmt: skip
-
-
-def retrieve_pages(
-    cache, layer: int, req_slots: torch.Tensor, page_ids: torch.Tensor, num_pages: torch.Tensor,
-    host_pages: torch.Tensor, num_host_pages: int, indptr: torch.Tensor, indices: torch.Tensor,
-    miss_src: torch.Tensor, miss_dst: torch.Tensor,
-) -> None:
-    """Hits, LRU victims, table updates, FlashInfer indices and the miss list of one layer (one launch).
-
-    Parameters
-    ----------
-    cache : GPUPageCache
-    layer : int
-    req_slots : torch.Tensor
-        ``[B]`` request slots (each open).
-    page_ids : torch.Tensor
-        ``[B, Hkv, K]`` selected logical pages in any order; ``-1`` or ``>= num_pages`` = none.
-        ``K <= row_width``; the newest page ``num_pages - 1`` should be among them.
-    num_pages : torch.Tensor
-        ``[B]`` pages each request holds.
-    host_pages : torch.Tensor
-        ``[B, N]`` host page id of each logical page.
-    num_host_pages : int
-        Pages per (layer, head) of the host store (the flat block index's stride).
-    indptr : torch.Tensor
-        ``[B * Hkv + 1]`` int32 FlashInfer indptr: row ``b * Hkv + h`` holds ``min(num_pages, K)``.
-    indices : torch.Tensor
-        int32 FlashInfer page indices, written at ``indptr[row] ..`` (the newest page last).
-    miss_src, miss_dst : torch.Tensor
-        ``[B * Hkv * K]`` int64 outputs: the copies FlashH2D must do (``miss_dst < 0`` = none).
-
-    Notes
-    -----
-    Same choices as :meth:`GPUPageCache.retrieve` (its reference): hits are stamped used now, the
-    row's other slots sorted by last use (stable; by its bucket with bucketed LRU) are the victims,
-    the ``i``-th miss of a row (in ascending page order: the kernel sorts each row of ``page_ids``
-    first, so the reference gives the same choices for rows passed in ascending order) takes the
-    ``i``-th victim. The row's FlashInfer indices follow ascending page order too, and
-    ``miss_src``/``miss_dst`` entry ``j`` is the row's ``j``-th smallest entry of ``page_ids``.
-    """
-    batch, heads, width = page_ids.shape
-    assert width <= cache.row_width, f"{width} selected pages exceed the cache row ({cache.row_width})"
-    pt = cache.page_table
-    _retrieve_kernel[(batch * heads,)](
-        page_ids, num_pages, req_slots, host_pages, pt.directory, pt.segments, cache.rows, cache.slot_page,
-        cache.last_used, cache.step, indptr, indices, miss_src, miss_dst, cache.counters,
-        layer, pt.num_layers, heads, pt.directory.shape[-1], host_pages.stride(0), num_host_pages,
-        K=width, KP=next_pow2(width), W=cache.row_width, WP=next_pow2(cache.row_width), SEG=pt.segment_pages,
-        LRU_BUCKETS=cache.lru_buckets, LRU_STEPS=cache.lru_steps_per_bucket,
     )  # fmt: skip

@@ -14,12 +14,30 @@ from dataclasses import dataclass
 import torch
 
 from sparse_sglang.config import GIB, SparseConfig
+from sparse_sglang.mem_cache.bounds import bound_dtype
 from sparse_sglang.mem_cache.gpu_cache import slot_bytes
 from sparse_sglang.mem_cache.host_pool import pages_for_budget
-from sparse_sglang.mem_cache.kernels import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2
 from sparse_sglang.mem_cache.kv_store import StoreShape
-from sparse_sglang.mem_cache.summaries import bound_dtype
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (Triton block sizes)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# The retrieve kernel (attention/retrieval.py) compares a row's slots with its selected pages in
+# one program: (K x row) pairs, rounded to powers of two. 256 x 256 ran on an H100 (budget 4096 covering a 4K context); wider
+# rows take the torch path (and decode outside CUDA graphs).
+MAX_RETRIEVE_CELLS = 256 * 256
+
+
+def fits_fused_retrieve(selected_pages: int, row_width: int) -> bool:
+    """Whether the retrieve kernel (:func:`~sparse_sglang.attention.retrieval.retrieve_pages`)
+    takes rows of ``row_width`` slots with ``selected_pages`` selections."""
+    return next_pow2(selected_pages) * next_pow2(row_width) <= MAX_RETRIEVE_CELLS
+
+
 
 # Widest row (rows grow into slots no other request needs), over the selection: SPIN found ~5x
 # buffer over mandatory pages a sweet spot, and the retrieve kernel's work per row (a sort of the

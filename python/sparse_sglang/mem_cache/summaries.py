@@ -45,69 +45,14 @@ from __future__ import annotations
 
 import torch
 
-from sparse_sglang.config import BOUND_FORMATS
-INT8_LEVELS = 127  # largest |level| of an int8 bound
-EMPTY_EXP = 127  # scale exponent of an empty page: levels +-127 read back as +-inf in float32
-MIN_BOUND_ABS = 2.0**-100  # a page's scale covers at least this (an all-zero page gets a finite scale)
-# Float32 mantissa bits of 127 / 64 = 1.984375: a magnitude whose mantissa is larger needs the next
-# scale up (see bound_exponent).
-_LEVELS_MANTISSA = (INT8_LEVELS - 64) << 17
-
-
-def resolve_bound_format(bound_format: str, kv_dtype: torch.dtype) -> str:
-    """``"exact"`` or ``"int8"``: ``"auto"`` is int8 for 16-bit keys and exact otherwise (fp8 bounds
-    are one byte already; float32 ones are reference runs)."""
-    if bound_format not in BOUND_FORMATS:
-        raise ValueError(f"bound format must be one of {', '.join(BOUND_FORMATS)}, got {bound_format!r}")
-    if bound_format == "auto":
-        return "int8" if kv_dtype.itemsize == 2 else "exact"
-    return bound_format
-
-
-def bound_dtype(kv_dtype: torch.dtype, bound_format: str = "exact") -> torch.dtype:
-    """Storage type of ``kmin``/``kmax`` for keys of ``kv_dtype``: the keys' own (exact; see module
-    doc), or int8 levels."""
-    return torch.int8 if resolve_bound_format(bound_format, kv_dtype) == "int8" else kv_dtype
-
-
-def bound_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest ``e`` with ``amax <= 127 * 2**e`` (int32, elementwise, ``amax >= 0`` float32),
-    for ``amax`` at least :data:`MIN_BOUND_ABS`. Integer arithmetic on the float's bits, as the
-    index kernel does, so both give the same scales: with ``amax = m * 2**E`` (``1 <= m < 2``),
-    ``e = E - 6`` while ``m <= 127 / 64``, else ``E - 5``."""
-    bits = amax.float().clamp_min(MIN_BOUND_ABS).contiguous().view(torch.int32)
-    return ((bits >> 23) & 0xFF) - 133 + ((bits & 0x7FFFFF) > _LEVELS_MANTISSA).int()
-
-
-def quantize_bounds(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Finite bounds ``[..., D]`` (float32) as int8 levels and one scale exponent per ``[D]``
-    vector, rounded outward: ``levels_min * 2**e <= kmin`` and ``levels_max * 2**e >= kmax``.
-
-    Returns ``(levels_min, levels_max, e)``: int8 ``[..., D]`` twice and int8 ``[...]``."""
-    amax = torch.maximum(kmin.abs(), kmax.abs()).amax(dim=-1)
-    e = bound_exponent(amax)
-    inv = torch.ldexp(torch.ones_like(amax), -e).unsqueeze(-1)  # 2**-e: exact scaling
-    return (kmin * inv).floor().to(torch.int8), (kmax * inv).ceil().to(torch.int8), e.to(torch.int8)
-
-
-def dequantize_bounds(levels: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """``levels * 2**e`` in float32 (``levels`` ``[..., D]``, ``e`` ``[...]``); exact, and
-    ``+-inf`` for an empty page's ``+-127`` at :data:`EMPTY_EXP`."""
-    return levels.float() * torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.int()).unsqueeze(-1)
-
-
-def empty_bounds(dtype: torch.dtype) -> tuple[float, float]:
-    """``(kmin, kmax)`` of a page without keys, bounds stored as ``dtype``: the identities of min
-    and max, ``(+inf, -inf)``, or, for a type without infinity (fp8 e4m3: inf casts to NaN),
-    ``(+top, -top)`` of its largest finite value ``top``, which bounds every stored key (the store
-    saturates keys cast into fp8; ``KVStore.to_store_dtype``). int8 levels: ``(+127, -127)``,
-    which read back as ``(+inf, -inf)`` at the empty scale :data:`EMPTY_EXP`."""
-    if dtype == torch.int8:
-        return float(INT8_LEVELS), float(-INT8_LEVELS)
-    if torch.tensor(float("inf")).to(dtype).float().isinf():
-        return float("inf"), float("-inf")
-    top = torch.finfo(dtype).max
-    return top, -top
+from sparse_sglang.mem_cache.bounds import (
+    EMPTY_EXP,
+    bound_dtype,
+    dequantize_bounds,
+    empty_bounds,
+    quantize_bounds,
+    resolve_bound_format,
+)
 
 
 def cuboid_center(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """A sparse decode step outside the server, for the GPU tests and ``benchmark/decode.py``.
 
 :class:`DecodeBench` holds one :class:`SparseKVStore` with ``batch`` requests of ``context``
-tokens each (their own host pages), a :class:`SparseDecoder` planned for the step, and helpers to
+tokens each (their own host pages), a decoder (:func:`make_decoder`) planned for the step, and helpers to
 fill the host store and summaries from real K/V, and to evict a fraction of the cached pages.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_sglang.attention.selectors import kept_summaries
-from sparse_sglang.attention.sparse_decode import SparseDecoder
+from sparse_sglang.attention.sparse_decode import make_decoder
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.mem_cache.kv_store import SparseKVStore, StoreShape
@@ -61,7 +61,7 @@ class DecodeBench:
         # Request b holds host pages 1 + b * num_pages ... (distinct pages, as in the server).
         self.host_pages = (1 + torch.arange(batch, device="cuda").view(-1, 1) * self.num_pages
                            + torch.arange(self.num_pages, device="cuda").view(1, -1)).to(torch.int32)  # fmt: skip
-        self.decoder = SparseDecoder(store, config, num_q_heads, workspace, batch, **decoder_options)
+        self.decoder = make_decoder(store, config, num_q_heads, workspace, batch, **decoder_options)
         self.positions = torch.full((batch,), context, device="cuda")
 
     def plan(self) -> None:

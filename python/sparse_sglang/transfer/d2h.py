@@ -27,8 +27,7 @@ from sparse_sglang.transfer.native import cuda_ext, host_ext
 def default_num_threads() -> int:
     """Scatter threads by default: all CPUs but 4 (left to the server's own processes), at most 12.
 
-    Measured on the 16-core H200 host (benchmark/results/transfer-2026-11-21*.json, 16 KiB pages,
-    a bf16 matmul running): 8 threads reached 67% of contiguous D2H, 12 threads 84%, 16 threads 73%.
+    The measurement behind it: ``docs/decisions/0009-staged-flashd2h-for-saving-kv.md``.
     """
     return max(1, min(12, (os.cpu_count() or 2) - 4))
 

@@ -67,14 +67,6 @@ class FlashH2D:
         self._ext.flash_h2d(self.host_k, self.host_v, self.gpu_k, self.gpu_v, src_blocks, dst_slots)
 
 
-def flash_h2d(
-    host_k: torch.Tensor, host_v: torch.Tensor, gpu_k: torch.Tensor, gpu_v: torch.Tensor,
-    src_blocks: torch.Tensor, dst_slots: torch.Tensor,
-) -> None:
-    """One-shot :class:`FlashH2D` (see there); same semantics as ``gather_blocks_reference``."""
-    FlashH2D(host_k, host_v, gpu_k, gpu_v)(src_blocks, dst_slots)
-
-
 def copy_blocks_memcpy(
     src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor, block_bytes: int,
 ) -> None:

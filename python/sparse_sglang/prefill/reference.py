@@ -1,27 +1,18 @@
-"""The plan of a layer-segmented prefill (SparseServe §3.4, with its in-layer chunking hybrid).
+"""The plan of a whole prompt's layer-segmented prefill, the reference the server's loop is held
+against (the server runs none of this module: it advances one segment at a time,
+:func:`~sparse_sglang.prefill.segments.next_segment_end`).
 
-Chunked prefill cannot bound what a long prompt costs the decodes running next to it: SGLang runs
-a prefill batch through every layer in one iteration, and the decodes wait for it. A
-layer-segmented prefill runs a batch a few layers per scheduler iteration instead (the hidden
-states wait on the GPU between iterations) and each iteration also runs one decode step.
-
-The work one iteration may inject is ``max_inject_tokens`` token-layers (SparseServe's
-maxInjectToken). By default it equals one 2048-token chunk of chunked prefill through every layer
-(:meth:`SparseConfig.inject_tokens <sparse_sglang.config.SparseConfig.inject_tokens>`), so an
-iteration next to the running decodes costs what a chunked-prefill iteration costs. A batch of
-``T`` new tokens runs ``max_inject_tokens // T`` layers per iteration (at least one).
-
-A prompt longer than one chunk (SGLang's ``--chunked-prefill-size``, capped at
-``max_inject_tokens`` so one layer of it fits an iteration) is chunked too, the hybrid: each chunk
-goes through all layers in segments before the next chunk starts, and attends to the earlier
-chunks' KV of the same layer, staged from the host one layer at a time. Every layer's KV leaves
-for the host as soon as the layer has run, so the GPU holds one layer's KV of the prompt at most.
+:func:`plan_segments` lists every iteration of one prompt (chunks through layer groups);
+:func:`segment_hbm_pages` bounds the KV pages the GPU holds while one runs. The tests check that
+every (layer, token) is covered once within ``max_inject_tokens``, that the loop's segments are the
+plan's, and that the GPU holds about one layer of the prompt.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sparse_sglang.prefill.segments import layers_per_iteration
 from sparse_sglang.scheduler.admission import prefill_pages
 
 
@@ -36,18 +27,6 @@ class Segment:
     def work(self) -> int:
         """Token-layers this iteration runs (what ``max_inject_tokens`` bounds)."""
         return len(self.layers) * len(self.tokens)
-
-
-def layers_per_iteration(batch_tokens: int, max_inject_tokens: int) -> int:
-    """Layers a prefill batch of ``batch_tokens`` new tokens runs per iteration (at least one)."""
-    return max(1, max_inject_tokens // max(1, batch_tokens))
-
-
-def next_segment_end(done_layers: int, batch_tokens: int, num_layers: int, max_inject_tokens: int) -> int:
-    """The layer a batch's next segment stops before, having run ``[0, done_layers)`` already."""
-    if not 0 <= done_layers < num_layers:
-        raise ValueError(f"a prefill of {num_layers} layers has no segment after layer {done_layers}")
-    return min(num_layers, done_layers + layers_per_iteration(batch_tokens, max_inject_tokens))
 
 
 def plan_segments(prompt_tokens: int, num_layers: int, max_inject_tokens: int,

@@ -1,4 +1,14 @@
-"""Bucketed LRU for GPU page-cache replacement (SPIN §5.3), all tensor ops on any device.
+"""Torch references of the GPU page cache's replacement order, apart from the code the server runs.
+
+The server orders a row's slots by :meth:`GPUPageCache.recency
+<sparse_sglang.mem_cache.gpu_cache.GPUPageCache.recency>` and takes a stable sort's first victims
+(the retrieve kernel, :mod:`sparse_sglang.attention.retrieval`, does the same on the device). What
+that order must choose is defined here: :class:`BucketedLRU`, SPIN's histogram eviction over
+timestamp buckets (SPIN §5.3), and :func:`exact_lru_evict_reference`, exact LRU. The CPU tests
+hold the cache's choices against these; the server runs none of this module.
+
+Bucketed LRU, all tensor ops on any device
+------------------------------------------
 
 Exact LRU needs a sort of the candidates by last use every time pages are evicted. Here each slot
 carries only a small *timestamp bucket* (``steps_per_bucket`` decode steps per bucket,

@@ -1,0 +1,164 @@
+"""Plain-torch references of the decode path's kernels, apart from them (as
+:mod:`sparse_sglang.transfer.reference` is for the transfer kernels).
+
+- :func:`score_pages_reference`, :func:`score_coarse_reference`, :func:`score_candidates_reference`:
+  the score kernels of :mod:`sparse_sglang.attention.scoring` (summaries gathered into dense
+  tensors, scored by the :class:`~sparse_sglang.attention.Selector`).
+- :func:`retrieve_reference`: :func:`~sparse_sglang.attention.retrieval.retrieve_pages`'s choices
+  (hits, LRU victims, table updates) in torch ops over the cache's public methods. The decoder
+  also runs it for rows too wide for the kernel's one program
+  (:func:`~sparse_sglang.attention.retrieval.fits_fused_retrieve`).
+
+The CPU tests compare each kernel (run in Triton's interpreter) with its reference here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from sparse_sglang.attention.scoring import candidate_pages, coarse_host_pages
+from sparse_sglang.attention.selection import force_pages, keep_cached
+from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
+from sparse_sglang.mem_cache.bounds import dequantize_bounds
+from sparse_sglang.mem_cache.gpu_cache import CachedRows, GPUPageCache
+
+
+def gather_layer(summary: torch.Tensor, host_pages: torch.Tensor) -> torch.Tensor:
+    """``[Hkv, num_host_pages, D]`` summaries of one layer -> ``[B, Hkv, N, D]`` for the pages
+    ``host_pages`` ``[B, N]`` (entries past a request's pages may be any valid page id)."""
+    return summary[:, host_pages.long()].permute(1, 0, 2, 3)
+
+
+def score_pages_reference(
+    selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
+    num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE, forced: tuple[int, int] | None = None,
+    reuse: CachedRows | None = None,
+) -> torch.Tensor:
+    """Scores of every page of every request (plain torch): what
+    :func:`~sparse_sglang.attention.scoring.score_pages` computes.
+
+    Parameters
+    ----------
+    selector : str
+        A registered selector name.
+    q : torch.Tensor
+        ``[B, Hkv, G, D]`` decode queries.
+    layer_summaries : dict
+        ``kmin``/``kmax``/``mean``/``radius`` of one layer, each ``[Hkv, num_host_pages, D]``
+        (only those the selector reads are needed), and ``bound_exp`` ``[Hkv, num_host_pages]``
+        when the bounds are int8 levels (:meth:`PageSummaries.layer <sparse_sglang.mem_cache.PageSummaries.layer>`).
+    host_pages : torch.Tensor
+        ``[B, N]`` host page id of each logical page (anything valid past ``num_pages``).
+    num_pages : torch.Tensor
+        ``[B]`` pages each request holds.
+    forced : (int, int), optional
+        ``(sink, recent)``: the output is a selection priority, those pages ``+inf``
+        (:func:`~sparse_sglang.attention.selection.force_pages`).
+    reuse : CachedRows, optional
+        Requests not due for a full selection choose only among the pages their rows hold
+        (:func:`~sparse_sglang.attention.selection.keep_cached`).
+    """
+    sel = get_selector(selector)
+    gathered = {name: gather_layer(layer_summaries[name], host_pages) for name in sel.summaries}
+    if "bound_exp" in layer_summaries and "kmin" in gathered:  # int8 levels -> values
+        e = layer_summaries["bound_exp"][:, host_pages.long()].permute(1, 0, 2)
+        for name in ("kmin", "kmax"):
+            gathered[name] = dequantize_bounds(gathered[name], e)
+    scores = sel.score(q, gathered.get("kmin"), gathered.get("kmax"), gathered.get("mean"), group_reduce,
+                       radius=gathered.get("radius"))  # fmt: skip
+    held = torch.arange(host_pages.shape[1], device=q.device) < num_pages.to(q.device).view(-1, 1)
+    scores = scores.masked_fill(~held.unsqueeze(1), -math.inf)
+    scores = scores if forced is None else force_pages(scores, num_pages, *forced)
+    return scores if reuse is None else keep_cached(scores, reuse.held(scores.shape[-1]), reuse.reselect)
+
+
+def score_coarse_reference(
+    q: torch.Tensor, coarse_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor, built: torch.Tensor,
+    coarse_pages: int, sink_pages: int, group_reduce: str = DEFAULT_GROUP_REDUCE,
+) -> torch.Tensor:
+    """:func:`~sparse_sglang.attention.scoring.score_coarse` in plain torch (same arguments)."""
+    supers = coarse_host_pages(host_pages, coarse_pages)
+    sink_supers = -(-sink_pages // coarse_pages)
+    scores = score_pages_reference("quest", q, coarse_summaries, supers, built, group_reduce)
+    return force_pages(scores, built, sink_supers, 0) if sink_supers else scores
+
+
+def score_candidates_reference(
+    selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
+    num_pages: torch.Tensor, supers: torch.Tensor, built: torch.Tensor, coarse_pages: int, tail: int,
+    group_reduce: str = DEFAULT_GROUP_REDUCE, forced: tuple[int, int] = (0, 1), reuse: CachedRows | None = None,
+) -> torch.Tensor:
+    """:func:`~sparse_sglang.attention.scoring.score_candidates` in plain torch (same arguments;
+    ``tail`` is not needed here)."""
+    host_pages, max_pages = host_pages.contiguous(), host_pages.shape[1]
+    scores = score_pages_reference(selector, q, layer_summaries, host_pages, num_pages, group_reduce, forced=forced,
+                                   reuse=reuse)  # fmt: skip
+    keep = candidate_pages(supers, built, num_pages, coarse_pages, max_pages)
+    if reuse is not None:  # rows reusing their selection keep score_pages' priorities
+        keep = keep | ~reuse.reselect.to(keep.device).view(-1, 1, 1)
+    return scores.masked_fill(~keep, -math.inf)
+
+
+def retrieve_reference(
+    cache: GPUPageCache, layer: int, req_slots: torch.Tensor, page_ids: torch.Tensor, host_pages: torch.Tensor,
+    load: Callable[[torch.Tensor, torch.Tensor], None], num_host_pages: int,
+) -> torch.Tensor:
+    """Slots holding the selected pages of one layer, loading the misses from the host.
+
+    Parameters
+    ----------
+    cache : GPUPageCache
+    layer : int
+    req_slots : torch.Tensor
+        ``[B]`` request slots (each open).
+    page_ids : torch.Tensor
+        ``[B, Hkv, K]`` selected logical pages, ``-1`` padded; ``K <= row_width``.
+    host_pages : torch.Tensor
+        ``[B, N]`` host page id of each logical page of each request.
+    load : callable
+        ``load(src_blocks, dst_slots)`` copies host blocks into slots, skipping ``dst < 0``
+        (FlashH2D, or ``gather_blocks_reference`` on the CPU).
+    num_host_pages : int
+        Pages in the host store (its flat block index is ``(layer * Hkv + head) * N + page``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hkv, K]`` int64 slots, ``-1`` where ``page_ids`` is.
+
+    Notes
+    -----
+    Hits are marked used in this step first; the row's other slots, sorted by last use
+    (empty ones first), are the victims, and the ``i``-th miss of a row takes its ``i``-th
+    victim. Every row has at least ``K - hits >= misses`` such slots.
+    """
+    batch, heads, width = page_ids.shape
+    assert width <= cache.row_width, f"{width} selected pages exceed the cache row ({cache.row_width})"
+    req = req_slots.long().view(batch, 1, 1)
+    head = torch.arange(heads, device=cache.rows.device).view(1, heads, 1)
+    page = page_ids.long()
+    hit = cache.page_table.lookup(req, layer, head, page).long()  # [B, H, K]
+    cache.last_used[cache.scratch(hit)] = cache.step
+    miss = (page >= 0) & (hit < 0)
+    cache.counters += torch.stack([(page >= 0).sum(), miss.sum()])
+
+    row = cache.rows[req_slots.long(), layer]  # [B, H, W], -1 past the row's width
+    never = torch.iinfo(torch.int64).max  # columns past the width are never victims
+    recency = cache.recency(cache.last_used[cache.scratch(row)])
+    victims = row.gather(-1, torch.where(row >= 0, recency, never).argsort(dim=-1, stable=True))
+    rank = (miss.long().cumsum(-1) - 1).clamp(0, cache.row_width - 1)
+    dst = torch.where(miss, victims.gather(-1, rank), -1)  # [B, H, K]
+
+    # Unmap what the victims held, map the misses, then fill them.
+    old = torch.where(dst >= 0, cache.slot_page[cache.scratch(dst)], -1)
+    cache.page_table.invalidate(req, layer, head, old)
+    cache.page_table.assign(req, layer, head, torch.where(miss, page, -1), dst)
+    cache.slot_page[cache.scratch(dst)] = torch.where(miss, page, -1)
+    cache.last_used[cache.scratch(dst)] = cache.step
+    host_page = host_pages.long().gather(1, page.clamp_min(0).view(batch, -1)).view(batch, heads, width)
+    src = (layer * cache.num_kv_heads + head) * num_host_pages + host_page
+    load(src.reshape(-1), dst.reshape(-1))
+    return torch.where(miss, dst, hit)
