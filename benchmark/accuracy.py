@@ -737,9 +737,9 @@ def _grid_final() -> list[Run]:
     runs += [Run(f"sparse-{b}", budget=b) for b in BUDGETS]
     runs += [Run(f"sparse-alone-{b}", budget=b, lengths=(n,), alone=True) for n, b in FOUR_X.items()]
     runs += [Run(f"headline-alone-{b}", budget=b, lengths=(n,), alone=True, flags=HEADLINE_FLAGS) for n, b in FOUR_X.items()]
-    runs += [Run(f"{name}-{b}", budget=b, flags=flags, per_cell=25)
-             for name, flags in (("gmax", "--sparse-group-reduce max"), ("recent4", "--sparse-recent-pages 4"))
-             for b in (256, 512)]  # fmt: skip
+    variants = (("arkvale", "--sparse-selector arkvale"), ("mean", "--sparse-selector mean"),
+                ("gmax", "--sparse-group-reduce max"), ("recent4", "--sparse-recent-pages 4"))  # fmt: skip
+    runs += [Run(f"{name}-{b}", budget=b, flags=flags, per_cell=25) for name, flags in variants for b in (256, 512)]
     return runs
 
 
