@@ -6,6 +6,14 @@ client, and writes benchmark/results/serving-<date>.json plus a PNG of
 throughput, mean TTFT and p99 TBT versus request rate. One GPU command may run at most
 10 minutes, so a full run is several invocations joined with --merge-into.
 
+The baselines are vanilla at its best settings for the same GPU memory: ``vanilla`` stores KV in
+the sparse system's dtype (its ``--kv-cache-dtype`` and ``--quantization-param-path``) with the
+token pool that fits ``--kv-hbm-gb`` at that dtype's bytes per token; ``vanilla-bf16`` (opt-in,
+``--systems vanilla,vanilla-bf16,sparse``) stores bf16 KV in the same bytes. The summary's
+``*_vs_best`` ratios are against the stronger of those run (long-generation output tokens/s in
+the windows' second half), named in ``summary.baseline``. Each rate's window is 400 s by default
+(--max-seconds-per-rate), with enough arrivals to fill it.
+
     python benchmark/serving.py --dry-run
     python benchmark/serving.py --traces long-prompt --systems vanilla --time-budget 480
     python benchmark/serving.py --combine OUT.json A.json [B.json ...]   # one file from several calls
@@ -19,6 +27,7 @@ import asyncio
 import copy
 import datetime
 import json
+import math
 import re
 import shlex
 import subprocess
@@ -37,19 +46,28 @@ import requests
 from sparse_sglang.config import GIB
 from sparse_sglang.testing.models import (
     LLAMA3_8B_CONFIG,
-    LLAMA3_8B_KV_BYTES_PER_TOKEN,
     LLAMA3_8B_TOKEN_IDS,
+    kv_bytes_per_token,
     write_llama3_8b_dummy,
 )
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache, sse_events
 from sparse_sglang.testing.provenance import git_commit, save_result
 
 REPO = Path(__file__).resolve().parents[1]
-SYSTEMS = {"vanilla": VANILLA_MODULE, "sparse": SPARSE_MODULE}
-KV_BYTES_PER_TOKEN = LLAMA3_8B_KV_BYTES_PER_TOKEN
+# Run in this order. "vanilla" keeps the sparse system's KV dtype; "vanilla-bf16" is bf16 KV.
+SYSTEMS = {"vanilla": VANILLA_MODULE, "vanilla-bf16": VANILLA_MODULE, "sparse": SPARSE_MODULE}
+BASELINES = ("vanilla", "vanilla-bf16")
+DEFAULT_SYSTEMS = ["vanilla", "sparse"]
 # The sparse launcher installs its own "sparse" attention backend and refuses --attention-backend.
-SYSTEM_SERVER_ARGS = {"vanilla": ["--attention-backend", "flashinfer"], "sparse": []}
+SYSTEM_SERVER_ARGS = {"vanilla": ["--attention-backend", "flashinfer"],
+                      "vanilla-bf16": ["--attention-backend", "flashinfer"], "sparse": []}  # fmt: skip
 TOKEN_ID_RANGE = LLAMA3_8B_TOKEN_IDS
+# --kv-cache-dtype values the benchmark sizes (SGLang's "auto" is the 8B dummy's bf16), and the
+# bytes of one KV element in each.
+KV_DTYPE_NAMES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+KV_ELEMENT_BYTES = {"bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# A window long enough for steady state; its second half is what the headline counts.
+WINDOW_S = 400.0
 
 # Rough H100 figures, used only by --dry-run's time estimate.
 PREFILL_TOKENS_PER_S = 20_000
@@ -318,20 +336,24 @@ def is_complete(result: dict) -> bool:
 
 
 def _ratio(sparse: dict, vanilla: dict, key: str) -> float | None:
-    return sparse[key] / vanilla[key] if sparse[key] is not None and vanilla[key] else None
+    """sparse[key] / vanilla[key]; None where either is missing (an older file's row) or vanilla's is 0."""
+    return sparse[key] / vanilla[key] if sparse.get(key) is not None and vanilla.get(key) else None
 
 
-def paired_runs(systems: dict, complete_only: bool = False) -> dict[float, tuple[dict, dict]]:
-    """rate -> (vanilla run, sparse run) for each rate both systems ran (fully, with ``complete_only``)."""
+def paired_runs(systems: dict, complete_only: bool = False, baseline: str = "vanilla") -> dict[float, tuple[dict, dict]]:
+    """rate -> (baseline run, sparse run) for each rate both systems ran (fully, with ``complete_only``)."""
     def by_rate(system: str) -> dict:
         return {r["rate"]: r for r in systems.get(system, []) if not complete_only or is_complete(r)}
 
-    vanilla, sparse = by_rate("vanilla"), by_rate("sparse")
-    return {rate: (vanilla[rate], sparse[rate]) for rate in sorted(vanilla.keys() & sparse.keys())}
+    base, sparse = by_rate(baseline), by_rate("sparse")
+    return {rate: (base[rate], sparse[rate]) for rate in sorted(base.keys() & sparse.keys())}
 
 
-def summarize(results: dict) -> dict:
-    """sparse / vanilla at each trace's highest rate that both systems completed fully."""
+def summarize(results: dict, servers: dict | None = None) -> dict:
+    """sparse / vanilla at each trace's highest rate that both systems completed fully, the
+    issue's headline keys against ``vanilla`` (:func:`headline`), and the fair comparison against
+    the stronger baseline run (:func:`against_best`; ``servers``, the file's server records, say
+    which KV dtype each baseline ran with)."""
     at_rate = {}
     for trace, systems in results.items():
         if not (pairs := paired_runs(systems, complete_only=True)):
@@ -354,7 +376,15 @@ def summarize(results: dict) -> dict:
         "at_highest_common_rate": overload,
         "by_rate": by_rate,
         **headline(overload, by_rate),
+        **against_best(results, servers or {}),
     }
+
+
+def _largest_ttft_ratio(by_rate: dict) -> tuple[float | None, float | None]:
+    """(the largest long-prompt mean-TTFT ratio over the rates of :func:`ratios_by_rate`, its rate)."""
+    ttft = {r: d["ttft_ratio"] for r, d in by_rate.get("long-prompt", {}).items() if d["ttft_ratio"] is not None}
+    rate = max(ttft, key=ttft.get, default=None)
+    return ttft.get(rate), rate
 
 
 def headline(overload: dict, by_rate: dict) -> dict:
@@ -367,12 +397,11 @@ def headline(overload: dict, by_rate: dict) -> dict:
     long-prompt rates both ran (:func:`ratios_by_rate`, which keeps every rate's), with the rate
     it is at as ``ttft_ratio_rate``."""
     gen, prompt = overload.get("long-generation", {}), overload.get("long-prompt", {})
-    ttft = {r: d["ttft_ratio"] for r, d in by_rate.get("long-prompt", {}).items() if d["ttft_ratio"] is not None}
-    ttft_rate = max(ttft, key=ttft.get, default=None)
+    ttft, ttft_rate = _largest_ttft_ratio(by_rate)
     return {
         "throughput_ratio": gen.get("window_output_throughput_ratio"),
         "throughput_ratio_long_prompt": prompt.get("window_output_throughput_ratio"),
-        "ttft_ratio": ttft.get(ttft_rate),
+        "ttft_ratio": ttft,
         "ttft_ratio_rate": ttft_rate,
         "p99_tbt_ratio": gen.get("p99_tbt_ms_ratio"),
         "p99_tbt_ratio_long_prompt": prompt.get("p99_tbt_ms_ratio"),
@@ -380,33 +409,154 @@ def headline(overload: dict, by_rate: dict) -> dict:
     }
 
 
-def ratios_by_rate(results: dict) -> dict:
+def ratios_by_rate(results: dict, baseline: str = "vanilla") -> dict:
     """Per trace and rate both systems ran: ``throughput_ratio`` (window output tokens, sparse /
-    vanilla), ``ttft_ratio`` (mean TTFT, vanilla / sparse), ``tbt_mean_ratio``, ``tbt_p99_ratio``
-    and ``tbt_p999_ratio`` (sparse / vanilla), ``running_ratio`` (most running requests)."""
+    baseline), ``ttft_ratio`` (mean TTFT, baseline / sparse), ``tbt_mean_ratio``, ``tbt_p99_ratio``
+    and ``tbt_p999_ratio`` (sparse / baseline), ``running_ratio`` (most running requests)."""
     names = {"throughput_ratio": "window_output_throughput", "tbt_mean_ratio": "mean_tbt_ms",
              "tbt_p99_ratio": "p99_tbt_ms", "tbt_p999_ratio": "p999_tbt_ms", "running_ratio": "max_running_req"}  # fmt: skip
     out = {}
     for trace, systems in results.items():
-        for rate, (v, s) in paired_runs(systems).items():
-            row = {name: _ratio(s, v, key) if key in s and key in v else None for name, key in names.items()}
+        for rate, (v, s) in paired_runs(systems, baseline=baseline).items():
+            row = {name: _ratio(s, v, key) for name, key in names.items()}
             out.setdefault(trace, {})[rate] = {"ttft_ratio": _ratio(v, s, "mean_ttft_ms"), **row}
     return out
 
 
-def overload_ratios(results: dict) -> dict:
-    """sparse / vanilla at each trace's highest rate both systems ran, complete or cut off: under
+def overload_ratios(results: dict, baseline: str = "vanilla") -> dict:
+    """sparse / baseline at each trace's highest rate both systems ran, complete or cut off: under
     overload a run ends at the cutoff, and what counts is what each system delivered in it."""
     keys = ("window_output_throughput", "late_output_throughput", "max_running_req", "mean_ttft_ms",
             "mean_tbt_ms", "p99_tbt_ms", "p999_tbt_ms")  # fmt: skip
     out = {}
     for trace, systems in results.items():
-        if not (pairs := paired_runs(systems)):
+        if not (pairs := paired_runs(systems, baseline=baseline)):
             continue
         rate = max(pairs)
         v, s = pairs[rate]
         out[trace] = {"rate": rate, **{f"{k}_ratio": _ratio(s, v, k) for k in keys if k in s and k in v}}
     return out
+
+
+# ---------------------------------------------------------------- the stronger baseline
+
+
+def last_flag(words: list[str], flag: str) -> str | None:
+    """The value of the last ``flag X`` or ``flag=X`` in ``words`` (argparse's: the last one wins)."""
+    value = None
+    for i, word in enumerate(words):
+        if word == flag and i + 1 < len(words):
+            value = words[i + 1]
+        elif word.startswith(flag + "="):
+            value = word[len(flag) + 1 :]
+    return value
+
+
+def server_kv_dtype(record: dict | None) -> str | None:
+    """The KV dtype a server record ran with: its ``kv_cache_dtype``, or in a file from before
+    that key its flags' last ``--kv-cache-dtype`` (none: SGLang's auto, the 8B dummy's bf16);
+    None for a record without either."""
+    if not record or not ("kv_cache_dtype" in record or "flags" in record):
+        return None
+    name = record.get("kv_cache_dtype") or last_flag(record["flags"], "--kv-cache-dtype") or "auto"
+    return KV_DTYPE_NAMES.get(name, name)
+
+
+def baseline_label(system: str, servers: dict) -> str:
+    """"vanilla-fp8" or "vanilla-bf16": the KV dtype the baseline ran with (its system name where
+    the file does not say)."""
+    dtype = "bf16" if system == "vanilla-bf16" else server_kv_dtype(servers.get(system))
+    if dtype is None:
+        return system
+    return "vanilla-fp8" if dtype.startswith("fp8") else f"vanilla-{dtype}"
+
+
+def stronger_baseline(results: dict) -> tuple[str | None, str | None, dict]:
+    """(the baseline with the most output tokens/s in the second half of its window, the trace
+    compared, each baseline's figure). Compared on long generation (long prompt where not every
+    baseline ran long generation), at the highest rate the baseline shares with sparse (its own
+    highest without one); a tie or no figure goes to ``vanilla``, the sparse system's KV dtype."""
+    present = [b for b in BASELINES if any(systems.get(b) for systems in results.values())]
+    trace = next((t for t in ("long-generation", "long-prompt") if all(results.get(t, {}).get(b) for b in present)), None)
+    strength = {}
+    for b in present:
+        if trace is None:
+            strength[b] = None
+            continue
+        pairs = paired_runs(results[trace], baseline=b)
+        run = pairs[max(pairs)][0] if pairs else max(results[trace][b], key=lambda r: r["rate"])
+        strength[b] = run.get("late_output_throughput")
+    best = max(present, key=lambda b: -math.inf if strength[b] is None else strength[b], default=None)
+    return best, trace, strength
+
+
+def against(results: dict, baseline: str | None) -> dict:
+    """sparse against ``baseline`` at each trace's highest rate both ran (None where they share
+    none): output tokens/s in the windows' second half (``throughput_ratio``, long generation;
+    ``throughput_ratio_long_prompt``) and over the whole windows (``window_...``), most running
+    requests (``concurrency_ratio``) and p99 TBT (``p99_tbt_ratio``) at long generation, and
+    mean TTFT (baseline / sparse) the largest over the long-prompt rates (``ttft_ratio``, at
+    ``ttft_ratio_rate``)."""
+    overload = overload_ratios(results, baseline)
+    gen, prompt = overload.get("long-generation", {}), overload.get("long-prompt", {})
+    ttft, ttft_rate = _largest_ttft_ratio(ratios_by_rate(results, baseline))
+    return {
+        "throughput_ratio": gen.get("late_output_throughput_ratio"),
+        "window_throughput_ratio": gen.get("window_output_throughput_ratio"),
+        "throughput_ratio_long_prompt": prompt.get("late_output_throughput_ratio"),
+        "window_throughput_ratio_long_prompt": prompt.get("window_output_throughput_ratio"),
+        "concurrency_ratio": gen.get("max_running_req_ratio"),
+        "ttft_ratio": ttft,
+        "ttft_ratio_rate": ttft_rate,
+        "p99_tbt_ratio": gen.get("p99_tbt_ms_ratio"),
+    }
+
+
+def tbt_at_highest_common_rate(results: dict, baseline: str | None) -> dict:
+    """Per trace, at the highest rate sparse and ``baseline`` both ran: each one's mean, p99 and
+    p99.9 TBT (ms) and window (s)."""
+    out = {}
+    for trace, systems in results.items():
+        if not (pairs := paired_runs(systems, baseline=baseline)):
+            continue
+        rate = max(pairs)
+        out[trace] = {"rate": rate}
+        for system, r in zip((baseline, "sparse"), pairs[rate]):
+            out[trace][system] = {"mean": r.get("mean_tbt_ms"), "p99": r.get("p99_tbt_ms"),
+                                  "p999": r.get("p999_tbt_ms"), "window_s": r.get("duration_s")}  # fmt: skip
+    return out
+
+
+def sparse_tbt_max(results: dict) -> dict:
+    """The largest sparse p99 TBT over every trace and rate it ran (and where), and p99.9's."""
+    rows = [(r[k], trace, r["rate"], k) for trace, systems in results.items() for r in systems.get("sparse", [])
+            for k in ("p99_tbt_ms", "p999_tbt_ms") if r.get(k) is not None]  # fmt: skip
+    p99 = max((row for row in rows if row[3] == "p99_tbt_ms"), default=None)
+    return {
+        "p99_tbt_ms_max": p99[0] if p99 else None,
+        "p99_tbt_ms_max_at": {"trace": p99[1], "rate": p99[2]} if p99 else None,
+        "p999_tbt_ms_max": max((row[0] for row in rows if row[3] == "p999_tbt_ms"), default=None),
+    }
+
+
+def against_best(results: dict, servers: dict) -> dict:
+    """The fair comparison (issue 36): ``baseline`` names the stronger vanilla run
+    (:func:`stronger_baseline`), every ``*_vs_best`` ratio is :func:`against` it; ``tbt_ms`` and
+    ``window_s_min`` (the shortest window those ratios use; 400 s or more for steady state) at
+    each trace's highest common rate; ``vs_baseline`` every baseline's ratios."""
+    best, trace, strength = stronger_baseline(results)
+    tbt = tbt_at_highest_common_rate(results, best)
+    windows = [d[s]["window_s"] for d in tbt.values() for s in (best, "sparse") if d[s]["window_s"] is not None]
+    return {
+        "baseline": baseline_label(best, servers) if best else None,
+        "baseline_system": best,
+        "baseline_chosen_by": {"trace": trace, "late_output_throughput": strength},
+        **{f"{key}_vs_best": value for key, value in against(results, best).items()},
+        **sparse_tbt_max(results),
+        "tbt_ms": tbt,
+        "window_s_min": min(windows, default=None),
+        "vs_baseline": {b: {"label": baseline_label(b, servers), **against(results, b)} for b in strength},
+    }
 
 
 # ---------------------------------------------------------------- result files
@@ -423,16 +573,28 @@ def merge_results(old: dict, new: dict) -> dict:
     return merged
 
 
+def document_summary(results: dict, servers: dict, kv_hbm_gb: float | None) -> dict:
+    return {**summarize(results, servers), "kv_hbm_budget_gb": kv_hbm_gb}
+
+
 def merge_documents(old: dict, new: dict) -> dict:
-    """One result file from two invocations: the newer's metadata on top, both runs kept."""
+    """One result file from two invocations: the newer's metadata on top, both runs kept. A
+    system that ran with one KV dtype in one and another in the other is refused: its runs would
+    share one name and one server record."""
+    for system in old["servers"].keys() & new["servers"].keys():
+        dtypes = server_kv_dtype(old["servers"][system]), server_kv_dtype(new["servers"][system])
+        if None not in dtypes and dtypes[0] != dtypes[1]:
+            raise SystemExit(f"{system} ran with {dtypes[0]} KV in one file and {dtypes[1]} in the other: "
+                             "merge only runs of the same configuration")  # fmt: skip
     results = merge_results(old["results"], new["results"])
+    servers = {**old["servers"], **new["servers"]}
     return {
         **new,
-        "servers": {**old["servers"], **new["servers"]},
+        "servers": servers,
         "traces": {**old["traces"], **new["traces"]},
         "invocations": old["invocations"] + new["invocations"],
         "results": results,
-        "summary": {**summarize(results), "kv_hbm_budget_gb": new.get("kv_hbm_budget_gb", old.get("kv_hbm_budget_gb"))},
+        "summary": document_summary(results, servers, new.get("kv_hbm_budget_gb", old.get("kv_hbm_budget_gb"))),
     }
 
 
@@ -479,14 +641,16 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def print_table(results: dict) -> None:
-    print(f"\n{'trace':<16}{'rate':>6} {'system':<8}{'done':>7}{'tok/s':>9}{'window':>8}{'TTFT s':>8}"
+    print(f"\n{'trace':<16}{'rate':>6} {'system':<13}{'done':>7}{'tok/s':>9}{'window':>8}{'2nd half':>9}{'TTFT s':>8}"
           f"{'TBT mean/p99/p99.9 ms':>24}{'max run':>8}")
     for trace, systems in results.items():
-        rows = [(r["rate"], list(SYSTEMS).index(system), system, r) for system, runs in systems.items() for r in runs]
+        order = {system: i for i, system in enumerate(SYSTEMS)}
+        rows = [(r["rate"], order.get(system, len(order)), system, r) for system, runs in systems.items() for r in runs]
         for rate, _, system, r in sorted(rows, key=lambda row: row[:2]):
-            tbt = "/".join(_fmt(r[k]) for k in ("mean_tbt_ms", "p99_tbt_ms", "p999_tbt_ms"))
-            print(f"{trace:<16}{rate:>6g} {system:<8}{r['completed']:>3}/{r['num_requests']:<3}"
+            tbt = "/".join(_fmt(r.get(k)) for k in ("mean_tbt_ms", "p99_tbt_ms", "p999_tbt_ms"))
+            print(f"{trace:<16}{rate:>6g} {system:<13}{r['completed']:>3}/{r['num_requests']:<3}"
                   f"{r['output_throughput']:>9.0f}{_fmt(r.get('window_output_throughput'), digits=0):>8}"
+                  f"{_fmt(r.get('late_output_throughput'), digits=0):>9}"
                   f"{_fmt(r['mean_ttft_ms'], 1e-3, 2):>8}{tbt:>24}"
                   f"{_fmt(r['max_running_req'], digits=0):>8}")
 
@@ -501,12 +665,23 @@ class RatePlan:
     num_requests: int
 
 
+def requests_for_window(rate: float, window_s: float | None) -> int:
+    """Enough Poisson arrivals at ``rate`` to last ``window_s``: the mean count m plus 4 sqrt(m) + 4
+    (the last arrival is then ~4 standard deviations past the window); 12 without a window."""
+    if not window_s:
+        return 12
+    mean = rate * window_s
+    return math.ceil(mean + 4 * math.sqrt(mean)) + 4
+
+
 def make_plan(args: argparse.Namespace) -> list[RatePlan]:
     plan = []
     for name in args.traces:
         key = name.replace("-", "_")
-        num_requests = getattr(args, f"num_requests_{key}") or args.num_requests
-        plan += [RatePlan(TRACES[name], rate, num_requests) for rate in getattr(args, f"rates_{key}")]
+        for rate in getattr(args, f"rates_{key}"):
+            num_requests = (getattr(args, f"num_requests_{key}") or args.num_requests
+                            or requests_for_window(rate, args.max_seconds_per_rate))  # fmt: skip
+            plan.append(RatePlan(TRACES[name], rate, num_requests))
     return plan
 
 
@@ -536,29 +711,71 @@ def print_dry_run(plan: list[RatePlan], args: argparse.Namespace) -> None:
           f"({SERVER_START_S} s each, ~40 s warm)")
     if args.time_budget and total > args.time_budget:
         print(f"over --time-budget {args.time_budget:g} s: the last rates would be cut short or skipped")
+    if not args.max_seconds_per_rate or args.max_seconds_per_rate < WINDOW_S:
+        print(f"windows shorter than {WINDOW_S:g} s: the second half may not be steady state")
+    print(f"\nKV: {args.kv_hbm_gb:g} GiB of GPU memory for each system")
+    for system in args.systems:
+        dtype = system_kv_dtype(system, args)
+        if system in BASELINES:
+            per_token = kv_bytes_per_token(KV_ELEMENT_BYTES[dtype])
+            print(f"  {system}: {dtype} KV, {per_token} bytes per token: a pool of "
+                  f"{vanilla_max_total_tokens(args.kv_hbm_gb, dtype)} tokens")
+        else:
+            print(f"  {system}: {dtype} KV in {args.sparse_host_cache_gb:g} GiB of host memory")
+    if {"vanilla", "vanilla-bf16"} <= set(args.systems) and system_kv_dtype("vanilla", args) == "bf16":
+        print("  vanilla already runs bf16 KV (the sparse system's): vanilla-bf16 repeats it")
     for system in args.systems:
         command = ["python", "-m", SYSTEMS[system], "--model-path", "MODEL", *server_args(system, args)]
         print(f"{system}: {shlex.join(command)}")
 
 
 def kv_budget_args(system: str, args: argparse.Namespace) -> list[str]:
-    """The same GPU memory for KV (``--kv-hbm-gb``) in each system's terms: vanilla's token pool, or
-    the sparse page cache plus everything else sparse keeps on the GPU for KV (page summaries of
-    the whole host store, prefix staging, page table), with all KV in ``--sparse-host-cache-gb``
-    of host memory."""
-    if system == "vanilla":
-        return ["--max-total-tokens", str(int(args.kv_hbm_gb * GIB // KV_BYTES_PER_TOKEN))]
-    cache_gb = sparse_gpu_cache_gb(args.kv_hbm_gb, args.sparse_host_cache_gb, kv_dtype=kv_cache_dtype(args.extra_server_args))
+    """The same GPU memory for KV (``--kv-hbm-gb``) in each system's terms: a vanilla baseline's
+    token pool in its KV dtype (``vanilla``: the sparse system's, with its calibrated scales;
+    ``vanilla-bf16``: bf16), or the sparse page cache plus everything else sparse keeps on the
+    GPU for KV (page summaries of the whole host store, prefix staging, page table), with all KV
+    in ``--sparse-host-cache-gb`` of host memory."""
+    dtype = system_kv_dtype(system, args)
+    if system in BASELINES:
+        scales = last_flag(sparse_words(args), "--quantization-param-path") if dtype != "bf16" else None
+        return ["--max-total-tokens", str(vanilla_max_total_tokens(args.kv_hbm_gb, dtype)), "--kv-cache-dtype", dtype,
+                *(["--quantization-param-path", scales] if scales else [])]  # fmt: skip
+    cache_gb = sparse_gpu_cache_gb(args.kv_hbm_gb, args.sparse_host_cache_gb, kv_dtype=torch_kv_dtype(dtype))
     return ["--sparse-gpu-cache-gb", f"{cache_gb:.3f}", "--sparse-host-cache-gb", f"{args.sparse_host_cache_gb:g}"]
 
 
-def kv_cache_dtype(extra_server_args: str):
-    """The KV dtype ``--kv-cache-dtype`` in the extra server args asks for (bf16 without it)."""
+def vanilla_max_total_tokens(kv_hbm_gb: float, dtype: str) -> int:
+    """Vanilla's ``--max-total-tokens``: the tokens whose KV (the 8B shape, ``dtype``) fit ``kv_hbm_gb`` GiB."""
+    return int(kv_hbm_gb * GIB // kv_bytes_per_token(KV_ELEMENT_BYTES[dtype]))
+
+
+def sparse_words(args: argparse.Namespace) -> list[str]:
+    """The sparse server's own words of its command line: the extra server args, then its own."""
+    return shlex.split(args.extra_server_args) + shlex.split(args.sparse_server_args)
+
+
+def kv_dtype_name(server_args: str) -> str:
+    """The KV dtype (bf16, fp8_e4m3 or fp8_e5m2) the last ``--kv-cache-dtype`` in ``server_args`` asks for."""
+    name = last_flag(shlex.split(server_args), "--kv-cache-dtype") or "auto"
+    if name not in KV_DTYPE_NAMES:
+        raise SystemExit(f"--kv-cache-dtype {name}: the benchmark sizes {', '.join(KV_DTYPE_NAMES)} only")
+    return KV_DTYPE_NAMES[name]
+
+
+def system_kv_dtype(system: str, args: argparse.Namespace) -> str:
+    """bf16 for ``vanilla-bf16``; the sparse system's KV dtype for sparse and ``vanilla``."""
+    return "bf16" if system == "vanilla-bf16" else kv_dtype_name(shlex.join(sparse_words(args)))
+
+
+def torch_kv_dtype(name: str):
     import torch
 
-    words = shlex.split(extra_server_args)
-    name = words[words.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in words[:-1] else "auto"
-    return {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(name, torch.bfloat16)
+    return {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "bf16": torch.bfloat16}[name]
+
+
+def kv_cache_dtype(server_args: str):
+    """The torch KV dtype ``--kv-cache-dtype`` in the server args asks for (bf16 without it)."""
+    return torch_kv_dtype(kv_dtype_name(server_args))
 
 
 def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int | None = None, kv_dtype=None) -> float:
@@ -591,21 +808,46 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int
 # Flags the benchmark derives from --kv-hbm-gb and --sparse-host-cache-gb: the same flag again in
 # --extra-server-args would win on the server's command line and silently unbalance the systems.
 KV_BUDGET_FLAGS = ("--max-total-tokens", "--sparse-gpu-cache-gb", "--sparse-host-cache-gb")
+# The KV dtype flags: the sparse system's are given (extra or sparse server args); the baselines'
+# are the benchmark's, so theirs are dropped from the extra server args and refused in the
+# vanilla server args.
+KV_DTYPE_FLAGS = ("--kv-cache-dtype", "--quantization-param-path")
+
+
+def _flags_in(words: list[str], flags: tuple[str, ...]) -> list[str]:
+    return [flag for flag in flags if any(w == flag or w.startswith(flag + "=") for w in words)]
+
+
+def without_flags(words: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``words`` less each ``flag X`` and ``flag=X`` of ``flags``."""
+    out, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in flags:
+            skip = True
+        elif not any(word.startswith(flag + "=") for flag in flags):
+            out.append(word)
+    return out
 
 
 def server_args(system: str, args: argparse.Namespace) -> list[str]:
-    extra = shlex.split(args.extra_server_args)
-    clash = [flag for flag in KV_BUDGET_FLAGS if any(w == flag or w.startswith(flag + "=") for w in extra)]
-    if clash:
-        raise SystemExit(f"--extra-server-args sets {', '.join(clash)}, which the benchmark sizes itself: "
+    extra, sparse, vanilla = (shlex.split(a) for a in (args.extra_server_args, args.sparse_server_args,
+                                                       args.vanilla_server_args))  # fmt: skip
+    if clash := _flags_in(extra + sparse + vanilla, KV_BUDGET_FLAGS):
+        raise SystemExit(f"the server args set {', '.join(clash)}, which the benchmark sizes itself: "
                          "give --kv-hbm-gb / --sparse-host-cache-gb instead")  # fmt: skip
+    if clash := _flags_in(vanilla, KV_DTYPE_FLAGS):
+        raise SystemExit(f"--vanilla-server-args sets {', '.join(clash)}: vanilla takes the sparse system's KV "
+                         "dtype and scales, vanilla-bf16 bf16 (--systems)")  # fmt: skip
+    own = [*extra, *sparse] if system == "sparse" else [*without_flags(extra, KV_DTYPE_FLAGS), *vanilla]
     return [
         "--load-format", "dummy",
         "--skip-tokenizer-init",
         *kv_budget_args(system, args),
         "--chunked-prefill-size", "8192",
         *SYSTEM_SERVER_ARGS[system],
-        *extra,
+        *own,
     ]  # fmt: skip
 
 
@@ -625,7 +867,8 @@ def run_system(system: str, plan: list[RatePlan], args, model: str, deadline: fl
     server = ServerProcess(
         SYSTEMS[system], model, flags, log_path=log_path, start_timeout=start_timeout, stop_timeout=30
     )
-    record = {"command": shlex.join(server.command), "flags": flags, "log": str(log_path)}
+    record = {"command": shlex.join(server.command), "flags": flags, "log": str(log_path),
+              "kv_cache_dtype": system_kv_dtype(system, args)}  # fmt: skip
     results: dict[str, list] = {}
     try:
         with server:
@@ -693,7 +936,7 @@ def run_benchmark(plan: list[RatePlan], args: argparse.Namespace) -> dict:
         "invocations": [invocation],
         "results": results,
         "kv_hbm_budget_gb": args.kv_hbm_gb,
-        "summary": {**summarize(results), "kv_hbm_budget_gb": args.kv_hbm_gb},
+        "summary": document_summary(results, servers, args.kv_hbm_gb),
     }
 
 
@@ -718,22 +961,31 @@ def _rates(text: str) -> list[float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=_choices(TRACES), default=list(TRACES), help="comma-separated")
-    p.add_argument("--systems", type=_choices(SYSTEMS), default=list(SYSTEMS), help="comma-separated, run in order")
+    p.add_argument("--systems", type=_choices(SYSTEMS), default=DEFAULT_SYSTEMS, help="comma-separated, run in "
+                   "order; vanilla has the sparse system's KV dtype, vanilla-bf16 (a second baseline) bf16")
     for spec in TRACES.values():
         p.add_argument(f"--rates-{spec.name}", type=_rates, default=list(spec.default_rates), metavar="R,R,...",
                        help=f"request rates (req/s); default {','.join(map(str, spec.default_rates))}")
         p.add_argument(f"--num-requests-{spec.name}", type=int, metavar="N", help="overrides --num-requests")
-    p.add_argument("--num-requests", type=int, default=12, help="per trace and rate")
+    p.add_argument("--num-requests", type=int, help="per trace and rate; default: enough arrivals to last "
+                   "--max-seconds-per-rate (12 without it)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-hbm-gb", type=float, default=20.0, help="GPU memory (GiB) for KV in both systems: "
-                   "vanilla's token pool; sparse's page cache, summaries and staging")
+    p.add_argument("--kv-hbm-gb", "--kv-hbm-budget-gb", type=float, default=20.0, help="GPU memory (GiB) for KV "
+                   "in every system: a vanilla token pool of this many bytes over its KV dtype's bytes per token; "
+                   "sparse's page cache, summaries and staging")
     p.add_argument("--sparse-host-cache-gb", type=float, default=80.0, help="pinned host memory (GiB) holding "
                    "the sparse system's KV")
-    p.add_argument("--extra-server-args", default="", help="appended to both servers' command lines")
+    p.add_argument("--extra-server-args", default="", help="appended to every server's command line (the "
+                   "baselines' without --kv-cache-dtype / --quantization-param-path: the benchmark sets theirs)")
+    p.add_argument("--sparse-server-args", default="", help="appended to the sparse server's command line; with "
+                   "--extra-server-args its --kv-cache-dtype and --quantization-param-path are vanilla's too "
+                   "(give them to every invocation, also one that runs vanilla alone)")
+    p.add_argument("--vanilla-server-args", default="", help="appended to the vanilla servers' command lines")
     p.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
     p.add_argument("--merge-into", metavar="JSON", help="add to (or start) this result file instead of a new one")
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request")
-    p.add_argument("--max-seconds-per-rate", type=float, help="then stop sending and cancel what is in flight")
+    p.add_argument("--max-seconds-per-rate", type=float, default=WINDOW_S, help="each rate's window: then stop "
+                   f"sending and cancel what is in flight (default {WINDOW_S:g}; 0: until every request is done)")
     p.add_argument("--time-budget", type=float, help="seconds for the whole invocation; past it, rates are cut "
                    "short or skipped, so results get written before an outer time limit")
     p.add_argument("--log-dir", default="/tmp/sparse-sglang-serving", help="for the server logs")
@@ -751,7 +1003,7 @@ def combine(out: Path, inputs: list[Path], ablations: dict[str, Path] | None = N
     document = documents[0]
     for newer in documents[1:]:
         document = merge_documents(document, newer)
-    document["summary"] = {**summarize(document["results"]), "kv_hbm_budget_gb": document.get("kv_hbm_budget_gb")}
+    document["summary"] = document_summary(document["results"], document.get("servers", {}), document.get("kv_hbm_budget_gb"))
     if ablations:
         document["ablations"] = {name: json.loads(Path(f).read_text()) for name, f in ablations.items()}
     if len(inputs) > 1:

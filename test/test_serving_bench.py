@@ -143,7 +143,8 @@ def test_kv_budget_flags_in_the_extra_server_args_are_refused(extra):
 
     from benchmark.serving import server_args
 
-    args = argparse.Namespace(kv_hbm_gb=20.0, sparse_host_cache_gb=16.0, extra_server_args=extra)
+    args = argparse.Namespace(kv_hbm_gb=20.0, sparse_host_cache_gb=16.0, extra_server_args=extra,
+                              sparse_server_args="", vanilla_server_args="")  # fmt: skip
     with pytest.raises(SystemExit, match="sizes itself"):
         server_args("sparse", args)
     assert "--cuda-graph-max-bs" in server_args("vanilla", argparse.Namespace(**{**vars(args), "extra_server_args": "--cuda-graph-max-bs 64"}))
@@ -479,3 +480,180 @@ def test_server_log_first_seconds_counts_the_same_wall_clock_span_from_the_first
     assert result["summary"]["b"]["first_seconds_throughput_ratio"] == pytest.approx(120 / 60, abs=1e-3)
     with pytest.raises(ValueError, match="no 'Decode batch'"):
         first_seconds(lines[1], 10)
+
+
+# ---------------------------------------------------------------- the fair baseline (issue 36)
+
+
+def test_vanilla_token_pool_is_the_kv_budget_over_its_dtypes_bytes_per_token():
+    from benchmark.serving import vanilla_max_total_tokens
+    from sparse_sglang.testing.models import LLAMA3_8B_KV_BYTES_PER_TOKEN, kv_bytes_per_token
+
+    assert kv_bytes_per_token() == LLAMA3_8B_KV_BYTES_PER_TOKEN == 2 * kv_bytes_per_token(1) == 128 * 1024
+    assert vanilla_max_total_tokens(20.0, "bf16") == 163840
+    assert vanilla_max_total_tokens(20.0, "fp8_e4m3") == vanilla_max_total_tokens(20.0, "fp8_e5m2") == 327680
+    assert vanilla_max_total_tokens(1.5, "fp8_e4m3") == 24576
+
+
+def _line(out, system):
+    return next(line for line in out.splitlines() if line.startswith(f"{system}: "))
+
+
+def test_dry_run_gives_vanilla_the_sparse_kv_dtype_and_vanilla_bf16_the_same_bytes(capsys):
+    main(["--dry-run", "--systems", "vanilla,vanilla-bf16,sparse", "--traces", "long-generation",
+          "--rates-long-generation", "2.0", "--num-requests", "2", "--sparse-host-cache-gb", "16",
+          "--extra-server-args", "--cuda-graph-max-bs-decode 64 --kv-cache-dtype fp8_e4m3",
+          "--sparse-server-args", "--quantization-param-path scales.json --sparse-reselect-interval 8"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "vanilla: fp8_e4m3 KV, 65536 bytes per token: a pool of 327680 tokens" in out
+    assert "vanilla-bf16: bf16 KV, 131072 bytes per token: a pool of 163840 tokens" in out
+    vanilla, bf16, sparse = (_line(out, s) for s in ("vanilla", "vanilla-bf16", "sparse"))
+    assert "--max-total-tokens 327680 --kv-cache-dtype fp8_e4m3 --quantization-param-path scales.json" in vanilla
+    assert "--max-total-tokens 163840 --kv-cache-dtype bf16" in bf16
+    for line in (vanilla, bf16):
+        # The extra args reach every server, less the KV dtype the benchmark sets; sparse's own stay its own.
+        assert "--cuda-graph-max-bs-decode 64" in line and "--sparse-reselect-interval" not in line
+        assert line.count("--kv-cache-dtype") == 1 and "--attention-backend flashinfer" in line
+    assert "scales.json" not in bf16
+    assert "--kv-cache-dtype fp8_e4m3" in sparse and "--sparse-reselect-interval 8" in sparse
+    assert "--max-total-tokens" not in sparse
+
+
+def test_the_kv_dtype_flags_are_read_as_sglang_reads_them_and_refused_for_vanilla():
+    import argparse
+
+    from benchmark.serving import kv_dtype_name, server_args
+
+    assert kv_dtype_name("--kv-cache-dtype fp8_e5m2 --kv-cache-dtype=fp8_e4m3") == "fp8_e4m3"  # the last wins
+    assert kv_dtype_name("--kv-cache-dtype bfloat16") == kv_dtype_name("") == "bf16"
+    with pytest.raises(SystemExit, match="sizes"):
+        kv_dtype_name("--kv-cache-dtype nvfp4")
+    args = argparse.Namespace(kv_hbm_gb=20.0, sparse_host_cache_gb=16.0, extra_server_args="",
+                              sparse_server_args="--kv-cache-dtype fp8_e4m3", vanilla_server_args="--kv-cache-dtype bf16")  # fmt: skip
+    with pytest.raises(SystemExit, match="vanilla takes the sparse system's KV dtype"):
+        server_args("vanilla", args)
+    args.vanilla_server_args = "--max-total-tokens 5"
+    with pytest.raises(SystemExit, match="sizes itself"):
+        server_args("sparse", args)
+
+
+def test_the_default_window_is_400_s_with_enough_arrivals_to_fill_it():
+    from benchmark.serving import WINDOW_S, requests_for_window
+
+    args = parse_args(["--traces", "long-generation", "--rates-long-generation", "0.1,2"])
+    assert args.max_seconds_per_rate == WINDOW_S >= 400 and args.systems == ["vanilla", "sparse"]
+    plan = make_plan(args)
+    assert [p.num_requests for p in plan] == [requests_for_window(0.1, 400), requests_for_window(2.0, 400)]
+    for step in plan:  # the last arrival falls past the window
+        assert make_trace(step.spec, step.rate, step.num_requests, seed=0)[-1].arrival > WINDOW_S
+    assert make_plan(parse_args(["--max-seconds-per-rate", "0", "--traces", "long-prompt"]))[0].num_requests == 12
+    assert parse_args(["--kv-hbm-budget-gb", "10"]).kv_hbm_gb == 10.0  # the issue's name for --kv-hbm-gb
+
+
+def _row(rate, late, window=None, running=8, ttft_s=10.0, p99=20.0, p999=40.0, mean_tbt=15.0, duration=400.0):
+    row = _result(rate, 100, complete=False)
+    row.update(late_output_throughput=late, window_output_throughput=window or late, max_running_req=running,
+               mean_ttft_ms=ttft_s * 1000, p99_tbt_ms=p99, p999_tbt_ms=p999, mean_tbt_ms=mean_tbt, duration_s=duration)  # fmt: skip
+    return row
+
+
+def _fair_results(fp8_late=749.0, bf16_late=514.0):
+    """The issue's shape: vanilla with fp8 KV (17 running) against vanilla bf16 (8) and sparse (83)."""
+    return {
+        "long-generation": {
+            "vanilla": [_row(2.0, fp8_late, 721.0, running=17, p99=35.0)],
+            "vanilla-bf16": [_row(2.0, bf16_late, 543.0, running=8, p99=16.0)],
+            "sparse": [_row(1.0, 2252.0, running=85, p99=241.0, p999=900.0),
+                       _row(2.0, 2707.0, 2485.0, running=83, p99=251.0, p999=700.0)],
+        },
+        "long-prompt": {
+            "vanilla": [_row(0.4, 200.0, ttft_s=20.0), _row(0.8, 180.0, ttft_s=60.0)],
+            "vanilla-bf16": [_row(0.4, 170.0, ttft_s=28.5), _row(0.8, 168.0, ttft_s=80.0)],
+            "sparse": [_row(0.4, 209.0, ttft_s=2.0, p99=20.0), _row(0.8, 307.0, ttft_s=30.0, p99=2410.0, duration=270.0)],
+        },
+    }  # fmt: skip
+
+
+FP8_SERVERS = {"vanilla": {"kv_cache_dtype": "fp8_e4m3"}, "vanilla-bf16": {"kv_cache_dtype": "bf16"},
+               "sparse": {"kv_cache_dtype": "fp8_e4m3"}}  # fmt: skip
+
+
+def test_every_headline_ratio_is_against_the_stronger_baseline():
+    summary = summarize(_fair_results(), FP8_SERVERS)
+    assert (summary["baseline"], summary["baseline_system"]) == ("vanilla-fp8", "vanilla")
+    assert summary["baseline_chosen_by"] == {"trace": "long-generation",
+                                             "late_output_throughput": {"vanilla": 749.0, "vanilla-bf16": 514.0}}  # fmt: skip
+    assert summary["throughput_ratio_vs_best"] == pytest.approx(2707 / 749)  # second half
+    assert summary["window_throughput_ratio_vs_best"] == pytest.approx(2485 / 721)
+    assert summary["throughput_ratio_long_prompt_vs_best"] == pytest.approx(307 / 180)
+    assert summary["concurrency_ratio_vs_best"] == pytest.approx(83 / 17)
+    assert summary["ttft_ratio_vs_best"] == pytest.approx(10.0) and summary["ttft_ratio_rate_vs_best"] == 0.4
+    assert summary["p99_tbt_ratio_vs_best"] == pytest.approx(251 / 35)
+    # The largest sparse p99 over every rate it ran, not only the headline's.
+    assert summary["p99_tbt_ms_max"] == 2410.0 and summary["p99_tbt_ms_max_at"] == {"trace": "long-prompt", "rate": 0.8}
+    assert summary["p999_tbt_ms_max"] == 900.0
+    assert summary["tbt_ms"]["long-generation"] == {
+        "rate": 2.0, "vanilla": {"mean": 15.0, "p99": 35.0, "p999": 40.0, "window_s": 400.0},
+        "sparse": {"mean": 15.0, "p99": 251.0, "p999": 700.0, "window_s": 400.0}}  # fmt: skip
+    assert summary["window_s_min"] == 270.0
+    # Each baseline's own ratios stay beside; the old keys remain against "vanilla".
+    assert summary["vs_baseline"]["vanilla-bf16"]["label"] == "vanilla-bf16"
+    assert summary["vs_baseline"]["vanilla-bf16"]["throughput_ratio"] == pytest.approx(2707 / 514)
+    assert summary["vs_baseline"]["vanilla-bf16"]["concurrency_ratio"] == pytest.approx(83 / 8)
+    assert summary["throughput_ratio"] == pytest.approx(2485 / 721)
+
+    # bf16 stronger (more tokens in the second half): every ratio follows it.
+    flipped = summarize(_fair_results(fp8_late=500.0, bf16_late=514.0), FP8_SERVERS)
+    assert (flipped["baseline"], flipped["baseline_system"]) == ("vanilla-bf16", "vanilla-bf16")
+    assert flipped["throughput_ratio_vs_best"] == pytest.approx(2707 / 514)
+    assert flipped["concurrency_ratio_vs_best"] == pytest.approx(83 / 8)
+    assert flipped["ttft_ratio_vs_best"] == pytest.approx(14.25)
+    # A tie goes to vanilla, the sparse system's dtype.
+    assert summarize(_fair_results(fp8_late=514.0), FP8_SERVERS)["baseline_system"] == "vanilla"
+
+
+def test_baseline_labels_and_summary_without_every_system():
+    results = _fair_results()
+    # vanilla alone, its dtype from the server's flags (an older file has no kv_cache_dtype key).
+    only = {t: {s: runs for s, runs in systems.items() if s != "vanilla-bf16"} for t, systems in results.items()}
+    old_servers = {"vanilla": {"flags": ["--max-total-tokens", "163840", "--cuda-graph-max-bs", "64"]}}
+    summary = summarize(only, old_servers)
+    assert summary["baseline"] == "vanilla-bf16" and summary["baseline_system"] == "vanilla"
+    fp8_flags = {"vanilla": {"flags": ["--kv-cache-dtype", "fp8_e4m3"]}}
+    assert summarize(only, fp8_flags)["baseline"] == "vanilla-fp8"
+    assert summarize(only)["baseline"] == "vanilla"  # no server record: the name, not a guess
+    # No baseline at all: the keys are there, None.
+    none = summarize({"long-generation": {"sparse": results["long-generation"]["sparse"]}})
+    assert none["baseline"] is None and none["throughput_ratio_vs_best"] is None and none["tbt_ms"] == {}
+    assert none["p99_tbt_ms_max"] == 251.0
+
+
+def test_combine_of_an_older_file_without_the_new_keys(tmp_path):
+    """A file from before issue 36: no kv_cache_dtype in its server records, rows without the
+    second-half throughput: the fair keys it cannot give are None, the rest still computed."""
+    old = _document("vanilla", {"long-generation": [_result(2.0, 500, complete=False)]})
+    sparse = _document("sparse", {"long-generation": [_result(2.0, 2000, complete=False)]})
+    old["servers"]["vanilla"]["flags"] = ["--max-total-tokens", "163840"]
+    for document in (old, sparse):
+        for runs in document["results"]["long-generation"].values():
+            for row in runs:
+                del row["late_output_throughput"], row["p999_tbt_ms"]
+    (tmp_path / "v.json").write_text(json.dumps(old))
+    (tmp_path / "s.json").write_text(json.dumps(sparse))
+    main(["--combine", str(tmp_path / "both.json"), str(tmp_path / "v.json"), str(tmp_path / "s.json")])
+    summary = json.loads((tmp_path / "both.json").read_text())["summary"]
+    assert summary["baseline"] == "vanilla-bf16"
+    assert summary["throughput_ratio_vs_best"] is None
+    assert summary["window_throughput_ratio_vs_best"] == pytest.approx(4.0) == summary["throughput_ratio"]
+    assert summary["p999_tbt_ms_max"] is None and summary["p99_tbt_ms_max"] is not None
+
+
+def test_merge_refuses_one_system_name_with_two_kv_dtypes():
+    first = _document("vanilla", {"long-generation": [_result(2.0, 500, complete=False)]})
+    second = _document("vanilla", {"long-generation": [_result(1.0, 700, complete=False)]})
+    first["servers"]["vanilla"]["flags"] = ["--max-total-tokens", "163840"]  # bf16, before issue 36
+    second["servers"]["vanilla"]["kv_cache_dtype"] = "fp8_e4m3"
+    with pytest.raises(SystemExit, match="bf16 KV in one file and fp8_e4m3"):
+        merge_documents(first, second)
+    second["servers"]["vanilla"]["kv_cache_dtype"] = "bf16"
+    assert merge_documents(first, second)["summary"]["baseline"] == "vanilla-bf16"

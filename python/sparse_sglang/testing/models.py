@@ -28,10 +28,15 @@ LLAMA3_8B_CONFIG = {
     "torch_dtype": "bfloat16",
 }
 
-# K and V of one token in every layer, bf16 (128 KiB): the 8B shape's KV footprint per token.
-LLAMA3_8B_KV_BYTES_PER_TOKEN = (
-    2 * LLAMA3_8B_CONFIG["num_hidden_layers"] * LLAMA3_8B_CONFIG["num_key_value_heads"] * LLAMA3_8B_CONFIG["head_dim"] * 2
-)
+
+def kv_bytes_per_token(element_size: int = 2, config: dict = LLAMA3_8B_CONFIG) -> int:
+    """K and V of one token in every layer of ``config`` at ``element_size`` bytes an element
+    (bf16 2, fp8 1): the KV footprint per token of a token pool in that dtype."""
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * element_size
+
+
+# bf16 (128 KiB): the 8B shape's KV footprint per token.
+LLAMA3_8B_KV_BYTES_PER_TOKEN = kv_bytes_per_token()
 # Token ids for synthetic prompts: clear of the special tokens at both ends of Llama-3's 128256 ids.
 LLAMA3_8B_TOKEN_IDS = (1000, 100000)
 
