@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sparse_sglang.attention import select_pages, sparse_attention_reference
-from sparse_sglang.attention.scoring import score_pages
+from sparse_sglang.attention.reference import score_pages_reference
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import save_gpu_test_record
@@ -99,8 +99,8 @@ def test_server_path_selects_what_the_reference_selects_on_real_kv(captured, bou
             got = torch.where(raw < decoder.num_pages.view(-1, 1, 1), raw, -1)
             qg = q.view(1, heads, group, -1)
             summaries = store.summaries.layer(layer)
-            scores = score_pages(config.selector, qg, summaries, bench.host_pages, decoder.num_pages, config.group_reduce,
-                                 use_kernel=False)  # fmt: skip
+            scores = score_pages_reference(config.selector, qg, summaries, bench.host_pages, decoder.num_pages,
+                                           config.group_reduce)  # fmt: skip
             want = select_pages(scores, decoder.num_pages, config.budget_pages, config.sink_pages, config.recent_pages).page_ids
             for h in range(heads):
                 g = {p for p in got[0, h].tolist() if p >= 0}
