@@ -69,7 +69,8 @@ LENGTHS = (2048, 4096, 8000)  # prompt tokens; SmolLM2's context is 8192, answer
 COMPRESSIONS = (4, 8, 16, 32)  # context / budget
 NEW_TOKENS = {"niah_single": 32, "niah_multikey": 32, "niah_multivalue": 64, "niah_multiquery": 64,
               "vt": 48, "cwe": 64, "fwe": 32, "qa": 16}  # fmt: skip
-LENGTH_SLACK = 0.03  # a prompt holds between (1 - slack) x its length and its length in tokens
+LENGTH_SLACK = 0.03
+GIVE_UP = 5  # items failing in a row after which a run stops sending  # a prompt holds between (1 - slack) x its length and its length in tokens
 
 
 # Corpus: real prose, one paragraph per entry, no paragraph twice.
@@ -460,12 +461,18 @@ def nominal(ratio: float) -> int:
 
 
 def run_server(items: list[Item], url: str, concurrency: int) -> list[dict]:
-    """Every item through ``/generate`` (greedy, prompt as token ids of the server's tokenizer)."""
+    """Every item through ``/generate`` (greedy, the prompt as text: the server's tokenizer reads
+    it as the generator's did). After ``GIVE_UP`` items in a row fail, the rest are not sent (a
+    server that died answers nothing; its run ends at once with the errors recorded)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import requests
 
+    failed_in_a_row = [0]
+
     def one(item: Item) -> dict:
+        if failed_in_a_row[0] >= GIVE_UP:
+            return {"id": item.id, "output": None, "error": "not sent: the server stopped answering"}
         body = {"text": item.prompt, "sampling_params": {"temperature": 0, "max_new_tokens": item.max_new_tokens}}
         for attempt in range(3):
             try:
@@ -473,12 +480,14 @@ def run_server(items: list[Item], url: str, concurrency: int) -> list[dict]:
                 if r.status_code == 200:
                     out = r.json()
                     meta = out.get("meta_info", {})
+                    failed_in_a_row[0] = 0
                     return {"id": item.id, "output": out["text"], "prompt_tokens": meta.get("prompt_tokens"),
                             "completion_tokens": meta.get("completion_tokens")}  # fmt: skip
                 error = f"HTTP {r.status_code}: {r.text[:300]}"
             except requests.RequestException as e:
                 error = repr(e)
             time.sleep(2 * (attempt + 1))
+        failed_in_a_row[0] += 1
         return {"id": item.id, "output": None, "error": error}
 
     with ThreadPoolExecutor(concurrency) as pool:
