@@ -238,3 +238,19 @@ def test_patched_sglang_symbols_refuse_before_sglangs_own_code_runs():
     with pytest.raises(RequestRejected, match="^sampling_params: a list of 3 entries for 2 prompts"):
         native({"text": ["a", "b"], "sampling_params": [{}, {}, {}]}).normalize_batch_and_arguments()
     assert getattr(TokenizerManager._validate_one_request, "sparse_sglang", False)
+
+
+@pytest.mark.parametrize("body", [b"5", b'"text"', b"[]", b"null", b"[1, 2]"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_openai_routes_refuse_a_body_that_is_not_an_object_with_a_400(route, body):
+    """SGLang's chat request model read such a body as a mapping and answered 500 (seen by the fuzzer)."""
+    from fastapi.testclient import TestClient
+    from sglang.srt.entrypoints.http_server import app
+
+    from sparse_sglang.integration.request_validation import patch_openai_body_must_be_an_object
+
+    patch_openai_body_must_be_an_object()
+    response = TestClient(app, raise_server_exceptions=False).post(route, content=body,
+                                                                   headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == 400, response.text
+    assert "request body" in response.json()["message"] or "validation" in response.json()["message"]

@@ -38,6 +38,7 @@ def install() -> None:
     from sparse_sglang.integration.request_intake import patch_handle_generate_request
     from sparse_sglang.integration.request_validation import (
         patch_normalize_batch_and_arguments,
+        patch_openai_body_must_be_an_object,
         patch_validate_one_request,
     )
     from sparse_sglang.integration.retraction import patch_release_req
@@ -54,6 +55,7 @@ def install() -> None:
     # Requests are checked in the main process (the HTTP server and tokenizer manager run there).
     patch_normalize_batch_and_arguments()
     patch_validate_one_request()
+    patch_openai_body_must_be_an_object()
     patch_handle_generate_request()
     patch_prefill_adder()
     patch_abort_request()

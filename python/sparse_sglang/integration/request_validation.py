@@ -382,3 +382,37 @@ def patch_validate_one_request() -> None:
         return _validate_one_request
 
     wrap_once(TokenizerManager, "_validate_one_request", wrap)
+
+
+# OpenAI routes whose request models read the body as a mapping before validating it.
+JSON_OBJECT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+@relies_on("sglang.srt.entrypoints.http_server:openai_v1_chat_completions",
+           at="sglang/srt/entrypoints/http_server.py:1702")  # fmt: skip
+def patch_openai_body_must_be_an_object() -> None:
+    """A middleware on SGLang's FastAPI app (``http_server.app``, which serves this route): a POST to an OpenAI route whose body is JSON but not
+    an object (``5``, ``"text"``, ``[]``) is a 400 naming the body. ``ChatCompletionRequest``'s
+    own "before" validator calls ``.get`` on the body, so such a request failed with a 500.
+    Malformed JSON is left to FastAPI, which SGLang already answers with a 400."""
+    import json
+
+    from fastapi.responses import JSONResponse
+    from sglang.srt.entrypoints.http_server import app
+
+    if getattr(app.state, "sparse_json_object_guard", False):
+        return
+    app.state.sparse_json_object_guard = True
+
+    @app.middleware("http")
+    async def openai_body_must_be_an_object(request, call_next):
+        if request.method == "POST" and request.url.path in JSON_OBJECT_ROUTES:
+            try:
+                body = json.loads(await request.body())
+            except ValueError:
+                body = {}
+            if not isinstance(body, dict):
+                message = f"request body: must be a JSON object, got {type(body).__name__}"
+                return JSONResponse({"object": "error", "message": message, "type": "BadRequestError", "param": None,
+                                     "code": 400}, status_code=400)  # fmt: skip
+        return await call_next(request)
