@@ -714,7 +714,13 @@ def summarize(paths: list[str], items_path: str) -> dict:
     return {"summary": summary, "by_family_batched": batched,
             "by_family_alone_4x": family_table(alone), "headline_alone_4x": family_table(headline),
             "variants_gap_batched": variants, "reference_vs_server": ref_rows,
-            "items_meta": meta, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
+            "items_meta": meta, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
+            "outputs": {r["name"]: [_compact(o) for o in r["outputs"]] for r in runs}}
+
+
+def _compact(row: dict) -> dict:
+    """An output row as kept in the result file (what the summary reads, without long prompts)."""
+    return {k: v for k, v in row.items() if k in ("id", "output", "score", "repeat_output", "error", "dense") or k.startswith("sparse")}
 
 
 # A grid: several servers at once on one GPU (SmolLM2 is small), each a `serve` subprocess.
@@ -832,6 +838,7 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("runs", nargs="+")
     sm.add_argument("--items", required=True)
     sm.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
+    sm.add_argument("--attach", action="append", default=[], help="name=path of a probe's JSON to keep in the file")
     gr = sub.add_parser("grid", help="run a grid of servers, several at once")
     gr.add_argument("--items", required=True)
     gr.add_argument("--grid", default="final", choices=sorted(GRIDS))
@@ -846,6 +853,9 @@ def main(argv: list[str] | None = None) -> None:
         from sparse_sglang.testing.provenance import finish_run
 
         result = summarize(args.runs, args.items)
+        for extra in args.attach:  # name=path: a probe's JSON kept beside the suite's numbers
+            name, _, path = extra.partition("=")
+            result.setdefault("attached", {})[name] = json.loads(Path(path).read_text())
         devices = sorted({r.get("device") for r in result["runs"] if r.get("kind") == "server"} - {None})
         finish_run("benchmark/accuracy.py", argv, result, args.out_dir, "accuracy-{date}.json", device=", ".join(devices) or "cpu")
     elif args.cmd == "generate":

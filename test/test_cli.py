@@ -242,3 +242,13 @@ def test_engine_without_model_path_serves_the_default_model(monkeypatch, tmp_pat
         default_model.DefaultModelUnavailable("no --model-path given and the default model is not installed")))  # fmt: skip
     with pytest.raises(default_model.DefaultModelUnavailable, match="^model_path: "):
         sparse_sglang.Engine(device="cpu")
+
+
+def test_help_prints_the_sparse_flags_first_with_their_choices():
+    from sparse_sglang.integration.server_args import build_parser
+
+    text = build_parser().format_help()
+    sparse_at, sglang_at = text.index("sparse-sglang:"), text.index("--tokenizer-path")
+    assert sparse_at < sglang_at and text.index("--sparse-enabled") < sglang_at
+    assert "--sparse-selector {quest,arkvale,mean}" in text and "--sparse-group-reduce {sum,max}" in text
+    assert len(text[:sparse_at].splitlines()) < 10  # the usage line does not list SGLang's 400 flags

@@ -20,7 +20,7 @@ from typing import Any
 
 from sglang.srt.server_args import ServerArgs
 
-from sparse_sglang.config import SEGMENTED_CHUNK_TOKENS, SparseConfig, SparseConfigError, field_type, flag_name
+from sparse_sglang.config import BOUND_FORMATS, GROUP_REDUCES, SELECTORS, SEGMENTED_CHUNK_TOKENS, SparseConfig, SparseConfigError, field_type, flag_name
 from sparse_sglang.integration.attention_backend import BACKEND_NAME, add_sparse_backend_choice
 from sparse_sglang.integration.registry import relies_on
 
@@ -160,20 +160,29 @@ def _shown(default: Any) -> str:
     return f"{default:g}" if isinstance(default, float) else str(default)
 
 
+# The sparse knobs that take one of a few words: --help lists them, argparse refuses others.
+CHOICES = {"selector": SELECTORS, "bound_format": BOUND_FORMATS, "group_reduce": GROUP_REDUCES}
+
+
 def add_sparse_cli_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--sparse-<name>`` flag per SparseConfig field, help text from its metadata."""
+    """One ``--sparse-<name>`` flag per SparseConfig field, help text from its metadata, in a group
+    that ``--help`` prints before SGLang's own (2,000 lines of them)."""
     group = parser.add_argument_group("sparse-sglang", "Sparse decode over the per-head KV hierarchy.")
+    parser._action_groups.remove(group)  # argparse prints groups in list order; ours after the usage
+    parser._action_groups.insert(0, group)
     defaults = SparseConfig()
     for f in dataclasses.fields(SparseConfig):
         base = field_type(f)
         convert = _parse_bool if base is bool else _typed(base)
         default = getattr(defaults, f.name)
+        choices = CHOICES.get(f.name)
         group.add_argument(
             flag_name(f.name),
             dest=f"sparse_{f.name}",
             type=convert,
             default=None,  # None = not given: SparseConfig's own default applies
-            metavar=base.__name__.upper(),
+            choices=choices,
+            metavar="{" + ",".join(choices) + "}" if choices else base.__name__.upper(),
             help=f"{f.metadata['help']} (default: {_shown(default)})".replace("%", "%%"),  # argparse formats help with %
         )
 
@@ -202,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sparse_backend_choice()
     parser = OneLineErrorParser(
         prog=PROG,
+        usage="%(prog)s [--sparse-* flags] [any sglang.launch_server flag]",  # SGLang's full usage runs 500 lines
         description="SGLang's HTTP server with sparse decode over a per-KV-head GPU/CPU KV hierarchy.",
     )
     ServerArgs.add_cli_args(parser)
