@@ -101,7 +101,9 @@ def _module_docs(name: str) -> list[str]:
             continue
         docs.append(inspect.getdoc(obj) or "")
         if inspect.isclass(obj):
-            docs += [inspect.getdoc(m) or "" for k, m in sorted(vars(obj).items()) if not k.startswith("_") and callable(m)]
+            docs += [
+                inspect.getdoc(m) or "" for k, m in sorted(vars(obj).items()) if not k.startswith("_") and callable(m)
+            ]
     return docs
 
 
@@ -109,7 +111,9 @@ def corpus() -> list[str]:
     """Deduplicated prose paragraphs, licenses first, then standard-library docstrings (fixed order)."""
     texts = []
     if LICENSES.is_dir():
-        texts += [p.read_text(errors="replace") for p in sorted(LICENSES.iterdir()) if p.is_file() and not p.is_symlink()]
+        texts += [
+            p.read_text(errors="replace") for p in sorted(LICENSES.iterdir()) if p.is_file() and not p.is_symlink()
+        ]
     for name in DOC_MODULES:
         texts += _module_docs(name)
     seen, out = set(), []
@@ -250,7 +254,9 @@ class Builder:
 
         prompt, n = self.fit(length, make)
         _, answers, metric, detail = holder["parts"]
-        return Item(f"{family}-{length}-{index}", family, length, prompt, answers, metric, NEW_TOKENS[family], n, detail)
+        return Item(
+            f"{family}-{length}-{index}", family, length, prompt, answers, metric, NEW_TOKENS[family], n, detail
+        )
 
     # Families: each returns (prompt, answers, metric, detail) with about ``filler`` tokens of text.
 
@@ -270,7 +276,11 @@ class Builder:
             question = f"What is the special magic {noun} for {asked[0]} mentioned in the provided text?"
             prefix = f"The special magic {noun} for {asked[0]} mentioned in the provided text is"
         else:
-            joined = ", ".join(asked[:-1]) + (", and " if len(asked) > 2 else " and ") + asked[-1] if len(asked) > 1 else asked[0]
+            joined = (
+                ", ".join(asked[:-1]) + (", and " if len(asked) > 2 else " and ") + asked[-1]
+                if len(asked) > 1
+                else asked[0]
+            )
             question = f"What are all the special magic {kind} for {joined} mentioned in the provided text?"
             prefix = f"The special magic {kind} for {joined} mentioned in the provided text are"
         user = NIAH_TASK.format(kind=kind, context=context) + question
@@ -358,7 +368,11 @@ class Builder:
                 words = s.split()
                 for j, w in enumerate(words[2:], start=2):
                     bare = w.strip(".,;:()\"'")
-                    if len(bare) >= 5 and bare.isalpha() and len(re.findall(rf"\b{re.escape(bare.lower())}\b", everything)) == 1:
+                    if (
+                        len(bare) >= 5
+                        and bare.isalpha()
+                        and len(re.findall(rf"\b{re.escape(bare.lower())}\b", everything)) == 1
+                    ):
                         choices.append((s, j, bare))
             if choices:
                 break
@@ -372,7 +386,12 @@ class Builder:
         instruction = "Answer the question based on the given documents. Only give me the answer and do not output any other words."
         user = (f"{instruction}\n\nThe following are given documents.\n\n{context}\n\n{instruction}\n\n"
                 f"Question: In Document {target + 1}, which word is missing from this sentence: \"{masked}\"?")  # fmt: skip
-        return self.wrap(user, "Answer:"), [answer], "part", {"document": target + 1, "depth": round(target / len(docs), 3)}
+        return (
+            self.wrap(user, "Answer:"),
+            [answer],
+            "part",
+            {"document": target + 1, "depth": round(target / len(docs), 3)},
+        )
 
 
 def _kind_word(kind: str) -> str:
@@ -520,7 +539,6 @@ def serve(args) -> dict:
         module = VANILLA_MODULE if args.vanilla else SPARSE_MODULE
         with ServerProcess(module, args.model_path or default_model_path(), extra, log_path=args.log) as server:
             command = " ".join(server.command)
-            startup_s = time.time() - started
             outputs = run_server(items, server.url, args.concurrency)
             if args.repeat:  # the same server again, items in reverse: dense's own run-to-run floor
                 again = run_server(items[::-1], server.url, args.concurrency)[::-1]
@@ -549,6 +567,7 @@ def reference(args) -> dict:
 
     sys.path.insert(0, str(REPO / "benchmark"))
     import quality  # the reference decoder: transformers with sparse_sglang.attention's selection
+
     from sparse_sglang.testing.provenance import git_commit
 
     meta, items = load_items(Path(args.items))
@@ -574,24 +593,33 @@ def reference(args) -> dict:
                                                            logical_page_size=args.page_size)  # fmt: skip
     for extra in args.policy:  # name=field:value,field:value
         name, _, fields = extra.partition("=")
-        knobs = {k: (v if k in ("selector", "group_reduce") else int(v)) for k, v in (f.split(":") for f in fields.split(","))}
+        knobs = {
+            k: (v if k in ("selector", "group_reduce") else int(v))
+            for k, v in (f.split(":") for f in fields.split(","))
+        }
         policies[name] = quality.Policy(**{"budget": args.budget, "logical_page_size": args.page_size, **knobs})
     outputs = []
     for item in chosen:
         ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
         cache = DynamicCache(config=model.config)
-        prefill = quality.SparseDecoder(model, quality.Policy(selector=None), len(ids) + item.max_new_tokens, args.bound_format)
+        prefill = quality.SparseDecoder(
+            model, quality.Policy(selector=None), len(ids) + item.max_new_tokens, args.bound_format
+        )
         logits = quality.run_with(prefill, model, input_ids=torch.tensor([ids], device=device), past_key_values=cache,
                                   use_cache=True, logits_to_keep=1).logits  # fmt: skip
         first = int(logits[0, -1].argmax())
         row = {"id": item.id}
         for name, policy in policies.items():
             hook = prefill.fork(policy)
-            generated = _reference_decode(model, hook, copy.deepcopy(cache), first, item.max_new_tokens, tokenizer, device)
+            generated = _reference_decode(
+                model, hook, copy.deepcopy(cache), first, item.max_new_tokens, tokenizer, device
+            )
             text = tokenizer.decode(generated, skip_special_tokens=True)
             row[name] = {"output": text, "score": score(item, text)}
         outputs.append(row)
-        print(f"  {item.id}: " + " | ".join(f"{n}: {r['output'][:40]!r}" for n, r in row.items() if n != "id"), flush=True)
+        print(
+            f"  {item.id}: " + " | ".join(f"{n}: {r['output'][:40]!r}" for n, r in row.items() if n != "id"), flush=True
+        )
     return {"kind": "reference", "name": f"reference-{args.budget}", "budget": args.budget,
             "bound_format": args.bound_format, "dense_layers": args.dense_layers, "items_digest": meta.get("digest"),
             "commit": git_commit(), "outputs": outputs}  # fmt: skip
@@ -608,7 +636,9 @@ def _reference_decode(model, hook, cache, first: int, new_tokens: int, tokenizer
             break
 
         def step(token: int) -> int:
-            logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True).logits
+            logits = model(
+                input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True
+            ).logits
             return int(logits[0, -1].argmax())
 
         import quality
@@ -650,7 +680,8 @@ def family_table(pairs) -> dict:
     cells: dict = {}
     for _, item, comp, o, d in pairs:
         cells.setdefault(item.family, {}).setdefault(str(comp), []).append(
-            (d["score"], o["score"], answer(item, o["output"]) == answer(item, d["output"])))
+            (d["score"], o["score"], answer(item, o["output"]) == answer(item, d["output"]))
+        )
     return {f: {c: {"n": len(v), "dense": _mean(x[0] for x in v), "sparse": _mean(x[1] for x in v),
                     "agreement": _mean(x[2] for x in v)} for c, v in sorted(by.items(), key=lambda kv: int(kv[0]))}
             for f, by in cells.items()}  # fmt: skip
@@ -682,8 +713,9 @@ def summarize(paths: list[str], items_path: str) -> dict:
     summary = {
         "agreement_4x": _mean(answer(i, o["output"]) == answer(i, d["output"]) for _, i, c, o, d in alone if c == 4),
         "accuracy_gap_16x": gap(batched, "16"),
-        "headline_config_agreement_4x": _mean(answer(i, o["output"]) == answer(i, d["output"])
-                                              for _, i, c, o, d in headline if c == 4),  # fmt: skip
+        "headline_config_agreement_4x": _mean(
+            answer(i, o["output"]) == answer(i, d["output"]) for _, i, c, o, d in headline if c == 4
+        ),  # fmt: skip
         "dense_repeat_agreement_alone": floor(dense_alone),
         "dense_repeat_agreement_batched": floor(dense_batched),
         "items": len(items),
@@ -702,25 +734,41 @@ def summarize(paths: list[str], items_path: str) -> dict:
         name = f"sparse-{ref['budget']}"
         srv = {}
         for r in server:  # the deterministic run where there is one
-            if r["budget"] == ref["budget"] and not r["vanilla"] and r["name"] in (name, f"sparse-alone-{ref['budget']}"):
+            if (
+                r["budget"] == ref["budget"]
+                and not r["vanilla"]
+                and r["name"] in (name, f"sparse-alone-{ref['budget']}")
+            ):
                 srv.update(_outputs(r)) if r["name"].startswith("sparse-alone") or not srv else None
         for row in ref["outputs"]:
             if row["id"] in srv:
                 ref_rows.append({"id": row["id"], "budget": ref["budget"], "reference": row[name]["score"],
                                  "server": srv[row["id"]]["score"], "reference_dense": row["dense"]["score"]})  # fmt: skip
     if ref_rows:
-        summary["server_vs_reference_gap"] = round(abs(_mean(r["server"] for r in ref_rows) - _mean(r["reference"] for r in ref_rows)), 4)
+        summary["server_vs_reference_gap"] = round(
+            abs(_mean(r["server"] for r in ref_rows) - _mean(r["reference"] for r in ref_rows)), 4
+        )
         summary["reference_items"] = len(ref_rows)
-    return {"summary": summary, "by_family_batched": batched,
-            "by_family_alone_4x": family_table(alone), "headline_alone_4x": family_table(headline),
-            "variants_gap_batched": variants, "reference_vs_server": ref_rows,
-            "items_meta": meta, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
-            "outputs": {r["name"]: [_compact(o) for o in r["outputs"]] for r in runs}}
+    return {
+        "summary": summary,
+        "by_family_batched": batched,
+        "by_family_alone_4x": family_table(alone),
+        "headline_alone_4x": family_table(headline),
+        "variants_gap_batched": variants,
+        "reference_vs_server": ref_rows,
+        "items_meta": meta,
+        "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
+        "outputs": {r["name"]: [_compact(o) for o in r["outputs"]] for r in runs},
+    }
 
 
 def _compact(row: dict) -> dict:
     """An output row as kept in the result file (what the summary reads, without long prompts)."""
-    return {k: v for k, v in row.items() if k in ("id", "output", "score", "repeat_output", "error", "dense") or k.startswith("sparse")}
+    return {
+        k: v
+        for k, v in row.items()
+        if k in ("id", "output", "score", "repeat_output", "error", "dense") or k.startswith("sparse")
+    }
 
 
 # A grid: several servers at once on one GPU (SmolLM2 is small), each a `serve` subprocess.
@@ -751,7 +799,9 @@ def _grid_final() -> list[Run]:
     runs += [Run(f"dense-alone-{n}", vanilla=True, lengths=(n,), alone=True, repeat=n == 2048) for n in LENGTHS]
     runs += [Run(f"sparse-{b}", budget=b) for b in BUDGETS]
     runs += [Run(f"sparse-alone-{b}", budget=b, lengths=(n,), alone=True) for n, b in FOUR_X.items()]
-    runs += [Run(f"headline-alone-{b}", budget=b, lengths=(n,), alone=True, flags=HEADLINE_FLAGS) for n, b in FOUR_X.items()]
+    runs += [
+        Run(f"headline-alone-{b}", budget=b, lengths=(n,), alone=True, flags=HEADLINE_FLAGS) for n, b in FOUR_X.items()
+    ]
     variants = (("arkvale", "--sparse-selector arkvale"), ("mean", "--sparse-selector mean"),
                 ("gmax", "--sparse-group-reduce max"), ("recent4", "--sparse-recent-pages 4"))  # fmt: skip
     runs += [Run(f"{name}-{b}", budget=b, flags=flags, per_cell=25) for name, flags in variants for b in (256, 512)]
@@ -811,7 +861,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--name", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--vanilla", action="store_true", help="plain sglang.launch_server (dense)")
-    s.add_argument("--budget", type=int, default=None, help="--sparse-token-budget; runs the lengths it compresses 4-32x")
+    s.add_argument(
+        "--budget", type=int, default=None, help="--sparse-token-budget; runs the lengths it compresses 4-32x"
+    )
     s.add_argument("--server-args", default="", help="more server flags, one string")
     s.add_argument("--families", default="")
     s.add_argument("--lengths", default="", help="comma-separated item lengths")
@@ -857,7 +909,14 @@ def main(argv: list[str] | None = None) -> None:
             name, _, path = extra.partition("=")
             result.setdefault("attached", {})[name] = json.loads(Path(path).read_text())
         devices = sorted({r.get("device") for r in result["runs"] if r.get("kind") == "server"} - {None})
-        finish_run("benchmark/accuracy.py", argv, result, args.out_dir, "accuracy-{date}.json", device=", ".join(devices) or "cpu")
+        finish_run(
+            "benchmark/accuracy.py",
+            argv,
+            result,
+            args.out_dir,
+            "accuracy-{date}.json",
+            device=", ".join(devices) or "cpu",
+        )
     elif args.cmd == "generate":
         from transformers import AutoTokenizer
 

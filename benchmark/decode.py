@@ -163,7 +163,9 @@ def run(args) -> dict:
             b.plan()
             q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
             row = {"context": context, "batch": batch, "budget": args.budget, "layers": layers}
-            row["dense_ms"] = time_graph(dense_step(batch, context, workspace, dense_kv, q, layers), args.iters, per=layers)
+            row["dense_ms"] = time_graph(
+                dense_step(batch, context, workspace, dense_kv, q, layers), args.iters, per=layers
+            )
 
             def step():
                 for layer in range(layers):
@@ -224,8 +226,11 @@ def quality_summary() -> dict:
     """Q1 error (this run's GPU test output, if given) and the committed quality results."""
     out = {}
     # quality-<date>.json only (not the probes beside them)
-    files = sorted(f for f in glob.glob(str(REPO / "benchmark/results/quality-*.json"))
-                   if re.fullmatch(r"quality-\d{4}-\d{2}-\d{2}\.json", Path(f).name))
+    files = sorted(
+        f
+        for f in glob.glob(str(REPO / "benchmark/results/quality-*.json"))
+        if re.fullmatch(r"quality-\d{4}-\d{2}-\d{2}\.json", Path(f).name)
+    )
     if files:
         q = json.loads(Path(files[-1]).read_text())["summary"]
         out["recall_512_8k"] = q.get("recall_512_7k", q.get("recall_512"))
@@ -240,24 +245,41 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--layers-per-graph", type=int, default=4,
-                        help="layers (distinct KV and summaries) in one timed graph; times are per layer")
+    parser.add_argument(
+        "--layers-per-graph",
+        type=int,
+        default=4,
+        help="layers (distinct KV and summaries) in one timed graph; times are per layer",
+    )
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_grid_args(parser)
-    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_CHOICES), default="bf16",
-                        help="KV dtype of both sides (fp8: dense reads half the bytes, and so does scoring)")
-    parser.add_argument("--bound-format", choices=BOUND_FORMATS, default="auto",
-                        help="the sparse side's page bounds (--sparse-bound-format; auto: int8 for bf16 KV)")
-    parser.add_argument("--coarse-pages", type=int, default=0,
-                        help="--sparse-coarse-pages: score super-pages of this many pages first (0 = page by page)")
+    parser.add_argument(
+        "--kv-dtype",
+        choices=sorted(KV_DTYPE_CHOICES),
+        default="bf16",
+        help="KV dtype of both sides (fp8: dense reads half the bytes, and so does scoring)",
+    )
+    parser.add_argument(
+        "--bound-format",
+        choices=BOUND_FORMATS,
+        default="auto",
+        help="the sparse side's page bounds (--sparse-bound-format; auto: int8 for bf16 KV)",
+    )
+    parser.add_argument(
+        "--coarse-pages",
+        type=int,
+        default=0,
+        help="--sparse-coarse-pages: score super-pages of this many pages first (0 = page by page)",
+    )
     parser.add_argument("--coarse-candidates", type=float, default=4.0, help="--sparse-coarse-candidates")
     parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
-    parser.add_argument("--kernels", action="store_true",
-                        help="also record each kernel's time in the all-hit step (torch's profiler)")
+    parser.add_argument(
+        "--kernels", action="store_true", help="also record each kernel's time in the all-hit step (torch's profiler)"
+    )
     parser.add_argument("--q1", type=Path, help="q1.json written by test/test_sparse_decode_gpu.py")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
@@ -272,9 +294,15 @@ def main(argv=None) -> dict:
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest", "kv_dtype": args.kv_dtype,
               "bound_format": bounds, "coarse_pages": args.coarse_pages, "coarse_candidates": args.coarse_candidates,
               "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
-    name = "decode-{date}" + ("" if args.kv_dtype == "bf16" else "-fp8") + ("" if args.bound_format == "auto" else f"-{bounds}-bounds")
+    name = (
+        "decode-{date}"
+        + ("" if args.kv_dtype == "bf16" else "-fp8")
+        + ("" if args.bound_format == "auto" else f"-{bounds}-bounds")
+    )
     name += f"-coarse{args.coarse_pages}" if args.coarse_pages else ""
-    return finish_run("benchmark/decode.py", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json")
+    return finish_run(
+        "benchmark/decode.py", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json"
+    )
 
 
 if __name__ == "__main__":

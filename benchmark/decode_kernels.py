@@ -95,7 +95,12 @@ def run(args) -> list[dict]:
             row.update(attention_times(store, config, batch, context, workspace, q, layers, args))
             best = min(row["score_us"], key=row["score_us"].get)
             row["score_best"] = best
-            print(json.dumps({k: v for k, v in row.items() if k != "score_us"} | {"score_best_us": row["score_us"][best]}), flush=True)
+            print(
+                json.dumps(
+                    {k: v for k, v in row.items() if k != "score_us"} | {"score_best_us": row["score_us"][best]}
+                ),
+                flush=True,
+            )
             rows.append(row)
             store.close()
             b = store = None

@@ -118,8 +118,10 @@ def fuzz_cases(vocab_size: int, model: str) -> st.SearchStrategy[FuzzCase]:
     non_finite = st.sampled_from([math.nan, math.inf, -math.inf])
     huge = st.one_of(st.integers(2**63, 2**80), st.sampled_from([1e300, 1.7e308]))  # past int64 (sampling_seed)
     huge_max_new = st.one_of(st.integers(2**31, 2**70), st.sampled_from([2**31, 2**63, 10**30]))
-    bad_regexes = st.one_of(st.sampled_from(["(", "[a-", "a{2,1}", "*a", "(?P<x", "\\", "a)", "[z-a]"]),
-                            st.builds("{}{}".format, st.sampled_from(["(", "["]), st.text("ab*+?|^$.-", max_size=8)))  # unclosed
+    bad_regexes = st.one_of(
+        st.sampled_from(["(", "[a-", "a{2,1}", "*a", "(?P<x", "\\", "a)", "[z-a]"]),
+        st.builds("{}{}".format, st.sampled_from(["(", "["]), st.text("ab*+?|^$.-", max_size=8)),
+    )  # unclosed
     bad_schemas = st.sampled_from(['{"type": 5}', "not json", "[1, 2]", '{"type": "object", "properties": 3}',
                                    '{"$ref": "#/nowhere"}', '{"type": "strin"}', "{"])  # fmt: skip
     bad_ebnfs = st.sampled_from(["root ::= ", "foo", 'root ::= "a" |', "root ::= b", "::=", 'root ::= "a'])
@@ -127,7 +129,11 @@ def fuzz_cases(vocab_size: int, model: str) -> st.SearchStrategy[FuzzCase]:
     def odd_batch(draw, route):
         ids = draw(prompt_ids)
         if route == "/v1/completions":
-            return {"model": model, "prompt": draw(st.sampled_from([[], [[]], [ids, []], [[ids]], [""]])), "max_tokens": 4}
+            return {
+                "model": model,
+                "prompt": draw(st.sampled_from([[], [[]], [ids, []], [[ids]], [""]])),
+                "max_tokens": 4,
+            }
         if route == "/v1/chat/completions":
             messages = draw(st.sampled_from([[], [{"role": "user"}], [{"role": "user", "content": []}],
                                              [{"role": "wizard", "content": "x"}], [{"content": "x"}]]))  # fmt: skip
@@ -188,19 +194,33 @@ def fuzz_cases(vocab_size: int, model: str) -> st.SearchStrategy[FuzzCase]:
     native_only = ("/generate",)
     strategies = [
         with_route("valid", valid),
-        with_route("unicode", lambda draw, route: request(draw, route, {"max_new_tokens": draw(small_new)},
-                                                          prompt=draw(text.filter(str.strip)))),  # fmt: skip
-        with_route("empty_strings", lambda draw, route: request(draw, route, {"max_new_tokens": 4, "stop": [""]},
-                                                                prompt=draw(st.sampled_from(["", " "])))),  # fmt: skip
+        with_route(
+            "unicode",
+            lambda draw, route: request(
+                draw, route, {"max_new_tokens": draw(small_new)}, prompt=draw(text.filter(str.strip))
+            ),
+        ),  # fmt: skip
+        with_route(
+            "empty_strings",
+            lambda draw, route: request(
+                draw, route, {"max_new_tokens": 4, "stop": [""]}, prompt=draw(st.sampled_from(["", " "]))
+            ),
+        ),  # fmt: skip
         with_route("token_out_of_vocab", with_ids(st.integers(vocab_size, 2**62))),
         with_route("negative_token", with_ids(st.integers(-(2**62), -1))),
         with_route("wrong_type", bad_sampling(st.tuples(any_field, wrong_value))),
         with_route("non_finite", bad_sampling(st.tuples(any_field, non_finite))),
         # temperature has no upper bound (a huge one samples near-uniformly); every other field has
         with_route("huge_number", bad_sampling(st.tuples(any_field.filter(lambda f: f != "temperature"), huge))),
-        with_route("negative_number", bad_sampling(st.tuples(st.sampled_from(("max_new_tokens", "n", "sampling_seed", "top_p",
-                                                                               "repetition_penalty")),
-                                                              st.integers(-(2**40), -1)))),  # fmt: skip
+        with_route(
+            "negative_number",
+            bad_sampling(
+                st.tuples(
+                    st.sampled_from(("max_new_tokens", "n", "sampling_seed", "top_p", "repetition_penalty")),
+                    st.integers(-(2**40), -1),
+                )
+            ),
+        ),  # fmt: skip
         with_route("huge_max_new_tokens", bad_sampling(st.tuples(st.just("max_new_tokens"), huge_max_new))),
         with_route("bad_regex", bad_sampling(st.tuples(st.just("regex"), bad_regexes))),
         with_route("bad_json_schema", bad_sampling(st.tuples(st.just("json_schema"), bad_schemas))),
@@ -246,7 +266,7 @@ async def send_batch(url: str, cases: list[FuzzCase], timeout: float) -> list[tu
             async with session.post(url + case.route, data=case.body, headers={"Content-Type": "application/json"},
                                     timeout=aiohttp.ClientTimeout(total=timeout)) as response:  # fmt: skip
                 return response.status, (await response.text())[:200]
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             return 599, f"client: {err!r}"[:200]  # no answer: counted with the 5xx
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
@@ -383,7 +403,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model-path", default=None, help="with --launch; default: the launcher's default model")
     parser.add_argument("--extra-server-args", default="", help="with --launch: more launcher flags")
     parser.add_argument("--requests", type=int, default=5000)
-    parser.add_argument("--batch-size", type=int, default=64, help="requests in flight at once; /health after each batch")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="requests in flight at once; /health after each batch"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the model folder's config.json")
     parser.add_argument("--request-timeout", type=float, default=300.0)

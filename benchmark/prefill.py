@@ -120,8 +120,10 @@ async def prefill_next_to_decodes(url: str, args, prompt_tokens: int) -> dict:
         "tbt_max_s": max(gaps, default=float("nan")),
         "tbt_p50_before_s": percentile(before, 0.5),
         # each decode's token arrivals, seconds from the long prompt's arrival, within 2 s of the prefill
-        "arrivals": [[(round(t - long["sent"], 4), n) for t, n in d["arrivals"] if long["sent"] - 2 < t < first + 2]
-                     for d in decoded],  # fmt: skip
+        "arrivals": [
+            [(round(t - long["sent"], 4), n) for t, n in d["arrivals"] if long["sent"] - 2 < t < first + 2]
+            for d in decoded
+        ],  # fmt: skip
     }
 
 
@@ -151,9 +153,13 @@ def summarize(systems: dict, peak_tokens: int) -> dict:
         "peak_hbm_over_one_layer": (staging + peaks["long"]["peak_over_before_bytes"]) / layer,
         # KV in HBM: the staging buffer, what the long prompt's peak adds to a chunk-long
         # prompt's, and the chunk's own new KV
-        "peak_kv_hbm_over_one_layer": (staging + peaks["long"]["peak_over_before_bytes"]
-                                       - peaks["chunk"]["peak_over_before_bytes"]
-                                       + one_layer_kv_bytes(peaks["chunk"]["tokens"])) / layer,  # fmt: skip
+        "peak_kv_hbm_over_one_layer": (
+            staging
+            + peaks["long"]["peak_over_before_bytes"]
+            - peaks["chunk"]["peak_over_before_bytes"]
+            + one_layer_kv_bytes(peaks["chunk"]["tokens"])
+        )
+        / layer,  # fmt: skip
         "chunked_prefill_all_layers_over_one_layer": LLAMA3_8B_CONFIG["num_hidden_layers"],
         "max_prompt_ratio": None,
     }
@@ -177,7 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
              "--sparse-host-cache-gb", str(args.host_cache_gb), *args.extra_server_args.split()]  # fmt: skip
     systems = {}
     for name in args.systems.split(","):
-        with ServerProcess(SPARSE_MODULE, model, [*flags, *SYSTEMS[name]], log_path=Path(args.log_dir) / f"{name}.log") as server:
+        with ServerProcess(
+            SPARSE_MODULE, model, [*flags, *SYSTEMS[name]], log_path=Path(args.log_dir) / f"{name}.log"
+        ) as server:
             url = server.url
             requests.post(url + "/generate", json={"input_ids": prompt("warm", 4096), "sampling_params": {"max_new_tokens": 8}},
                           timeout=600).raise_for_status()  # fmt: skip

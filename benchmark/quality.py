@@ -45,6 +45,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
 from sparse_sglang.attention import (
     DEFAULT_GROUP_REDUCE,
     GROUP_REDUCES,
@@ -61,8 +64,6 @@ from sparse_sglang.config import SparseConfig
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.mem_cache import PageSummaries
 from sparse_sglang.testing.provenance import git_commit, save_result
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULTS = SparseConfig(host_cache_gb=1.0)
@@ -73,8 +74,10 @@ ORACLE = "oracle"  # Q2 only: pages ranked by their true attention mass (the bes
 TARGET_RECALL = 0.90  # mean over layers, default selector, budget 512, ~7K tokens
 
 # Passkey prompt (the usual one of the pass-key retrieval test, Mohtashami & Jaggi 2023).
-INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-         "I will quiz you about the important information there.\n\n")
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 # A bare continuation, as the model is known to answer it: with "What is the pass key?" before it,
@@ -200,8 +203,14 @@ def summarize(keys: dict[int, torch.Tensor], page_size: int) -> PageSummaries:
 
 
 def choose_pages(
-    policy: Policy, q: torch.Tensor, summaries: PageSummaries, layer: int, keys: torch.Tensor, seq_len: torch.Tensor,
-    cached: torch.Tensor | None = None, reselect: torch.Tensor | None = None,
+    policy: Policy,
+    q: torch.Tensor,
+    summaries: PageSummaries,
+    layer: int,
+    keys: torch.Tensor,
+    seq_len: torch.Tensor,
+    cached: torch.Tensor | None = None,
+    reselect: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, Hkv, K]`` pages of ``PAGE_SIZE`` tokens that ``policy`` attends for decode queries
     ``q`` ``[B, Hq, D]`` over ``keys`` ``[1, Hkv, T, D]`` (summarized by ``summaries`` at the
@@ -279,7 +288,9 @@ def recall_policies(budgets: list[int], extra: list[Policy] = ()) -> list[Policy
     grid += [Policy(ORACLE, "sum", b) for b in budgets]
     sink_recent = [(0, 1), (1, 1), (2, 2), (1, 4), (4, 4)]
     knobs = [Policy(DEFAULT_SELECTOR, g, 512, s, r) for g in GROUP_REDUCES for s, r in sink_recent]
-    knobs += [Policy(s, DEFAULT_GROUP_REDUCE, 512, dense_layers=n) for s in (DEFAULT_SELECTOR, ORACLE) for n in DENSE_LAYERS]
+    knobs += [
+        Policy(s, DEFAULT_GROUP_REDUCE, 512, dense_layers=n) for s in (DEFAULT_SELECTOR, ORACLE) for n in DENSE_LAYERS
+    ]
     logical = [Policy(s, g, 512, logical_page_size=lps) for s in SELECTORS for g in GROUP_REDUCES for lps in (16, 8)]
     return list(dict.fromkeys(grid + knobs + logical + list(extra)))
 
@@ -288,7 +299,11 @@ def passkey_policies() -> list[Policy]:
     """Every selector at the defaults, then the default selector's knobs: dense leading layers,
     2 sink + 2 recent pages (and both), budget 1024."""
     knobs = [Policy(dense_layers=n) for n in DENSE_LAYERS]
-    knobs += [Policy(sink_pages=2, recent_pages=2), Policy(sink_pages=2, recent_pages=2, dense_layers=2), Policy(budget=1024)]
+    knobs += [
+        Policy(sink_pages=2, recent_pages=2),
+        Policy(sink_pages=2, recent_pages=2, dense_layers=2),
+        Policy(budget=1024),
+    ]
     return list(dict.fromkeys([Policy(s) for s in SELECTORS] + knobs))
 
 
@@ -322,7 +337,7 @@ class SparseDecoder:
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         layer, tokens, new = module.layer_idx, key.shape[2], query.shape[2]
-        self.summaries.update(layer, key[0, :, tokens - new:].transpose(0, 1), torch.arange(tokens - new, tokens))
+        self.summaries.update(layer, key[0, :, tokens - new :].transpose(0, 1), torch.arange(tokens - new, tokens))
         if new > 1:
             assert new == tokens, "multi-token steps only as the first prefill"
             return dense(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
@@ -351,7 +366,9 @@ def passkey_prompt(tokenizer, target_tokens: int, depth: float, key: int) -> lis
     return tokenizer(text).input_ids
 
 
-def decode(model, hook: SparseDecoder, cache, tokens: list[int], new_tokens: int, first: int | None = None) -> list[int]:
+def decode(
+    model, hook: SparseDecoder, cache, tokens: list[int], new_tokens: int, first: int | None = None
+) -> list[int]:
     """Feed ``tokens`` one at a time, then ``new_tokens`` greedy ones; returns the generated ids.
     With no ``tokens``, ``first`` is the first generated id (the prefill's greedy token)."""
     out = []
@@ -375,11 +392,11 @@ def decode(model, hook: SparseDecoder, cache, tokens: list[int], new_tokens: int
 # policy: what the server does (its prefill is dense).
 PASSKEY_PROTOCOLS = {
     "question": "dense prefill of the prompt but its question; question tokens and greedy answer decoded one "
-                "token at a time with the policy (its first dense_layers layers dense); decode_recall_mean is "
-                "over the sparse layers' steps",
+    "token at a time with the policy (its first dense_layers layers dense); decode_recall_mean is "
+    "over the sparse layers' steps",
     "prompt": "dense prefill of the whole prompt, as the server prefills: its greedy token is the answer's first; "
-              "the other answer tokens decoded one at a time with the policy (its first dense_layers layers "
-              "dense); decode_recall_mean is over the sparse layers' steps",
+    "the other answer tokens decoded one at a time with the policy (its first dense_layers layers "
+    "dense); decode_recall_mean is over the sparse layers' steps",
 }
 
 
@@ -398,8 +415,14 @@ def passkey_table(tokenizer, model, lengths: list[int], depths: list[float], pol
             prefix, suffix = ids[: len(ids) - question], ids[len(ids) - question :]
             cache = DynamicCache(config=model.config)
             prefill = SparseDecoder(model, Policy(selector=None), len(ids) + new_tokens, bound_format)
-            logits = run_with(prefill, model, input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True,
-                              logits_to_keep=1).logits
+            logits = run_with(
+                prefill,
+                model,
+                input_ids=torch.tensor([prefix]),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
             first = None if suffix else int(logits[0, -1].argmax())
             row = {"target_tokens": length, "prompt_tokens": len(ids), "depth": depth, "key": str(key)}
             answers = {}
@@ -508,9 +531,11 @@ def summarize_results(recall: list[dict], passkey: list[dict], policies: list[Po
 
 
 def print_tables(result: dict) -> None:
-    print(f"\nQ2 recall ({result['recall_setup']['tokens']} tokens, {result['recall_setup']['queries']} decode "
-          f"queries, page {PAGE_SIZE}): mean attention-mass recall / mean output rel. error over layers "
-          "(dense layers count 1 / 0; 'sparse': over the sparse layers only)")
+    print(
+        f"\nQ2 recall ({result['recall_setup']['tokens']} tokens, {result['recall_setup']['queries']} decode "
+        f"queries, page {PAGE_SIZE}): mean attention-mass recall / mean output rel. error over layers "
+        "(dense layers count 1 / 0; 'sparse': over the sparse layers only)"
+    )
     print(f"{'selector':8} {'reduce':6} {'sink':>4} {'rec':>3} {'lpage':>5} {'dense':>5} {'budget':>6} {'recall':>7} "
           f"{'sparse':>7} {'min lyr':>7} {'lyr 2+':>7} {'rel err':>7}")  # fmt: skip
     for r in result["recall"]:
@@ -548,7 +573,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="Q3: what the dense prefill covers: 'prompt' = the whole prompt, as the server prefills; "
                              "'question' = all but its question, whose tokens then decode sparsely (stricter)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: 1K tokens, short prompts, one depth")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmark/results/quality-<date>.json)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON path (default benchmark/results/quality-<date>.json)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens, args.budgets, args.lengths, args.depths = 1024, [256, 512], [1024], [0.5]

@@ -46,7 +46,6 @@ from sparse_sglang.testing.provenance import add_server_run_args, finish_run
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sparse_state, streamed_meta
 
 
-
 @dataclass(frozen=True)
 class Workload:
     groups: int
@@ -159,8 +158,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prefix-tokens", type=int, default=16384)
     parser.add_argument("--question-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--host-cache-gb", type=float, default=48.0,
-                        help="without sharing, a group's prefixes all need room (15 x 16.6K tokens: 31 GiB)")
+    parser.add_argument(
+        "--host-cache-gb",
+        type=float,
+        default=48.0,
+        help="without sharing, a group's prefixes all need room (15 x 16.6K tokens: 31 GiB)",
+    )
     parser.add_argument("--extra-server-args", default="")
     add_server_run_args(parser, "radix")
     args = parser.parse_args(argv)
@@ -170,7 +173,9 @@ def main(argv: list[str] | None = None) -> dict:
              "--sparse-host-cache-gb", str(args.host_cache_gb), *args.extra_server_args.split()]  # fmt: skip
     runs, summaries = {}, {}
     for mode, extra in (("radix", []), ("no_radix", ["--disable-radix-cache"])):
-        with ServerProcess(SPARSE_MODULE, model, [*flags, *extra], log_path=Path(args.log_dir) / f"{mode}.log") as server:
+        with ServerProcess(
+            SPARSE_MODULE, model, [*flags, *extra], log_path=Path(args.log_dir) / f"{mode}.log"
+        ) as server:
             flush_cache(server.url, 60)
             runs[mode] = asyncio.run(run_workload(server.url, work))
         summaries[mode] = summarize(runs[mode], work, LLAMA3_8B_KV_BYTES_PER_TOKEN)

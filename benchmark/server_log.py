@@ -110,8 +110,12 @@ def plot_hit_ratio_by_batch(by_run: dict[str, list[dict]], path: Path) -> None:
         x = [(r["batch_lo"] + r["batch_hi"]) / 2 for r in rows]
         hit_ax.plot(x, [r["cache_hit_ratio"] for r in rows], marker="o", label=name)
         h2d_ax.plot(x, [r["h2d_pages_per_step"] for r in rows], marker="o", label=name)
-    hit_ax.set(xlabel="running requests (decode batch)", ylabel="GPU page-cache hit ratio", title="hit ratio vs batch size")
-    h2d_ax.set(xlabel="running requests (decode batch)", ylabel="pages loaded per step (H2D)", title="H2D vs batch size")
+    hit_ax.set(
+        xlabel="running requests (decode batch)", ylabel="GPU page-cache hit ratio", title="hit ratio vs batch size"
+    )
+    h2d_ax.set(
+        xlabel="running requests (decode batch)", ylabel="pages loaded per step (H2D)", title="H2D vs batch size"
+    )
     h2d_ax.set_yscale("log")
     hit_ax.legend(fontsize=7)
     fig.tight_layout()
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.first_seconds:
             for name, ratios in result["summary"].items():
                 ratios["first_seconds_throughput_ratio"] = round(
-                    runs[name]["first_seconds"]["output_throughput"] / base["first_seconds"]["output_throughput"], 3)
+                    runs[name]["first_seconds"]["output_throughput"] / base["first_seconds"]["output_throughput"], 3
+                )
     print(json.dumps({k: result[k] for k in ("runs", "summary") if k in result}, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -50,8 +50,8 @@ from sparse_sglang.testing.models import (
     kv_bytes_per_token,
     write_llama3_8b_dummy,
 )
-from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache, sse_events
 from sparse_sglang.testing.provenance import git_commit, save_result
+from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache, sse_events
 
 REPO = Path(__file__).resolve().parents[1]
 # Run in this order. "vanilla" keeps the sparse system's KV dtype; "vanilla-bf16" is bf16 KV.
@@ -155,8 +155,9 @@ def generate_payload(request: Request) -> bytes:
     return orjson.dumps({"input_ids": request.input_ids, "sampling_params": sampling, "stream": True})
 
 
-async def stream_generate(session: aiohttp.ClientSession, url: str, payload: bytes,
-                          chunks: list[tuple[float, int]]) -> list[tuple[float, int]]:
+async def stream_generate(
+    session: aiohttp.ClientSession, url: str, payload: bytes, chunks: list[tuple[float, int]]
+) -> list[tuple[float, int]]:
     """POST /generate (stream); appends to ``chunks`` (kept if the request is cancelled) per chunk
     its arrival time and the request's tokens so far, and returns it."""
     async with session.post(url + "/generate", data=payload, headers={"Content-Type": "application/json"}) as resp:
@@ -315,7 +316,9 @@ def summarize_rate(
         p99_tbt_ms=_ms(run.tbt, 99),
         p999_tbt_ms=_ms(run.tbt, 99.9),
         mean_e2e_s=float(np.mean([r.e2e for r in ok])) if ok else None,
-        without_first_token=sum(r.ttft is None and r.status in ("not_sent", "running", "cancelled") for r in run.records),
+        without_first_token=sum(
+            r.ttft is None and r.status in ("not_sent", "running", "cancelled") for r in run.records
+        ),
         max_in_flight=run.max_in_flight,
         max_running_req=max_running_req,
         cache_flushed=cache_flushed,
@@ -340,8 +343,11 @@ def _ratio(sparse: dict, vanilla: dict, key: str) -> float | None:
     return sparse[key] / vanilla[key] if sparse.get(key) is not None and vanilla.get(key) else None
 
 
-def paired_runs(systems: dict, complete_only: bool = False, baseline: str = "vanilla") -> dict[float, tuple[dict, dict]]:
+def paired_runs(
+    systems: dict, complete_only: bool = False, baseline: str = "vanilla"
+) -> dict[float, tuple[dict, dict]]:
     """rate -> (baseline run, sparse run) for each rate both systems ran (fully, with ``complete_only``)."""
+
     def by_rate(system: str) -> dict:
         return {r["rate"]: r for r in systems.get(system, []) if not complete_only or is_complete(r)}
 
@@ -463,7 +469,7 @@ def server_kv_dtype(record: dict | None) -> str | None:
 
 
 def baseline_label(system: str, servers: dict) -> str:
-    """"vanilla-fp8" or "vanilla-bf16": the KV dtype the baseline ran with (its system name where
+    """ "vanilla-fp8" or "vanilla-bf16": the KV dtype the baseline ran with (its system name where
     the file does not say)."""
     dtype = "bf16" if system == "vanilla-bf16" else server_kv_dtype(servers.get(system))
     if dtype is None:
@@ -477,7 +483,9 @@ def stronger_baseline(results: dict) -> tuple[str | None, str | None, dict]:
     baseline ran long generation), at the highest rate the baseline shares with sparse (its own
     highest without one); a tie or no figure goes to ``vanilla``, the sparse system's KV dtype."""
     present = [b for b in BASELINES if any(systems.get(b) for systems in results.values())]
-    trace = next((t for t in ("long-generation", "long-prompt") if all(results.get(t, {}).get(b) for b in present)), None)
+    trace = next(
+        (t for t in ("long-generation", "long-prompt") if all(results.get(t, {}).get(b) for b in present)), None
+    )
     strength = {}
     for b in present:
         if trace is None:
@@ -641,18 +649,22 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def print_table(results: dict) -> None:
-    print(f"\n{'trace':<16}{'rate':>6} {'system':<13}{'done':>7}{'tok/s':>9}{'window':>8}{'2nd half':>9}{'TTFT s':>8}"
-          f"{'TBT mean/p99/p99.9 ms':>24}{'max run':>8}")
+    print(
+        f"\n{'trace':<16}{'rate':>6} {'system':<13}{'done':>7}{'tok/s':>9}{'window':>8}{'2nd half':>9}{'TTFT s':>8}"
+        f"{'TBT mean/p99/p99.9 ms':>24}{'max run':>8}"
+    )
     for trace, systems in results.items():
         order = {system: i for i, system in enumerate(SYSTEMS)}
         rows = [(r["rate"], order.get(system, len(order)), system, r) for system, runs in systems.items() for r in runs]
         for rate, _, system, r in sorted(rows, key=lambda row: row[:2]):
             tbt = "/".join(_fmt(r.get(k)) for k in ("mean_tbt_ms", "p99_tbt_ms", "p999_tbt_ms"))
-            print(f"{trace:<16}{rate:>6g} {system:<13}{r['completed']:>3}/{r['num_requests']:<3}"
-                  f"{r['output_throughput']:>9.0f}{_fmt(r.get('window_output_throughput'), digits=0):>8}"
-                  f"{_fmt(r.get('late_output_throughput'), digits=0):>9}"
-                  f"{_fmt(r['mean_ttft_ms'], 1e-3, 2):>8}{tbt:>24}"
-                  f"{_fmt(r['max_running_req'], digits=0):>8}")
+            print(
+                f"{trace:<16}{rate:>6g} {system:<13}{r['completed']:>3}/{r['num_requests']:<3}"
+                f"{r['output_throughput']:>9.0f}{_fmt(r.get('window_output_throughput'), digits=0):>8}"
+                f"{_fmt(r.get('late_output_throughput'), digits=0):>9}"
+                f"{_fmt(r['mean_ttft_ms'], 1e-3, 2):>8}{tbt:>24}"
+                f"{_fmt(r['max_running_req'], digits=0):>8}"
+            )
 
 
 # ---------------------------------------------------------------- running servers
@@ -706,9 +718,11 @@ def print_dry_run(plan: list[RatePlan], args: argparse.Namespace) -> None:
         output = sum(r.max_new_tokens for r in trace)
         print(f"{step.spec.name:<16}{step.rate:>6g}{step.num_requests:>9}{prompt:>12}{output:>12}{seconds:>8.0f}")
     total = len(args.systems) * (SERVER_START_S + per_system)
-    print(f"\nrough estimate (vanilla on an H100): {per_system:.0f} s of traffic per system; "
-          f"{total:.0f} s for {len(args.systems)} system(s) with cold server starts "
-          f"({SERVER_START_S} s each, ~40 s warm)")
+    print(
+        f"\nrough estimate (vanilla on an H100): {per_system:.0f} s of traffic per system; "
+        f"{total:.0f} s for {len(args.systems)} system(s) with cold server starts "
+        f"({SERVER_START_S} s each, ~40 s warm)"
+    )
     if args.time_budget and total > args.time_budget:
         print(f"over --time-budget {args.time_budget:g} s: the last rates would be cut short or skipped")
     if not args.max_seconds_per_rate or args.max_seconds_per_rate < WINDOW_S:
@@ -718,8 +732,10 @@ def print_dry_run(plan: list[RatePlan], args: argparse.Namespace) -> None:
         dtype = system_kv_dtype(system, args)
         if system in BASELINES:
             per_token = kv_bytes_per_token(KV_ELEMENT_BYTES[dtype])
-            print(f"  {system}: {dtype} KV, {per_token} bytes per token: a pool of "
-                  f"{vanilla_max_total_tokens(args.kv_hbm_gb, dtype)} tokens")
+            print(
+                f"  {system}: {dtype} KV, {per_token} bytes per token: a pool of "
+                f"{vanilla_max_total_tokens(args.kv_hbm_gb, dtype)} tokens"
+            )
         else:
             print(f"  {system}: {dtype} KV in {args.sparse_host_cache_gb:g} GiB of host memory")
     if {"vanilla", "vanilla-bf16"} <= set(args.systems) and system_kv_dtype("vanilla", args) == "bf16":
@@ -797,7 +813,9 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int
     config = SparseConfig(host_cache_gb=1.0)  # the defaults
     kept = kept_summaries(config.selector)  # the default selector's summaries
     staging = prefix_staging_tokens(config, context_len or c["max_position_embeddings"])
-    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], dtype, staging, **kept, bound_format=config.bound_format))
+    other = sum(
+        fixed_gpu_bytes(host_pages, *shape, c["head_dim"], dtype, staging, **kept, bound_format=config.bound_format)
+    )
     cache_gb = kv_hbm_gb - other / GIB
     if cache_gb <= 0:
         raise SystemExit(f"--kv-hbm-gb {kv_hbm_gb:g}: the summaries and staging of {host_cache_gb:g} GiB of host KV "
@@ -891,8 +909,10 @@ def run_system(system: str, plan: list[RatePlan], args, model: str, deadline: fl
                 seed = trace_seed(args.seed, step.spec.name, step.rate)
                 result = summarize_rate(step.rate, seed, run, running, flushed)
                 results.setdefault(step.spec.name, []).append(asdict(result))
-                print(f"[{system}] {step.spec.name} @ {step.rate:g} req/s: {result.completed}/{result.num_requests} "
-                      f"done, {result.output_throughput:.0f} tok/s, {result.duration_s:.0f} s")
+                print(
+                    f"[{system}] {step.spec.name} @ {step.rate:g} req/s: {result.completed}/{result.num_requests} "
+                    f"done, {result.output_throughput:.0f} tok/s, {result.duration_s:.0f} s"
+                )
     except (RuntimeError, TimeoutError, requests.RequestException) as err:
         # Keep the other system's results: one server failing to start must not lose them.
         record["error"] = f"{type(err).__name__}: {err}"[-2000:]
@@ -961,33 +981,73 @@ def _rates(text: str) -> list[float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=_choices(TRACES), default=list(TRACES), help="comma-separated")
-    p.add_argument("--systems", type=_choices(SYSTEMS), default=DEFAULT_SYSTEMS, help="comma-separated, run in "
-                   "order; vanilla has the sparse system's KV dtype, vanilla-bf16 (a second baseline) bf16")
+    p.add_argument(
+        "--systems",
+        type=_choices(SYSTEMS),
+        default=DEFAULT_SYSTEMS,
+        help="comma-separated, run in "
+        "order; vanilla has the sparse system's KV dtype, vanilla-bf16 (a second baseline) bf16",
+    )
     for spec in TRACES.values():
-        p.add_argument(f"--rates-{spec.name}", type=_rates, default=list(spec.default_rates), metavar="R,R,...",
-                       help=f"request rates (req/s); default {','.join(map(str, spec.default_rates))}")
+        p.add_argument(
+            f"--rates-{spec.name}",
+            type=_rates,
+            default=list(spec.default_rates),
+            metavar="R,R,...",
+            help=f"request rates (req/s); default {','.join(map(str, spec.default_rates))}",
+        )
         p.add_argument(f"--num-requests-{spec.name}", type=int, metavar="N", help="overrides --num-requests")
-    p.add_argument("--num-requests", type=int, help="per trace and rate; default: enough arrivals to last "
-                   "--max-seconds-per-rate (12 without it)")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        help="per trace and rate; default: enough arrivals to last --max-seconds-per-rate (12 without it)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-hbm-gb", "--kv-hbm-budget-gb", type=float, default=20.0, help="GPU memory (GiB) for KV "
-                   "in every system: a vanilla token pool of this many bytes over its KV dtype's bytes per token; "
-                   "sparse's page cache, summaries and staging")
-    p.add_argument("--sparse-host-cache-gb", type=float, default=80.0, help="pinned host memory (GiB) holding "
-                   "the sparse system's KV")
-    p.add_argument("--extra-server-args", default="", help="appended to every server's command line (the "
-                   "baselines' without --kv-cache-dtype / --quantization-param-path: the benchmark sets theirs)")
-    p.add_argument("--sparse-server-args", default="", help="appended to the sparse server's command line; with "
-                   "--extra-server-args its --kv-cache-dtype and --quantization-param-path are vanilla's too "
-                   "(give them to every invocation, also one that runs vanilla alone)")
+    p.add_argument(
+        "--kv-hbm-gb",
+        "--kv-hbm-budget-gb",
+        type=float,
+        default=20.0,
+        help="GPU memory (GiB) for KV "
+        "in every system: a vanilla token pool of this many bytes over its KV dtype's bytes per token; "
+        "sparse's page cache, summaries and staging",
+    )
+    p.add_argument(
+        "--sparse-host-cache-gb",
+        type=float,
+        default=80.0,
+        help="pinned host memory (GiB) holding the sparse system's KV",
+    )
+    p.add_argument(
+        "--extra-server-args",
+        default="",
+        help="appended to every server's command line (the "
+        "baselines' without --kv-cache-dtype / --quantization-param-path: the benchmark sets theirs)",
+    )
+    p.add_argument(
+        "--sparse-server-args",
+        default="",
+        help="appended to the sparse server's command line; with "
+        "--extra-server-args its --kv-cache-dtype and --quantization-param-path are vanilla's too "
+        "(give them to every invocation, also one that runs vanilla alone)",
+    )
     p.add_argument("--vanilla-server-args", default="", help="appended to the vanilla servers' command lines")
     p.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
     p.add_argument("--merge-into", metavar="JSON", help="add to (or start) this result file instead of a new one")
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds per request")
-    p.add_argument("--max-seconds-per-rate", type=float, default=WINDOW_S, help="each rate's window: then stop "
-                   f"sending and cancel what is in flight (default {WINDOW_S:g}; 0: until every request is done)")
-    p.add_argument("--time-budget", type=float, help="seconds for the whole invocation; past it, rates are cut "
-                   "short or skipped, so results get written before an outer time limit")
+    p.add_argument(
+        "--max-seconds-per-rate",
+        type=float,
+        default=WINDOW_S,
+        help="each rate's window: then stop "
+        f"sending and cancel what is in flight (default {WINDOW_S:g}; 0: until every request is done)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        help="seconds for the whole invocation; past it, rates are cut "
+        "short or skipped, so results get written before an outer time limit",
+    )
     p.add_argument("--log-dir", default="/tmp/sparse-sglang-serving", help="for the server logs")
     p.add_argument("--dry-run", action="store_true", help="print the plan and a time estimate; start nothing")
     return p.parse_args(argv)  # fmt: skip
@@ -1003,7 +1063,9 @@ def combine(out: Path, inputs: list[Path], ablations: dict[str, Path] | None = N
     document = documents[0]
     for newer in documents[1:]:
         document = merge_documents(document, newer)
-    document["summary"] = document_summary(document["results"], document.get("servers", {}), document.get("kv_hbm_budget_gb"))
+    document["summary"] = document_summary(
+        document["results"], document.get("servers", {}), document.get("kv_hbm_budget_gb")
+    )
     if ablations:
         document["ablations"] = {name: json.loads(Path(f).read_text()) for name, f in ablations.items()}
     if len(inputs) > 1:

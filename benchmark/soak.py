@@ -125,7 +125,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: bytes, timeout: f
         async with session.post(url + "/generate", data=body, headers={"Content-Type": "application/json"},
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as response:  # fmt: skip
             return response.status, await response.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+    except (TimeoutError, aiohttp.ClientError) as err:
         return 599, f"client: {err!r}"  # counted as a server failure: it never answered
 
 
@@ -144,7 +144,9 @@ async def run_mixed(url: str, plan: list[SoakRequest], timeout: float) -> list[d
         async def one(r: SoakRequest) -> dict:
             await asyncio.sleep(max(0.0, start + r.send_at - time.monotonic()))
             params = {"max_new_tokens": r.new_tokens, "temperature": 0, "ignore_eos": True}
-            body = json.dumps({"rid": r.rid, "input_ids": prompt_ids(r.rid, r.prompt_tokens), "sampling_params": params})
+            body = json.dumps(
+                {"rid": r.rid, "input_ids": prompt_ids(r.rid, r.prompt_tokens), "sampling_params": params}
+            )
             task = asyncio.create_task(send(session, url, body.encode(), timeout))
             aborted = False
             if r.abort_after is not None:
@@ -181,7 +183,10 @@ def settled(server: ServerProcess, idle: dict) -> dict:
     """A GPU test's end: the radix cache flushed, what the server holds beyond ``idle``
     (:func:`leaks`, all zero when nothing leaked) and the tracebacks in its log."""
     assert flush_cache(server.url, 60)
-    return {**leaks(idle, sparse_state(server.url)), "tracebacks_in_log": server.log_path.read_text(errors="replace").count("Traceback")}
+    return {
+        **leaks(idle, sparse_state(server.url)),
+        "tracebacks_in_log": server.log_path.read_text(errors="replace").count("Traceback"),
+    }
 
 
 def probe(url: str) -> list[int]:
@@ -206,7 +211,9 @@ def summarize(result: dict) -> dict:
         # SGLang's reason for an abort of a request not yet scheduled (queued, by SGLang or the working-set rule)
         "aborted_while_queued": sum(1 for f in aborted if f.get("message") == "Abort in waiting queue"),
         "aborted_while_running": sum(1 for f in aborted if f.get("message") != "Abort in waiting queue"),
-        "abort_sent_after_completion": sum(1 for r, f in zip(mixed, finishes) if r["abort_sent"] and f.get("type") != "abort"),
+        "abort_sent_after_completion": sum(
+            1 for r, f in zip(mixed, finishes) if r["abort_sent"] and f.get("type") != "abort"
+        ),
         "completed": sum(1 for r, f in zip(mixed, finishes) if r["status"] == 200 and f.get("type") == "length"),
         "errors_5xx": sum(1 for s in statuses if s >= 500),
         "bad_requests_4xx": f"{sum(400 <= b['status'] < 500 for b in bad.values())}/{len(bad)}",
@@ -241,7 +248,9 @@ def run(args) -> dict:
         result["mixed_s"] = round(time.monotonic() - started, 1)
         bad = {}
         for name, body in bad_requests(LLAMA3_8B_CONFIG["max_position_embeddings"], idle["host_tokens"]).items():
-            response = requests.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=300)
+            response = requests.post(
+                url + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=300
+            )
             healthy = requests.get(url + "/health", timeout=60).status_code == 200
             bad[name] = {"status": response.status_code, "reason": response.text[:300], "healthy_after": healthy}
         burst_tokens = int(args.host_cache_gb * GIB // kv_bytes_per_token * 0.4)  # two or so fit at once
@@ -261,12 +270,20 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--rate", type=float, default=4.0, help="mixed-phase arrivals per second")
-    parser.add_argument("--abort-frac", type=float, default=0.8,
-                        help="share of requests given an abort moment; 60%% of those finished first (2026-11-23 run)")
+    parser.add_argument(
+        "--abort-frac",
+        type=float,
+        default=0.8,
+        help="share of requests given an abort moment; 60%% of those finished first (2026-11-23 run)",
+    )
     parser.add_argument("--burst", type=int, default=50)
     parser.add_argument("--host-cache-gb", type=float, default=8.0, help="small: the burst must queue")
-    parser.add_argument("--layers", type=int, default=LLAMA3_8B_CONFIG["num_hidden_layers"],
-                        help="layers of the 8B shape to keep: fewer make prefill faster, the machinery is the same")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=LLAMA3_8B_CONFIG["num_hidden_layers"],
+        help="layers of the 8B shape to keep: fewer make prefill faster, the machinery is the same",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=1800.0)
     parser.add_argument("--extra-server-args", default="")

@@ -86,9 +86,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="default: the Llama-3-8B shape with dummy weights")
-    parser.add_argument("--sparse-host-cache-gb", type=float, default=None, help="default: the launcher's (half the available RAM)")
+    parser.add_argument(
+        "--sparse-host-cache-gb", type=float, default=None, help="default: the launcher's (half the available RAM)"
+    )
     parser.add_argument("--extra-server-args", default="", help="flags both servers get")
-    parser.add_argument("--vanilla-args", default="", help="flags vanilla alone gets (e.g. its attention backend, which the sparse launcher sets itself)")
+    parser.add_argument(
+        "--vanilla-args",
+        default="",
+        help="flags vanilla alone gets (e.g. its attention backend, which the sparse launcher sets itself)",
+    )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--start-timeout", type=float, default=900.0)
     add_server_run_args(parser, "startup")

@@ -251,8 +251,12 @@ def bench_d2h(arena_k, arena_v, kib: int, contiguous: dict, matmul: MatmulLoop, 
         slots0 = slots[0].cpu()
         out["cpu_scatter_only_gbps"] = {}
         for nt in (True, False):
-            seconds = time_wall(lambda nt=nt: scatter_rows_cpu(cpu_k, cpu_v, host_k, host_v, 0, slots0,
-                                                               num_threads=args.threads, nontemporal=nt), reps=10)
+            seconds = time_wall(
+                lambda nt=nt: scatter_rows_cpu(
+                    cpu_k, cpu_v, host_k, host_v, 0, slots0, num_threads=args.threads, nontemporal=nt
+                ),
+                reps=10,
+            )
             out["cpu_scatter_only_gbps"][f"nontemporal={nt}"] = gbps(2 * ks[0].nbytes, seconds)
     staged.close()
     return out
@@ -269,24 +273,32 @@ def choose_save_path(d2h_16k: dict) -> str:
 
 def print_table(result: dict) -> None:
     c = result["contiguous"]
-    print(f"\n{result['device']}: contiguous 1 GiB H2D {c['h2d_gbps']:.1f} GB/s, D2H {c['d2h_gbps']:.1f} GB/s "
-          "(GB = 1e9 B; % = of contiguous; mm = slowdown of the matmul beside the save)")
-    print(" block | FlashH2D       | memcpy/blk | FlashD2H alone | +matmul        | mm    | direct alone | +matmul"
-          "        | mm")
+    print(
+        f"\n{result['device']}: contiguous 1 GiB H2D {c['h2d_gbps']:.1f} GB/s, D2H {c['d2h_gbps']:.1f} GB/s "
+        "(GB = 1e9 B; % = of contiguous; mm = slowdown of the matmul beside the save)"
+    )
+    print(
+        " block | FlashH2D       | memcpy/blk | FlashD2H alone | +matmul        | mm    | direct alone | +matmul"
+        "        | mm"
+    )
     for h2d, d2h in zip(result["h2d"], result["d2h"]):
         s, d = d2h["staged"], d2h["direct"]
         cells = [
-            f"{h2d['block_kib']:>3}KiB", f"{h2d['flash_h2d_gbps']:5.1f} ({h2d['frac_of_contiguous_h2d']:4.0%})",
+            f"{h2d['block_kib']:>3}KiB",
+            f"{h2d['flash_h2d_gbps']:5.1f} ({h2d['frac_of_contiguous_h2d']:4.0%})",
             f"{h2d['memcpy_per_block_h2d_gbps']:10.1f}",
             f"{s['alone_gbps']:5.1f} ({s['alone_frac_of_contiguous_d2h']:4.0%})  ",
             f"{s['beside_matmul_gbps']:5.1f} ({s['beside_matmul_frac_of_contiguous_d2h']:4.0%})",
-            f"{s['matmul_slowdown']:5.1%}", f"{d['alone_gbps']:12.1f}",
+            f"{s['matmul_slowdown']:5.1%}",
+            f"{d['alone_gbps']:12.1f}",
             f"{d['beside_matmul_gbps']:5.1f} ({d['beside_matmul_frac_of_contiguous_d2h']:4.0%})",
             f"{d['matmul_slowdown']:5.1%}",
         ]
         print(" " + " | ".join(cells))
-    print(f"SMs taken: staged {result['summary']['save_path_sms']['staged']}, "
-          f"direct {result['summary']['save_path_sms']['direct']}")
+    print(
+        f"SMs taken: staged {result['summary']['save_path_sms']['staged']}, "
+        f"direct {result['summary']['save_path_sms']['direct']}"
+    )
     print("summary:", json.dumps(result["summary"], indent=1))
 
 
@@ -296,7 +308,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=default_num_threads(), help="FlashD2H scatter threads")
     p.add_argument("--buffers", type=int, default=4, help="FlashD2H staging buffers")
     p.add_argument("--direct-ctas", type=int, default=16, help="grid of the direct-write kernel")
-    p.add_argument("--commit", default=None, help="recorded commit (default: $SPARSE_SGLANG_COMMIT, else git HEAD of this checkout)")
+    p.add_argument(
+        "--commit",
+        default=None,
+        help="recorded commit (default: $SPARSE_SGLANG_COMMIT, else git HEAD of this checkout)",
+    )
     args = p.parse_args(argv)
     began = time.perf_counter()
     torch.manual_seed(0)
@@ -340,10 +356,19 @@ def main(argv: list[str] | None = None) -> dict:
         "commit": args.commit or git_commit(),
         "date": date,
         "command": shlex.join(sys.orig_argv),
-        "config": {"dtype": str(DTYPE), "kv_heads": HEADS, "head_dim": HEAD_DIM, "blocks": NUM_BLOCKS,
-                   "h2d_layers": H2D_LAYERS, "save_layers": SAVE_LAYERS, "host_store_bytes_per_kv": ARENA,
-                   "threads": args.threads, "buffers": args.buffers, "direct_ctas": args.direct_ctas,
-                   "gb": 1e9},  # fmt: skip
+        "config": {
+            "dtype": str(DTYPE),
+            "kv_heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "blocks": NUM_BLOCKS,
+            "h2d_layers": H2D_LAYERS,
+            "save_layers": SAVE_LAYERS,
+            "host_store_bytes_per_kv": ARENA,
+            "threads": args.threads,
+            "buffers": args.buffers,
+            "direct_ctas": args.direct_ctas,
+            "gb": 1e9,
+        },  # fmt: skip
         "compile_s": compiled,
         "contiguous": contiguous,
         "matmul": {"size": 8192, "dtype": "bfloat16", "alone_ms": matmul.seconds * 1e3, "per_window": matmul.count},

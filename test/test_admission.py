@@ -105,11 +105,20 @@ def test_refuses_what_never_fits_the_host_and_defers_what_fits_later():
     policy = AdmissionPolicy(100, host_total_pages=50)
     queue = [wait("huge", 2, 10, 51), wait("later", 3, 10, 40), wait("next", 4, 1, 1)]
     d = policy.decide([run("a", 1, 10)], queue, host_free_pages=30)
-    assert list(d.refuse) == ["huge"] and "51 host KV pages" in d.refuse["huge"] and "--sparse-host-cache-gb" in d.refuse["huge"]
+    assert (
+        list(d.refuse) == ["huge"]
+        and "51 host KV pages" in d.refuse["huge"]
+        and "--sparse-host-cache-gb" in d.refuse["huge"]
+    )
     assert d.defer == ["later", "next"] and d.admit == []  # "next" fits but must not overtake "later"
     d = policy.decide([run("a", 1, 10)], [wait("later", 3, 10, 40), wait("next", 4, 1, 1)], host_free_pages=45)
     assert d.admit == ["later", "next"] and d.defer == []
-    assert policy.stats.refused == 1 and policy.stats.deferred == 2 and policy.stats.admitted == 2 and policy.stats.rounds == 2
+    assert (
+        policy.stats.refused == 1
+        and policy.stats.deferred == 2
+        and policy.stats.admitted == 2
+        and policy.stats.rounds == 2
+    )
 
 
 def test_decisions_obey_the_rules_on_random_inputs():
@@ -119,7 +128,9 @@ def test_decisions_obey_the_rules_on_random_inputs():
         policy = AdmissionPolicy(budget, host_total)
         arrivals = rng.sample(range(1000), 12)
         running = [run(f"r{i}", arrivals[i], rng.randint(0, 80)) for i in range(rng.randint(0, 6))]
-        waiting = [wait(f"w{i}", arrivals[6 + i], rng.randint(0, 80), rng.randint(0, 120)) for i in range(rng.randint(0, 6))]
+        waiting = [
+            wait(f"w{i}", arrivals[6 + i], rng.randint(0, 80), rng.randint(0, 120)) for i in range(rng.randint(0, 6))
+        ]
         host_free = rng.randint(0, host_total)
         d = policy.decide(running, waiting, host_free)
         ws = {x.rid: x.working_set_pages for x in running + waiting}
@@ -177,7 +188,10 @@ def test_a_long_request_behind_a_stream_of_short_ones(policy_name):
         else:
             admitted = greedy_decide(budget, reqs, waiting)
         for w in [w for w in waiting if w.rid in admitted]:
-            running[w.rid] = (run(w.rid, w.arrival, w.working_set_pages), step + (50 if w.rid == "long" else short_steps))
+            running[w.rid] = (
+                run(w.rid, w.arrival, w.working_set_pages),
+                step + (50 if w.rid == "long" else short_steps),
+            )
             if w.rid == "long":
                 long_started = step
         waiting = [w for w in waiting if w.rid not in admitted]
@@ -245,7 +259,9 @@ def test_queued_aborts_follow_sglangs_rid_prefix_rule():
     from sparse_sglang.integration.admission import queued_aborts
 
     queue = [SimpleNamespace(rid=rid) for rid in ("a-1", "a-2", "b-1")]
-    assert queued_aborts(queue, AbortReq(rid="a-")) == ["a-1", "a-2"] and queued_aborts(queue, AbortReq(rid="b-1")) == ["b-1"]
+    assert queued_aborts(queue, AbortReq(rid="a-")) == ["a-1", "a-2"] and queued_aborts(queue, AbortReq(rid="b-1")) == [
+        "b-1"
+    ]
     assert queued_aborts(queue, AbortReq(rid="c")) == [] and len(queued_aborts(queue, AbortReq(abort_all=True))) == 3
 
 
@@ -266,7 +282,9 @@ def test_prefill_adder_defers_a_request_the_gate_does_not_admit():
     gate, saved = Refusing(), WorkingSetGate.current
     WorkingSetGate.current = gate
     try:
-        adder = SimpleNamespace(running_batch=SimpleNamespace(reqs=[SimpleNamespace(req_pool_idx=3)]), can_run_list=[object()])
+        adder = SimpleNamespace(
+            running_batch=SimpleNamespace(reqs=[SimpleNamespace(req_pool_idx=3)]), can_run_list=[object()]
+        )
         assert PrefillAdder.add_one_req(adder, SimpleNamespace(rid="r7"), False, None) == AddReqResult.OTHER
         assert gate.asked == ([3], 1, "r7")
     finally:
@@ -287,8 +305,13 @@ def test_record_step_is_the_per_layer_record_of_a_whole_step():
         assert by_step.published() == dict(zip([0, 2], by_step.sizes(torch.tensor([0, 2])).tolist()))
     assert by_layer.sizes().tolist() == by_step.sizes().tolist()
     assert by_step.sizes(num_pages=4).tolist() == [
-        sum(len({p for p in by_step.ring[r, :, layer, head].flatten().tolist() if 0 <= p < 4})
-            for layer in range(3) for head in range(2)) for r in range(4)]  # ids past num_pages count as none
+        sum(
+            len({p for p in by_step.ring[r, :, layer, head].flatten().tolist() if 0 <= p < 4})
+            for layer in range(3)
+            for head in range(2)
+        )
+        for r in range(4)
+    ]  # ids past num_pages count as none
 
 
 def test_gate_with_tracker_retracts_while_true_working_sets_overflow_and_readmits_by_the_remembered_set():
@@ -334,7 +357,9 @@ def test_sglangs_retraction_loop_retracts_until_the_working_sets_fit():
         release_req=lambda idx, remaining, args: released.append(reqs[idx].rid),
         filter_batch=lambda keep_indices: batch.__setattr__("reqs", [reqs[i] for i in keep_indices]),
     )  # fmt: skip
-    batch.new_tokens_required_next_decode = lambda selected_indices=None: ScheduleBatch.new_tokens_required_next_decode(batch, selected_indices)
+    batch.new_tokens_required_next_decode = lambda selected_indices=None: ScheduleBatch.new_tokens_required_next_decode(
+        batch, selected_indices
+    )
     batch.check_decode_mem = lambda selected_indices=None: ScheduleBatch.check_decode_mem(batch, selected_indices)
     saved, WorkingSetGate.current = WorkingSetGate.current, gate
     try:

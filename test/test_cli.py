@@ -26,10 +26,30 @@ def model_dir(tmp_path_factory):
 
 def test_sglang_and_sparse_flags_together(model_dir):
     args = prepare_server_args(
-        ["--model-path", model_dir, *CPU, "--load-format", "dummy", "--skip-tokenizer-init",
-         "--max-total-tokens", "163840", "--chunked-prefill-size", "8192", "--port", "31234",
-         "--sparse-token-budget", "1024", "--sparse-selector", "arkvale", "--sparse-page-size", "16",
-         "--sparse-host-cache-gb", "1.5", "--sparse-enabled", "on"]
+        [
+            "--model-path",
+            model_dir,
+            *CPU,
+            "--load-format",
+            "dummy",
+            "--skip-tokenizer-init",
+            "--max-total-tokens",
+            "163840",
+            "--chunked-prefill-size",
+            "8192",
+            "--port",
+            "31234",
+            "--sparse-token-budget",
+            "1024",
+            "--sparse-selector",
+            "arkvale",
+            "--sparse-page-size",
+            "16",
+            "--sparse-host-cache-gb",
+            "1.5",
+            "--sparse-enabled",
+            "on",
+        ]
     )
     assert isinstance(args, SparseServerArgs)
     assert (args.max_total_tokens, args.chunked_prefill_size, args.port) == (163840, 8192, 31234)
@@ -78,14 +98,18 @@ def test_a_budget_too_wide_for_graph_decode_decodes_eagerly_and_says_so(model_di
 
 
 def test_sparse_off_leaves_attention_backend_to_sglang(model_dir):
-    args = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-enabled", "false",
-                                "--attention-backend", "triton"])
+    args = prepare_server_args(
+        ["--model-path", model_dir, *CPU, "--sparse-enabled", "false", "--attention-backend", "triton"]
+    )
     assert args.sparse.enabled is False
     assert args.attention_backend == "triton"
 
 
 def test_explicit_sparse_backend_accepted(model_dir):
-    assert prepare_server_args(["--model-path", model_dir, *CPU, "--attention-backend", "sparse"]).attention_backend == "sparse"
+    assert (
+        prepare_server_args(["--model-path", model_dir, *CPU, "--attention-backend", "sparse"]).attention_backend
+        == "sparse"
+    )
 
 
 def test_server_args_survive_the_spawn_pickle(model_dir):
@@ -105,10 +129,22 @@ def test_config_file_carries_sparse_flags(model_dir, tmp_path):
 
 def test_help_lists_sglang_and_sparse_flags():
     text = build_parser().format_help()
-    for flag in ("--model-path", "--max-total-tokens", "--chunked-prefill-size", "--attention-backend",
-                 "--sparse-enabled", "--sparse-page-size", "--sparse-token-budget", "--sparse-selector",
-                 "--sparse-sink-pages", "--sparse-recent-pages", "--sparse-working-set-window",
-                 "--sparse-gpu-cache-gb", "--sparse-host-cache-gb", "--sparse-max-inject-tokens"):
+    for flag in (
+        "--model-path",
+        "--max-total-tokens",
+        "--chunked-prefill-size",
+        "--attention-backend",
+        "--sparse-enabled",
+        "--sparse-page-size",
+        "--sparse-token-budget",
+        "--sparse-selector",
+        "--sparse-sink-pages",
+        "--sparse-recent-pages",
+        "--sparse-working-set-window",
+        "--sparse-gpu-cache-gb",
+        "--sparse-host-cache-gb",
+        "--sparse-max-inject-tokens",
+    ):
         assert flag in text, flag
 
 
@@ -152,8 +188,9 @@ def test_missing_default_model_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def _run_entry(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sparse_sglang.launch_server", *argv],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sparse_sglang.launch_server", *argv], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_real_entry_bad_flag_exits_2_with_one_line():
@@ -182,9 +219,9 @@ def test_server_args_built_in_code_route_the_same_way(model_dir):
 
 
 def test_engine_is_sglangs_engine_with_our_args_and_scheduler():
-    import sparse_sglang
     from sglang.srt.entrypoints.engine import Engine as SGLangEngine
 
+    import sparse_sglang
     from sparse_sglang.integration.scheduler_process import run_scheduler_process
 
     assert issubclass(sparse_sglang.Engine, SGLangEngine)

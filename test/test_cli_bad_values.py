@@ -33,7 +33,9 @@ non_finite = st.sampled_from(["nan", "NaN", "-nan", "inf", "-inf", "+inf", "Infi
 negative_int = st.integers(max_value=-1).map(str)
 past_int32 = st.integers(min_value=INT32_MAX + 1, max_value=10**30).map(str)
 fraction = st.floats(allow_nan=False, allow_infinity=False).filter(lambda x: not x.is_integer()).map(repr)
-not_positive = st.one_of(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), st.integers(max_value=0)).map(str)
+not_positive = st.one_of(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), st.integers(max_value=0)).map(
+    str
+)
 
 
 def _is_number(text: str) -> bool:

@@ -43,7 +43,9 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
 
 
-@pytest.mark.parametrize("dtype,bound_format", [(torch.bfloat16, "int8"), (torch.bfloat16, "exact"), (torch.float8_e4m3fn, "auto")])
+@pytest.mark.parametrize(
+    "dtype,bound_format", [(torch.bfloat16, "int8"), (torch.bfloat16, "exact"), (torch.float8_e4m3fn, "auto")]
+)
 def test_build_kernel_equals_the_reference_and_builds_each_super_page_once(dtype, bound_format):
     ref, got = filled_summaries(dtype, bound_format), filled_summaries(dtype, bound_format)
     host, num_pages = request_pages()
@@ -132,7 +134,9 @@ def test_candidate_score_kernel_equals_the_reference(selector, group_reduce, reu
         assert torch.equal(w == -math.inf, g == -math.inf) and torch.equal(w == math.inf, g == math.inf)
         finite = w.isfinite()
         torch.testing.assert_close(g[finite], w[finite], rtol=1e-5, atol=1e-4)
-    assert (want[0, 0, :30].isfinite().sum() + (want[0, 0, :30] == math.inf).sum()) == 3 * S + 2  # 3 supers + pages 28, 29
+    assert (
+        want[0, 0, :30].isfinite().sum() + (want[0, 0, :30] == math.inf).sum()
+    ) == 3 * S + 2  # 3 supers + pages 28, 29
 
 
 def test_config_and_memory_of_coarse_selection():
@@ -149,8 +153,12 @@ def test_config_and_memory_of_coarse_selection():
         SparseConfig(host_cache_gb=1.0, coarse_min_pages=-1)
     for bound_format in ("int8", "exact"):
         plain = PageSummaries(3, 2, 100, 32, 64, torch.bfloat16, with_mean=False, bound_format=bound_format)
-        coarse = PageSummaries(3, 2, 100, 32, 64, torch.bfloat16, with_mean=False, bound_format=bound_format, coarse_pages=8)
+        coarse = PageSummaries(
+            3, 2, 100, 32, 64, torch.bfloat16, with_mean=False, bound_format=bound_format, coarse_pages=8
+        )
         for summ, pages in ((plain, 0), (coarse, 8)):
-            want = fixed_gpu_bytes(100, 3, 2, 64, torch.bfloat16, 0, with_mean=False, bound_format=bound_format, coarse_pages=pages)[0]
+            want = fixed_gpu_bytes(
+                100, 3, 2, 64, torch.bfloat16, 0, with_mean=False, bound_format=bound_format, coarse_pages=pages
+            )[0]
             assert summ.nbytes == want
         assert coarse.nbytes > 1.9 * plain.nbytes

@@ -20,7 +20,11 @@ def test_steps_run_from_one_graph_launch_to_the_next_and_sum_kernels_by_family()
     assert p["steps"] == 2
     assert p["wall_ms"] == pytest.approx(1.5)  # median of 1.0 and 2.0 ms
     assert p["gpu_busy_ms"] == pytest.approx(0.4)  # 0.4 and 0.4 ms
-    assert p["sparse_score_ms"] == pytest.approx(0.2) and p["gemm_ms"] == pytest.approx(0.15) and p["other_ms"] == pytest.approx(0.05)
+    assert (
+        p["sparse_score_ms"] == pytest.approx(0.2)
+        and p["gemm_ms"] == pytest.approx(0.15)
+        and p["other_ms"] == pytest.approx(0.05)
+    )
     assert p["mean"]["wall_ms"] == pytest.approx(1.5) and p["mean"]["other_ms"] == pytest.approx(0.05)
     assert [round(x["wall_ms"], 3) for x in p["per_step"]] == [1.0, 2.0]
     assert family("BatchDecodeWithPagedKVCacheKernel") == "flashinfer_decode" and family("x") == "other"

@@ -60,4 +60,4 @@ def test_converts_once_into_a_working_bf16_model(cache):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])

@@ -97,14 +97,22 @@ def _container_engine() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_container_engine() is None, reason="no container engine that can build (docker daemon or podman) with SGLang's image")
+@pytest.mark.skipif(
+    _container_engine() is None,
+    reason="no container engine that can build (docker daemon or podman) with SGLang's image",
+)
 def test_image_builds_and_its_entrypoint_answers_help():
     """Build the image the README's way (pulls SGLang's image of the pinned release) and run the
     entry point's ``--help`` in it: the launcher imports and lists the ``--sparse-*`` flags."""
     import subprocess
 
     engine, root = _container_engine(), DOCKER.parent
-    subprocess.run([engine, "build", "-f", "docker/Dockerfile", "-t", "sparse-sglang:test", "."], cwd=root, check=True, timeout=3600)
+    subprocess.run(
+        [engine, "build", "-f", "docker/Dockerfile", "-t", "sparse-sglang:test", "."],
+        cwd=root,
+        check=True,
+        timeout=3600,
+    )
     help_text = subprocess.run([engine, "run", "--rm", "sparse-sglang:test", "--help"], capture_output=True, text=True,
                                check=True, timeout=600).stdout  # fmt: skip
     assert "--sparse-token-budget" in help_text and "--model-path" in help_text

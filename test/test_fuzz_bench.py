@@ -41,7 +41,9 @@ def test_every_route_and_kind_is_generated(cases):
         assert {c.route for c in cases if c.kind == kind} == set(ROUTES), kind
     bodies = [c.body for c in cases if c.kind == "non_finite"]
     assert any(b"NaN" in b for b in bodies) and any(b"Infinity" in b for b in bodies)  # JSON's non-finite literals
-    assert all(_parse(c.body) is None for c in cases if c.kind == "malformed_json" and c.body not in (b"[]", b"5", b'"text"'))
+    assert all(
+        _parse(c.body) is None for c in cases if c.kind == "malformed_json" and c.body not in (b"[]", b"5", b'"text"')
+    )
 
 
 def _parse(body: bytes):

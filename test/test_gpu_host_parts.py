@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("gpu_host_parts", Path(__file__).resolve().parents[1] / "tools" / "gpu_host_parts.py")
+spec = importlib.util.spec_from_file_location(
+    "gpu_host_parts", Path(__file__).resolve().parents[1] / "tools" / "gpu_host_parts.py"
+)
 gpu_host_parts = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_host_parts)
 

@@ -183,9 +183,13 @@ def test_a_prompt_over_the_host_store_is_refused_naming_the_flag():
     message = scheduler.validate_input_length(req, 98266, False)
     assert message.startswith("Input length (98300 tokens) exceeds the maximum allowed length (98266 tokens).")
     assert "host KV store holds 98272 tokens (--sparse-host-cache-gb 1.5)" in message
-    assert scheduler.validate_input_length(Req("short", "", array("q", [7] * 100), SamplingParams()), 98266, False) is None
+    assert (
+        scheduler.validate_input_length(Req("short", "", array("q", [7] * 100), SamplingParams()), 98266, False) is None
+    )
     input_length.note_host_store(1_000_000, 80.0, 131072)  # the context is the limit
-    assert "sparse" not in scheduler.validate_input_length(Req("ctx", "", array("q", [7] * 131100), SamplingParams()), 131066, False)
+    assert "sparse" not in scheduler.validate_input_length(
+        Req("ctx", "", array("q", [7] * 131100), SamplingParams()), 131066, False
+    )
 
 
 def test_fp8_kv_scales_come_from_a_checkpoint_or_quantization_param_path():
@@ -234,13 +238,12 @@ def test_a_request_the_scheduler_fails_on_fails_alone(monkeypatch):
     with an abort naming the error, and what the failed call had queued is taken back."""
     import types
 
+    import sglang.srt.managers.schedule_batch as schedule_batch
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     from sparse_sglang.integration.request_intake import patch_handle_generate_request
-
-    import sglang.srt.managers.schedule_batch as schedule_batch
 
     patch_handle_generate_request()
     monkeypatch.setattr(schedule_batch, "get_parallel", lambda: types.SimpleNamespace(tp_rank=0))  # no TP group on CPU

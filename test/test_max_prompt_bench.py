@@ -14,7 +14,11 @@ def test_the_ladder_brackets_the_pool_then_reaches_the_context():
 
 
 def test_longest_is_the_last_answered_before_a_refusal():
-    tries = [{"prompt_tokens": 100, "ok": True}, {"prompt_tokens": 200, "ok": True}, {"prompt_tokens": 400, "ok": False}]
+    tries = [
+        {"prompt_tokens": 100, "ok": True},
+        {"prompt_tokens": 200, "ok": True},
+        {"prompt_tokens": 400, "ok": False},
+    ]
     assert longest(tries) == 200 and longest([{"prompt_tokens": 5, "ok": False}]) == 0
 
 

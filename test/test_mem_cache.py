@@ -46,7 +46,7 @@ def test_allocator_random_operations_keep_refcounts_and_free_every_page_once():
             assert held.pop(p) == 0
             freed[p] = freed.get(p, 0) + 1
 
-    for step in range(400):
+    for _ in range(400):
         op = rng.choice(["alloc", "share", "finish", "abort"])
         if op == "alloc":
             rid, n = rng.randrange(8), rng.randrange(6)
@@ -157,7 +157,9 @@ class BruteSummaries:
             assert summ.count[layer, page] == rows.shape[0]
             if rows.shape[0] == 0:
                 lo, hi = summ.empty_bounds
-                assert (summ.kmin[layer, :, page].float() == lo).all() and (summ.kmax[layer, :, page].float() == hi).all()
+                assert (summ.kmin[layer, :, page].float() == lo).all() and (
+                    summ.kmax[layer, :, page].float() == hi
+                ).all()
                 assert (summ.mean[layer, :, page] == 0).all()
                 continue
             assert torch.equal(summ.kmin[layer, :, page].float(), rows.amin(0))  # exact
@@ -216,7 +218,11 @@ def test_summaries_of_a_reused_page_start_over_at_its_offset_0_token():
     summ.update(0, torch.full((4, 1, 2), 9.0).to(torch.bfloat16), torch.arange(4, 8))  # page 1, old owner
     k = torch.tensor([[[1.0, -1.0]], [[3.0, 1.0]]]).to(torch.bfloat16)
     summ.update(0, k, torch.tensor([5, 4]))  # new owner: offsets 1 and 0 (page freed without reset)
-    assert summ.count[0, 1] == 2 and summ.kmax[0, 0, 1].tolist() == [3.0, 1.0] and summ.kmin[0, 0, 1].tolist() == [1.0, -1.0]
+    assert (
+        summ.count[0, 1] == 2
+        and summ.kmax[0, 0, 1].tolist() == [3.0, 1.0]
+        and summ.kmin[0, 0, 1].tolist() == [1.0, -1.0]
+    )
     assert summ.mean[0, 0, 1].tolist() == [2.0, 0.0]
 
 
@@ -288,7 +294,7 @@ def test_page_table_random_operations_match_dict_and_memory_tracks_mapped_pages(
     sizes = [0] * reqs
     everything = torch.cartesian_prod(*(torch.arange(n) for n in (reqs, layers, heads, max_pages)))
 
-    for step in range(300):
+    for _ in range(300):
         op = rng.choice(["resize", "assign", "assign", "invalidate"])
         r = rng.randrange(reqs)
         if op == "resize":
@@ -379,7 +385,9 @@ def test_gpu_cache_rows_open_close_and_refuse_when_full():
     assert len(set(rows.view(-1).tolist())) == 32 and (cache.rows[0] == -1).all()
     assert cache.write_allocate(1, 0, 6) == 4  # the row holds 4 pages per layer and head
     assert cache.write_allocate(1, 4, 1) == 0
-    assert torch.equal(cache.page_table.lookup(1, 1, 1, torch.arange(5)), torch.cat([rows[0, 1, 1], torch.tensor([-1])]).int())
+    assert torch.equal(
+        cache.page_table.lookup(1, 1, 1, torch.arange(5)), torch.cat([rows[0, 1, 1], torch.tensor([-1])]).int()
+    )
     cache.close_request(1)
     assert cache.num_free == 19 and (cache.rows[1] == -1).all() and (cache.slot_page == -1).all()
     assert cache.page_table.segments_in_use == 0  # request 2 holds no pages yet
@@ -448,7 +456,9 @@ def test_gpu_cache_random_operations_keep_table_rows_and_blocks_consistent(elast
                     for p, slot in enumerate(slots.tolist()):
                         if slot >= 0:
                             assert slot in row and int(cache.slot_page[slot]) == p, (r, layer, head, p)
-                            assert torch.equal(cache.k[slot].view(torch.uint8), host.k[layer, head, host_page(r, p)].view(torch.uint8))
+                            assert torch.equal(
+                                cache.k[slot].view(torch.uint8), host.k[layer, head, host_page(r, p)].view(torch.uint8)
+                            )
                     for slot in row:
                         p = int(cache.slot_page[slot])
                         if p >= 0:
@@ -502,7 +512,9 @@ def test_elastic_rows_grow_into_free_slots_and_give_back_their_least_recently_us
     for page in range(6):  # fill request 1's rows: page p last used at step p + 1
         cache.next_step()
         for layer in range(2):
-            retrieve_reference(cache, layer, torch.tensor([1]), torch.full((1, 2, 1), page), torch.arange(12).view(1, -1), no_load, 12)
+            retrieve_reference(
+                cache, layer, torch.tensor([1]), torch.full((1, 2, 1), page), torch.arange(12).view(1, -1), no_load, 12
+            )
     cache.open_request(2, 12)
     assert (cache.width(1), cache.width(2), cache.num_free) == (6, 6, 0)
     cache.open_request(3, 12)  # a third of the pool each: requests 1 and 2 give back 2 columns
@@ -528,7 +540,9 @@ def test_elastic_rows_grow_into_free_slots_and_give_back_their_least_recently_us
     # Misses go to the grown (empty) columns first; the pages request 1 kept stay cached.
     cache.next_step()
     kept = cache.page_table.lookup(1, 0, 0, torch.arange(12))
-    slots = retrieve_reference(cache, 0, torch.tensor([1]), torch.tensor([[[10], [10]]]), torch.arange(12).view(1, -1), no_load, 12)
+    slots = retrieve_reference(
+        cache, 0, torch.tensor([1]), torch.tensor([[[10], [10]]]), torch.arange(12).view(1, -1), no_load, 12
+    )
     assert int(slots[0, 0, 0]) in cache.rows[1, 0, 0, 2:].tolist()  # it had shrunk to 2 columns
     assert kept[4] >= 0 and kept[5] >= 0  # its two most recently used pages
     assert torch.equal(cache.page_table.lookup(1, 0, 0, torch.arange(10)), kept[:10])
@@ -536,8 +550,12 @@ def test_elastic_rows_grow_into_free_slots_and_give_back_their_least_recently_us
 
 def host_with_pages(layers, heads, pages, page_size, dim, dtype, gen):
     host = HostKVPool(layers, heads, pages, page_size, dim, dtype, pin=False)
-    host.k.view(torch.uint8).copy_(torch.randint(0, 256, host.k.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))
-    host.v.view(torch.uint8).copy_(torch.randint(0, 256, host.v.view(torch.uint8).shape, generator=gen, dtype=torch.uint8))
+    host.k.view(torch.uint8).copy_(
+        torch.randint(0, 256, host.k.view(torch.uint8).shape, generator=gen, dtype=torch.uint8)
+    )
+    host.v.view(torch.uint8).copy_(
+        torch.randint(0, 256, host.v.view(torch.uint8).shape, generator=gen, dtype=torch.uint8)
+    )
     return host
 
 
@@ -561,7 +579,7 @@ def test_gpu_cache_retrieve_loads_misses_into_lru_victims_like_a_per_row_lru(dty
         loads.append(int((dst >= 0).sum()))
         gather_blocks_reference(host.k, host.v, cache.k, cache.v, src, dst)
 
-    model = {(b, l, h): [] for b in range(2) for l in range(layers) for h in range(heads)}  # LRU lists
+    model = {(b, layer, h): [] for b in range(2) for layer in range(layers) for h in range(heads)}  # LRU lists
     selected = loaded = 0
     last_use = {}  # (request, layer, head, page) -> step
     for step in range(1, 41):  # the cache's step counter after next_step()
@@ -578,7 +596,9 @@ def test_gpu_cache_retrieve_loads_misses_into_lru_victims_like_a_per_row_lru(dty
                     missing = [p for p in chosen if p not in lru]
                     expected_misses += len(missing)
                     hits = [p for p in lru if p in chosen]
-                    kept = [p for p in lru if p not in chosen][len(missing) - (width - len(lru)) if len(lru) + len(missing) > width else 0:]
+                    kept = [p for p in lru if p not in chosen][
+                        len(missing) - (width - len(lru)) if len(lru) + len(missing) > width else 0 :
+                    ]
                     model[b, layer, h] = kept + hits + missing
             slots = retrieve_reference(cache, layer, req_slots, page_ids, host_pages, load, host.num_pages)
             for b, h, j in (page_ids >= 0).nonzero().tolist():
@@ -623,7 +643,9 @@ def test_reselect_interval_reuses_cached_pages_between_full_selections():
         assert torch.equal(held[0], want_held)
         scores = torch.randn(1, heads, 32, generator=gen)
         sel = select_pages(keep_cached(scores, held, due), num_pages, budget, sink, recent).page_ids
-        retrieve_reference(cache, 0, req, sel, host_pages, lambda src, dst: loads.append(int((dst >= 0).sum())), host.num_pages)
+        retrieve_reference(
+            cache, 0, req, sel, host_pages, lambda src, dst: loads.append(int((dst >= 0).sum())), host.num_pages
+        )
         if due.item():
             assert torch.equal(sel, select_pages(scores, num_pages, budget, sink, recent).page_ids)
             continue
@@ -710,7 +732,10 @@ def test_int8_bounds_hold_every_key_as_pages_fill_token_by_token():
     int8 = PageSummaries(layers, heads, pages, page_size, dim, torch.bfloat16, bound_format="auto", with_mean=False)
     exact = PageSummaries(layers, heads, pages, page_size, dim, torch.bfloat16, with_mean=False)
     assert int8.kmin.dtype == torch.int8 and int8.nbytes < exact.nbytes
-    keys = (torch.randn(pages * page_size, heads, dim, generator=gen) * torch.linspace(0.01, 50, pages * page_size).view(-1, 1, 1)).bfloat16()
+    keys = (
+        torch.randn(pages * page_size, heads, dim, generator=gen)
+        * torch.linspace(0.01, 50, pages * page_size).view(-1, 1, 1)
+    ).bfloat16()
     for t in range(3 * page_size):  # pages 0-2, token by token (magnitudes grow: scales change)
         for summ in (int8, exact):
             summ.update(0, keys[t : t + 1], torch.tensor([t]))
@@ -720,7 +745,9 @@ def test_int8_bounds_hold_every_key_as_pages_fill_token_by_token():
     true_lo, true_hi = exact.bounds(0)
     assert torch.equal(true_lo, keys.float().view(pages, page_size, heads, dim).amin(1).transpose(0, 1))
     assert (lo <= true_lo).all() and (hi >= true_hi).all()
-    level = torch.ldexp(torch.ones(int8.bound_exp[0].shape), int8.bound_exp[0].int()).unsqueeze(-1)  # one level of each page
+    level = torch.ldexp(torch.ones(int8.bound_exp[0].shape), int8.bound_exp[0].int()).unsqueeze(
+        -1
+    )  # one level of each page
     assert ((true_lo - lo) <= 2 * level).all() and ((hi - true_hi) <= 2 * level).all()
     assert (int8.kmax[0].int().abs() <= 127).all() and (int8.kmin[0].int().abs() <= 127).all()
     small = torch.full((1, heads, dim), 0.5).bfloat16()
@@ -746,4 +773,6 @@ def test_set_bounds_stores_one_layer_exactly_or_rounded_outward(bound_format, dt
     else:
         assert (got_lo <= lo).all() and (got_hi >= hi).all()
     assert torch.equal(summ.count, torch.zeros_like(summ.count)) and (summ.coarse_first == -1).all()  # rebuilt later
-    assert torch.equal(summ.kmin[0].float(), torch.full_like(summ.kmin[0].float(), summ.empty_bounds[0]))  # layer 0 untouched
+    assert torch.equal(
+        summ.kmin[0].float(), torch.full_like(summ.kmin[0].float(), summ.empty_bounds[0])
+    )  # layer 0 untouched

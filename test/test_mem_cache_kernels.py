@@ -21,6 +21,11 @@ from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def loads_into(loads: list):
+    """A ``load`` callback recording each (source, destination) pair into ``loads``."""
+    return lambda src, dst: loads.append((src, dst))
+
+
 def make_cache(num_slots, layers=2, heads=2, page_size=8, dim=16, dtype=torch.bfloat16, width=4, max_pages=24,
                min_width=None, lru=(0, 1)):  # fmt: skip
     return GPUPageCache(num_slots, layers, heads, page_size, dim, dtype, max_requests=4, row_width=width,
@@ -43,7 +48,13 @@ def test_save_runs_split_each_request_at_its_page_boundaries():
         prefix = [rng.randrange(40) for _ in range(4)]
         new = [rng.randrange(30) for _ in range(4)]
         r = SaveRuns.for_extend([0, 1, 2, 3], prefix, new, page_size=8, device="cpu")
-        got = [(int(q), p * 8 + o + i) for s, n, q, p, o in zip(*(x.tolist() for x in (r.start, r.length, r.req_slot, r.logical_page, r.page_offset))) for i in range(n)]
+        got = [
+            (int(q), p * 8 + o + i)
+            for s, n, q, p, o in zip(
+                *(x.tolist() for x in (r.start, r.length, r.req_slot, r.logical_page, r.page_offset))
+            )
+            for i in range(n)
+        ]
         assert got == list(zip(r.token_req_slots.tolist(), r.token_positions.tolist()))
         assert all(0 < n <= 8 and o + n <= 8 for n, o in zip(r.length.tolist(), r.page_offset.tolist()))
     decode = SaveRuns.for_decode(torch.tensor([2, 0]), torch.tensor([9, 16]), page_size=8)
@@ -81,7 +92,9 @@ def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius,
                 c.resize_request(r, end)
                 c.write_allocate(r, first, end - first)
         pos, req = runs.token_positions, runs.token_req_slots
-        loc = torch.tensor([page_of[r][p // page] * page + p % page for r, p in zip(req.tolist(), pos.tolist())], device=DEVICE)
+        loc = torch.tensor(
+            [page_of[r][p // page] * page + p % page for r, p in zip(req.tolist(), pos.tolist())], device=DEVICE
+        )
         for layer in range(layers):
             k, v = (torch.randn(len(loc), heads, dim, generator=gen) for _ in range(2))
             if dtype.itemsize == 1:  # fp8: keys over e4m3's range, channel 0 an outlier channel (all in 300..448)
@@ -100,8 +113,12 @@ def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius,
         forward({1: 1, 3: 1})
     held = [p for pages in page_of.values() for p in pages]
     for name in ("kmin", "kmax"):
-        assert torch.equal(getattr(summ, name)[..., held, :].float(), getattr(ref_summ, name)[..., held, :].float()), name
-    assert summ.bound_format == ("int8" if bound_format == "int8" or (bound_format == "auto" and dtype.itemsize == 2) else "exact")
+        assert torch.equal(getattr(summ, name)[..., held, :].float(), getattr(ref_summ, name)[..., held, :].float()), (
+            name
+        )
+    assert summ.bound_format == (
+        "int8" if bound_format == "int8" or (bound_format == "auto" and dtype.itemsize == 2) else "exact"
+    )
     if summ.bound_format == "int8":
         assert summ.kmin.dtype == torch.int8 and torch.equal(summ.bound_exp[:, :, held], ref_summ.bound_exp[:, :, held])
     else:
@@ -137,7 +154,9 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
                          lru=lru)  # fmt: skip
     else:
         ref = make_cache(2 * layers * heads * width + 5, layers, heads, page, dim, width=width, max_pages=16, lru=lru)
-    host_pages = torch.tensor([[3 + i for i in range(16)], [30 + i for i in range(16)]], device=DEVICE, dtype=torch.int32)
+    host_pages = torch.tensor(
+        [[3 + i for i in range(16)], [30 + i for i in range(16)]], device=DEVICE, dtype=torch.int32
+    )
     req_slots = torch.tensor([2, 1], device=DEVICE)
     for r in req_slots.tolist():
         ref.open_request(r, 16)
@@ -165,11 +184,13 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
             ascending = page_ids.sort(dim=-1).values
             ref_ids = torch.where(ascending < num_pages.view(-1, 1, 1), ascending, -1)
             loads = []
-            slots = retrieve_reference(ref, layer, req_slots, ref_ids, host_pages, lambda s, d: loads.append((s, d)), 50)
+            slots = retrieve_reference(ref, layer, req_slots, ref_ids, host_pages, loads_into(loads), 50)
             indices = torch.full((int(indptr[-1]),), -7, dtype=torch.int32, device=DEVICE)
             miss_src = torch.empty(2 * heads * k_sel, dtype=torch.int64, device=DEVICE)
             miss_dst = torch.empty_like(miss_src)
-            retrieve_pages(cache.view, layer, req_slots, page_ids, num_pages, host_pages, 50, indptr, indices, miss_src, miss_dst)
+            retrieve_pages(
+                cache.view, layer, req_slots, page_ids, num_pages, host_pages, 50, indptr, indices, miss_src, miss_dst
+            )
             src, dst = loads[0]
             assert torch.equal(miss_dst, dst.view(-1)), (step, layer)
             assert torch.equal(miss_src[dst.view(-1) >= 0], src.view(-1)[dst.view(-1) >= 0])
@@ -205,7 +226,9 @@ def test_retrieve_pages_leaves_padding_rows_alone():
     miss_dst = torch.empty_like(miss_src)
     retrieve_pages(cache.view, 0, req_slots, page_ids, num_pages, host_pages, 40, indptr, indices, miss_src, miss_dst)
     assert indices[:2].tolist() == [0, 0] and (indices[2:] >= 0).all()  # padding rows, then request 3's slots
-    assert (miss_dst[: heads * width] == -1).all() and (miss_dst[heads * width :] >= 0).sum() == 2 * 4  # 4 misses per head
+    assert (miss_dst[: heads * width] == -1).all() and (
+        miss_dst[heads * width :] >= 0
+    ).sum() == 2 * 4  # 4 misses per head
     changed = cache.slot_page != before["slot_page"]
     assert set(changed.nonzero().view(-1).tolist()) <= set(cache.rows[3].reshape(-1).tolist())
     assert torch.equal(cache.rows, before["rows"])

@@ -24,7 +24,13 @@ import requests
 from benchmark.soak import settled, sparse_state
 from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import save_gpu_test_record
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, generate_ids, greedy_comparison, warm_then_each_alone
+from sparse_sglang.testing.server import (
+    SPARSE_MODULE,
+    ServerProcess,
+    generate_ids,
+    greedy_comparison,
+    warm_then_each_alone,
+)
 
 pytestmark = pytest.mark.gpu
 

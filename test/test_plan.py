@@ -25,7 +25,10 @@ def test_plan_for_the_8b_shape_splits_gpu_memory_into_summaries_cache_and_rows()
     exact, int8 = (plan_memory(SparseConfig(host_cache_gb=16, bound_format=f), gpu_kv_bytes=40 * GIB, **LLAMA8B, **quest)
                    for f in ("exact", "auto"))  # fmt: skip
     pages = exact.shape.num_host_pages + 1
-    assert exact.summary_bytes - int8.summary_bytes == 32 * 8 * pages * (128 * 2 - 1) and int8.cache_bytes > exact.cache_bytes
+    assert (
+        exact.summary_bytes - int8.summary_bytes == 32 * 8 * pages * (128 * 2 - 1)
+        and int8.cache_bytes > exact.cache_bytes
+    )
     assert plan.summary_bytes + plan.cache_bytes + plan.staging_bytes < 40 * GIB
     assert plan.max_running_requests == s.num_slots // (32 * 8 * 80) and s.max_requests == plan.max_running_requests + 1
     assert "requests at once" in plan.describe()
@@ -68,7 +71,9 @@ def test_short_context_models_cache_every_page_of_a_request():
 def test_store_save_updates_host_summaries_and_cached_pages(fused, bound_format):
     plan = plan_memory(SparseConfig(host_cache_gb=0.01, gpu_cache_gb=0.01), gpu_kv_bytes=GIB, num_layers=2,
                        num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, context_len=256)  # fmt: skip
-    store = SparseKVStore(plan.shape, "cpu", fused=fused, bound_format=bound_format)  # fused on CPU: Triton's interpreter
+    store = SparseKVStore(
+        plan.shape, "cpu", fused=fused, bound_format=bound_format
+    )  # fused on CPU: Triton's interpreter
     cache = store.cache
     cache.open_request(1, 2)
     cache.write_allocate(1, 0, 1)  # page 0 cached, page 1 host-only

@@ -20,9 +20,13 @@ def test_summary_ratios():
     assert layer == 2 * 1000 * 8 * 128 * 2
     systems = {
         "chunked": {"next_to_decodes": {"ttft_s": 10.0, "tbt_p99_s": 8.0}},
-        "segmented": {"next_to_decodes": {"ttft_s": 9.0, "tbt_p99_s": 0.2},
-                      "peaks": {"long": {"tokens": 1000, "peak_over_before_bytes": 3 * layer, "prefix_staging_bytes": layer},
-                                "chunk": {"tokens": 100, "peak_over_before_bytes": 2 * layer}}},
+        "segmented": {
+            "next_to_decodes": {"ttft_s": 9.0, "tbt_p99_s": 0.2},
+            "peaks": {
+                "long": {"tokens": 1000, "peak_over_before_bytes": 3 * layer, "prefix_staging_bytes": layer},
+                "chunk": {"tokens": 100, "peak_over_before_bytes": 2 * layer},
+            },
+        },
     }
     s = summarize(systems, 1000)
     assert s["ttft_ratio_vs_chunked"] == pytest.approx(0.9) and s["tbt_ratio_vs_chunked"] == pytest.approx(0.025)

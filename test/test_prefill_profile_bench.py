@@ -30,5 +30,8 @@ def test_profile_sums_families_and_spans_the_gpu_operations():
     assert p["kv_save_ms"] == 0.5 and p["other_ms"] == 1.0
     assert family("BatchPrefillWithPagedKVCacheKernel<...>") == "prefix_attention"
     fa3 = "void cutlass::device_kernel<flashinfer::FlashAttnFwdSm90<flashinfer::CollectiveMainloop<{}::AdditionalParams"
-    assert family(fa3.format("PagedParams")) == "prefix_attention" and family(fa3.format("RaggedParams")) == "ragged_attention"
+    assert (
+        family(fa3.format("PagedParams")) == "prefix_attention"
+        and family(fa3.format("RaggedParams")) == "ragged_attention"
+    )
     assert prefill_profile([op("cudaLaunchKernel", 0, 10, cat="cuda_runtime")]) == {"gpu_ops": 0}

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from sparse_sglang.attention.prefix import PLANNED_PIECES, PrefixAttention
-from sparse_sglang.mem_cache.plan import staging_buffer_pages
 from sparse_sglang.config import SparseConfig
+from sparse_sglang.mem_cache.plan import staging_buffer_pages
 from sparse_sglang.testing.decode_setup import Llama8BShape, make_store
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 quality = pytest.importorskip("benchmark.quality")
 
-from sparse_sglang.default_model import DefaultModelUnavailable
+from sparse_sglang.default_model import DefaultModelUnavailable  # noqa: E402 (after the skips above)
 
 TOKENS = 256
 

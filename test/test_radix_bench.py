@@ -13,7 +13,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.radix import Workload, run_workload, slope, summarize  # noqa: E402
-
 from sparse_sglang.config import GIB  # noqa: E402
 
 
@@ -62,7 +61,9 @@ def test_client_measures_ttft_sharing_and_host_growth_against_a_caching_standin(
         async def main():
             nonlocal stop
             stop = asyncio.Event()
-            async with standin_server([web.post("/generate", generate), web.get("/get_server_info", server_info)]) as url:
+            async with standin_server(
+                [web.post("/generate", generate), web.get("/get_server_info", server_info)]
+            ) as url:
                 box["url"] = url
                 ready.set()
                 await stop.wait()

@@ -66,12 +66,20 @@ def test_prefix_hit_decodes_like_a_cold_request(tmp_path):
         "host_tokens_in_radix_cache": shared.get("host_tokens_in_radix_cache"),
         **leaked,
     }
-    save_gpu_test_record("radix-gpu-test.json", {"args": ARGS, "summary": summary, "output_ids": {
-        "cold": [c["output_ids"] for c in cold], "hit": [h["output_ids"] for h in hit]}})
+    save_gpu_test_record(
+        "radix-gpu-test.json",
+        {
+            "args": ARGS,
+            "summary": summary,
+            "output_ids": {"cold": [c["output_ids"] for c in cold], "hit": [h["output_ids"] for h in hit]},
+        },
+    )
     print(json.dumps(summary))
     full_prefix = PREFIX_TOKENS // PAGE_SIZE * PAGE_SIZE
     assert summary["cached_tokens_cold"] == [0] * QUESTIONS, summary
-    assert summary["cached_tokens_hit"] == [full_prefix] * QUESTIONS, summary  # full pages only: the partial one is recomputed
+    assert summary["cached_tokens_hit"] == [full_prefix] * QUESTIONS, (
+        summary
+    )  # full pages only: the partial one is recomputed
     assert all(summary["greedy_equal"]), summary
     assert summary["output_logprob_max_abs_diff"] <= 0.05, summary
     assert not any(leaked.values()), summary  # nothing leaked, no traceback

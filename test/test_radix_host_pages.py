@@ -63,7 +63,9 @@ class Walk:
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         doc = self.rng.choice(self.docs)
-        ids = doc[: self.rng.randrange(1, len(doc))] + [self.rng.randrange(10, 5000) for _ in range(self.rng.randrange(0, 3 * PAGE))]
+        ids = doc[: self.rng.randrange(1, len(doc))] + [
+            self.rng.randrange(10, 5000) for _ in range(self.rng.randrange(0, 3 * PAGE))
+        ]
         ids = array("q", ids)  # as SGLang's tokenizer manager hands them over
         req = Req(f"r{self.count}", "", ids, SamplingParams())
         self.count += 1

@@ -71,9 +71,17 @@ BAD = [
     ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, "sampling_params.n", "same for every prompt"),
     # sampling parameters: types, NaN and infinities, ranges, int32, unknown and internal fields
     ({"input_ids": PROMPT, "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", "finite number"),
-    ({"input_ids": PROMPT, "sampling_params": {"temperature": math.nan}}, "sampling_params.temperature", "finite number"),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"temperature": math.nan}},
+        "sampling_params.temperature",
+        "finite number",
+    ),
     ({"input_ids": PROMPT, "sampling_params": {"top_p": math.inf}}, "sampling_params.top_p", "finite number"),
-    ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10**12}}, "sampling_params.max_new_tokens", "2147483647"),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10**12}},
+        "sampling_params.max_new_tokens",
+        "2147483647",
+    ),
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1.5}}, "sampling_params.max_new_tokens", "integer"),
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": -3}}, "sampling_params.max_new_tokens", "[0,"),
     ({"input_ids": PROMPT, "sampling_params": {"top_k": True}}, "sampling_params.top_k", "integer"),
@@ -82,22 +90,58 @@ BAD = [
     ({"input_ids": PROMPT, "sampling_params": {"stream_interval": 0}}, "sampling_params.stream_interval", "[1,"),
     ({"input_ids": PROMPT, "sampling_params": {"sampling_seed": -1}}, "sampling_params.sampling_seed", "[0,"),
     ({"input_ids": PROMPT, "sampling_params": {"ignore_eos": "yes"}}, "sampling_params.ignore_eos", "true or false"),
-    ({"input_ids": PROMPT, "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "sampling_params.min_new_tokens", "more than"),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}},
+        "sampling_params.min_new_tokens",
+        "more than",
+    ),
     ({"input_ids": PROMPT, "sampling_params": {"temprature": 0.5}}, "sampling_params.temprature", "unknown"),
     ({"input_ids": PROMPT, "sampling_params": {"is_normalized": True}}, "sampling_params.is_normalized", "unknown"),
     ({"input_ids": PROMPT, "sampling_params": {"stop": [1, 2]}}, "sampling_params.stop", "list of strings"),
-    ({"input_ids": PROMPT, "sampling_params": {"stop_regex": "(unclosed"}}, "sampling_params.stop_regex", "invalid regex"),
-    ({"input_ids": PROMPT, "sampling_params": {"stop_token_ids": [VOCAB]}}, "sampling_params.stop_token_ids", "outside"),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"stop_regex": "(unclosed"}},
+        "sampling_params.stop_regex",
+        "invalid regex",
+    ),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"stop_token_ids": [VOCAB]}},
+        "sampling_params.stop_token_ids",
+        "outside",
+    ),
     ({"input_ids": PROMPT, "sampling_params": {"logit_bias": {"7": math.nan}}}, "sampling_params.logit_bias", "finite"),
-    ({"input_ids": PROMPT, "sampling_params": {"logit_bias": {"abc": 1.0}}}, "sampling_params.logit_bias", "not a token id"),
-    ({"input_ids": PROMPT, "sampling_params": {"logit_bias": {str(VOCAB): 1.0}}}, "sampling_params.logit_bias", "outside"),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"logit_bias": {"abc": 1.0}}},
+        "sampling_params.logit_bias",
+        "not a token id",
+    ),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"logit_bias": {str(VOCAB): 1.0}}},
+        "sampling_params.logit_bias",
+        "outside",
+    ),
     # constrained decoding specs that do not compile
     ({"input_ids": PROMPT, "sampling_params": {"regex": "[a-"}}, "sampling_params.regex", "does not compile"),
-    ({"input_ids": PROMPT, "sampling_params": {"json_schema": '{"type": 5}'}}, "sampling_params.json_schema", "does not compile"),
-    ({"input_ids": PROMPT, "sampling_params": {"json_schema": "not json"}}, "sampling_params.json_schema", "does not compile"),
-    ({"input_ids": PROMPT, "sampling_params": {"json_schema": {"type": "object"}}}, "sampling_params.json_schema", "string"),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"json_schema": '{"type": 5}'}},
+        "sampling_params.json_schema",
+        "does not compile",
+    ),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"json_schema": "not json"}},
+        "sampling_params.json_schema",
+        "does not compile",
+    ),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"json_schema": {"type": "object"}}},
+        "sampling_params.json_schema",
+        "string",
+    ),
     ({"input_ids": PROMPT, "sampling_params": {"ebnf": "root ::= "}}, "sampling_params.ebnf", "does not compile"),
-    ({"input_ids": PROMPT, "sampling_params": {"structural_tag": "[1]"}}, "sampling_params.structural_tag", "JSON object"),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"structural_tag": "[1]"}},
+        "sampling_params.structural_tag",
+        "JSON object",
+    ),
     # logprob arguments
     ({"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": VOCAB + 1}, "top_logprobs_num", "[0, 1000]"),
     ({"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num", "[0, 1000]"),
@@ -126,7 +170,11 @@ def test_native_request_refused_naming_the_field(body, field, reason):
 GOOD = [
     {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
     {"text": "The capital of France is", "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "n": 2}},
-    {"text": ["a", "b"], "sampling_params": [{"stop": ["\n"]}, {"stop": "x", "stop_regex": r"\d+"}], "rid": ["r1", "r2"]},
+    {
+        "text": ["a", "b"],
+        "sampling_params": [{"stop": ["\n"]}, {"stop": "x", "stop_regex": r"\d+"}],
+        "rid": ["r1", "r2"],
+    },
     {"input_ids": [[1, 2], [3, 4]], "return_logprob": True, "top_logprobs_num": 5, "logprob_start_len": 0},
     {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 4, "token_ids_logprob": [0, VOCAB - 1]},
     {"input_ids": PROMPT, "sampling_params": {"regex": "[a-z]+", "max_new_tokens": 0}},
@@ -189,8 +237,11 @@ OPENAI_BAD = [
     (lambda: chat(top_p=math.inf), "sampling_params.top_p", "finite"),
     (lambda: chat(frequency_penalty=math.nan), "sampling_params.frequency_penalty", "finite"),
     (lambda: chat(stop_token_ids=[VOCAB + 1]), "sampling_params.stop_token_ids", "outside"),
-    (lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}),
-     "sampling_params.json_schema", "does not compile"),
+    (
+        lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}),
+        "sampling_params.json_schema",
+        "does not compile",
+    ),
 ]
 
 

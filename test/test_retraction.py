@@ -59,7 +59,11 @@ class Pools:
         (slot,) = self.pool.alloc([req])
         self.pool.req_to_token[slot, :pages] = self.alloc.alloc(pages)
         req.kv, req.kv_committed_len = ReqKvInfo(kv_allocated_len=committed, swa_evicted_seqlen=0), committed
-        req.prefix_indices, req.last_node, req.cache_protected_len = torch.empty(0, dtype=torch.int64), self.tree.root_node, 0
+        req.prefix_indices, req.last_node, req.cache_protected_len = (
+            torch.empty(0, dtype=torch.int64),
+            self.tree.root_node,
+            0,
+        )
         return req
 
     def retract(self, req, sparse: bool) -> None:

@@ -22,7 +22,13 @@ import pytest
 from benchmark.soak import settled, sparse_state
 from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import save_gpu_test_record
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, generate_ids, greedy_comparison, warm_then_each_alone
+from sparse_sglang.testing.server import (
+    SPARSE_MODULE,
+    ServerProcess,
+    generate_ids,
+    greedy_comparison,
+    warm_then_each_alone,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -54,8 +60,15 @@ def test_retracted_requests_resume_from_host_kv_with_the_same_tokens(tmp_path):
         **greedy_comparison(alone, together),
         **leaked,
     }
-    save_gpu_test_record("retraction-gpu-test.json", {"args": ARGS, "env": ENV, "summary": summary, "output_ids": {
-        "alone": [a["output_ids"] for a in alone], "together": [t["output_ids"] for t in together]}})
+    save_gpu_test_record(
+        "retraction-gpu-test.json",
+        {
+            "args": ARGS,
+            "env": ENV,
+            "summary": summary,
+            "output_ids": {"alone": [a["output_ids"] for a in alone], "together": [t["output_ids"] for t in together]},
+        },
+    )
     print(json.dumps(summary))
     assert summary["retractions_alone"] == [0] * PROMPTS, summary
     assert sum(summary["retractions_together"]) > 0, summary

@@ -92,7 +92,9 @@ def test_segmented_prefill_equals_a_normal_one_and_aborts_free_at_once(model_nam
             # A long prompt aborted a moment into its prefill, while the others still decode.
             doomed_reply = pool.submit(generate_ids, url, doomed, NEW_TOKENS, "segmented-abort")
             time.sleep(0.15)
-            abort_status = requests.post(url + "/abort_request", json={"rid": "segmented-abort"}, timeout=30).status_code
+            abort_status = requests.post(
+                url + "/abort_request", json={"rid": "segmented-abort"}, timeout=30
+            ).status_code
             doomed_finish = doomed_reply.result()["meta_info"]["finish_reason"]
             still_decoding = sum(not f.done() for f in decoding)
             background_out = [f.result() for f in decoding]
@@ -120,8 +122,14 @@ def test_segmented_prefill_equals_a_normal_one_and_aborts_free_at_once(model_nam
         **leaked,
         "tracebacks_in_log": log.count("Traceback"),
     }
-    save_gpu_test_record(f"segmented-prefill-{model_name}.json", {"args": ARGS, "summary": summary, "output_ids": {
-        "segmented": during["output_ids"], "alone": alone["output_ids"]}})
+    save_gpu_test_record(
+        f"segmented-prefill-{model_name}.json",
+        {
+            "args": ARGS,
+            "summary": summary,
+            "output_ids": {"segmented": during["output_ids"], "alone": alone["output_ids"]},
+        },
+    )
     print(json.dumps(summary))
     layers = 32 if model_name == "llama3-8b-dummy" else 30
     assert summary["segments"] > layers, summary  # the first chunk one layer per iteration, then the rest

@@ -36,9 +36,13 @@ class Scheduler:
         self.last_batch = self.chunked_req = self._pending_chunked_abort_req = None
         self.gracefully_exit = self._engine_paused = False
         self.model_config = SimpleNamespace(num_hidden_layers=LAYERS)
-        self.server_args = SimpleNamespace(sparse=SparseConfig(host_cache_gb=1.0, segmented_prefill=True, max_inject_tokens=INJECT))
-        backend = SimpleNamespace(resume_extend=lambda: self.log.append("resume"),
-                                  store=SimpleNamespace(wait_saves=lambda: self.log.append("wait_saves")))
+        self.server_args = SimpleNamespace(
+            sparse=SparseConfig(host_cache_gb=1.0, segmented_prefill=True, max_inject_tokens=INJECT)
+        )
+        backend = SimpleNamespace(
+            resume_extend=lambda: self.log.append("resume"),
+            store=SimpleNamespace(wait_saves=lambda: self.log.append("wait_saves")),
+        )
         model = SimpleNamespace(forward_split_prefill=None)  # the models SGLang can run layer by layer have it
         self.tp_worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend, model=model))
         self.request_receiver = SimpleNamespace(recv_requests=lambda: [])
@@ -118,11 +122,15 @@ def test_a_split_batch_whose_requests_were_all_aborted_stops_and_frees_at_once(m
     monkeypatch.setattr(seg, "prepare_abort", lambda r: released.append(("abort", r.rid)))
     import sglang.srt.mem_cache.common as common
 
-    monkeypatch.setattr(common, "release_kv_cache", lambda r, tree, is_insert: released.append(("release", r.rid, is_insert)))
+    monkeypatch.setattr(
+        common, "release_kv_cache", lambda r, tree, is_insert: released.append(("release", r.rid, is_insert))
+    )
     prefill = Batch("prefill", ForwardMode.EXTEND, [req("long")], tokens=3000)  # 1 layer per iteration
     s = Scheduler([prefill], running_reqs=[req("a")])
     s.tree_cache = object()
-    s.ipc_channels = SimpleNamespace(send_to_tokenizer=SimpleNamespace(send_output=lambda out, r: released.append(("tell", out.rid))))
+    s.ipc_channels = SimpleNamespace(
+        send_to_tokenizer=SimpleNamespace(send_output=lambda out, r: released.append(("tell", out.rid)))
+    )
     s.abort_at_segment = 2
     loop = run(s)
     segments = [e for e in s.log if e.startswith("segment")]

@@ -101,14 +101,17 @@ def test_server_path_selects_what_the_reference_selects_on_real_kv(captured, bou
             summaries = store.summaries.layer(layer)
             scores = score_pages_reference(config.selector, qg, summaries, bench.host_pages, decoder.num_pages,
                                            config.group_reduce)  # fmt: skip
-            want = select_pages(scores, decoder.num_pages, config.budget_pages, config.sink_pages, config.recent_pages).page_ids
+            want = select_pages(
+                scores, decoder.num_pages, config.budget_pages, config.sink_pages, config.recent_pages
+            ).page_ids
             for h in range(heads):
                 g = {p for p in got[0, h].tolist() if p >= 0}
                 w = {p for p in want[0, h].tolist() if p >= 0}
                 assert len(g) == len(w) == config.budget_pages, (step, layer, h)
                 differ = g ^ w
                 assert len({float(scores[0, h, p]) for p in differ}) <= 1, (
-                    f"step {step} layer {layer} head {h}: {sorted(g - w)} selected instead of {sorted(w - g)}")
+                    f"step {step} layer {layer} head {h}: {sorted(g - w)} selected instead of {sorted(w - g)}"
+                )
                 ties += bool(differ)
                 compared += 1
             # the float32 selection over exact bounds of the same keys (quality.py's reference)
@@ -119,11 +122,17 @@ def test_server_path_selects_what_the_reference_selects_on_real_kv(captured, bou
             valid = (torch.arange(pages * config.page_size, device="cuda") < seq_len).view(1, pages, -1, 1)
             kmin = torch.where(valid, blocks, torch.inf).amin(2).unsqueeze(0)
             kmax = torch.where(valid, blocks, -torch.inf).amax(2).unsqueeze(0)
-            s32 = (qg.float() @ ((kmax + kmin) / 2).transpose(-1, -2) + qg.float().abs() @ ((kmax - kmin) / 2).transpose(-1, -2))
+            s32 = qg.float() @ ((kmax + kmin) / 2).transpose(-1, -2) + qg.float().abs() @ ((kmax - kmin) / 2).transpose(
+                -1, -2
+            )
             s32 = s32.sum(2) if config.group_reduce == "sum" else s32.amax(2)
-            exact = select_pages(s32, decoder.num_pages, config.budget_pages, config.sink_pages, config.recent_pages).page_ids
+            exact = select_pages(
+                s32, decoder.num_pages, config.budget_pages, config.sink_pages, config.recent_pages
+            ).page_ids
             for h in range(heads):
-                exact_overlap += len({p for p in got[0, h].tolist() if p >= 0} & {p for p in exact[0, h].tolist() if p >= 0})
+                exact_overlap += len(
+                    {p for p in got[0, h].tolist() if p >= 0} & {p for p in exact[0, h].tolist() if p >= 0}
+                )
                 exact_total += config.budget_pages
             # and the step attended exactly over what it selected
             ref = sparse_attention_reference(q, ks[layer][:seq_len].transpose(0, 1).unsqueeze(0),

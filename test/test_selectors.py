@@ -45,7 +45,7 @@ def loop_head_scores(name, q, k, kmin, kmax, mean):
         if name == "quest":
             out[b, h, g, p] = sum(max(qv[d] * kmax[b, h, p, d], qv[d] * kmin[b, h, p, d]) for d in range(D))
         elif name == "arkvale":  # ArkVale infer_state._summarize_keys, then estimate.cu's max
-            keys = k[b, h, p * PS:(p + 1) * PS]
+            keys = k[b, h, p * PS : (p + 1) * PS]
             center = (keys.max(0).values + keys.min(0).values) / 2
             dist = (center - keys).abs().mean(0)
             hi, lo = center + dist, center - dist
@@ -94,7 +94,7 @@ def test_mean_abs_deviation_covers_partial_and_missing_pages():
     num_tokens = 3 * PS + 5  # 4 pages with keys, the last partial; summaries hold 6
     _, k, _, radius = random_pages(seed=4, num_pages=6, num_tokens=num_tokens)
     for p in range(4):
-        keys = k[:, :, p * PS:min((p + 1) * PS, num_tokens)]
+        keys = k[:, :, p * PS : min((p + 1) * PS, num_tokens)]
         center = (keys.amax(2) + keys.amin(2)) / 2
         torch.testing.assert_close(radius[:, :, p], (keys - center.unsqueeze(2)).abs().mean(2))
     assert (radius[:, :, 4:] == 0).all()
@@ -208,7 +208,7 @@ def test_sparse_attention_reference_dense_and_masked():
     keep = torch.zeros(B, HKV, num_tokens, dtype=torch.bool)
     for b, h, j in torch.cartesian_prod(torch.arange(B), torch.arange(HKV), torch.arange(4)).tolist():
         if sel[b, h, j] >= 0:
-            keep[b, h, int(sel[b, h, j]) * PS:(int(sel[b, h, j]) + 1) * PS] = True
+            keep[b, h, int(sel[b, h, j]) * PS : (int(sel[b, h, j]) + 1) * PS] = True
     expected, mass = dense_loop(q, k, v, seq_len, keep)
     torch.testing.assert_close(sparse_attention_reference(q, k, v, sel, PS, seq_len), expected)
     torch.testing.assert_close(attention_mass_recall(q, k, sel, PS, seq_len), mass)
@@ -289,13 +289,17 @@ def test_score_kernel_with_reuse_scores_only_the_cached_pages_of_rows_not_due(fo
     req_slots = torch.tensor([4, 1, 2], dtype=torch.int32)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels run in Triton's interpreter
     summ = {k: t.to(device) for k, t in summ.items()}
-    host_pages, num_pages, q, rows, req_slots, slot_page = (t.to(device) for t in (host_pages, num_pages, q, rows, req_slots, slot_page))
+    host_pages, num_pages, q, rows, req_slots, slot_page = (
+        t.to(device) for t in (host_pages, num_pages, q, rows, req_slots, slot_page)
+    )
     for due in ([False, False, True], [True, True, True], [False, True, False]):
         reuse = CachedRows(torch.tensor(due, device=device), rows, req_slots, slot_page)
         want = score_pages_reference("quest", q, summ, host_pages, num_pages, forced=forced, reuse=reuse)
         got = score_pages("quest", q, summ, host_pages, num_pages, forced=forced, reuse=reuse)
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
-        assert (got[~torch.tensor(due, device=device)] == NOT_CACHED).any() or all(due)  # some pages really were left out
+        assert (got[~torch.tensor(due, device=device)] == NOT_CACHED).any() or all(
+            due
+        )  # some pages really were left out
 
 
 @pytest.mark.parametrize("selector", ["quest", "arkvale"])

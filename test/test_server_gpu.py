@@ -71,15 +71,22 @@ def probe(url: str, model_name: str) -> dict:
         assert by_ids["output_ids"] == by_text["output_ids"]
         out["generate_ids"].append(by_ids["output_ids"])
 
-    completion = _post(url, "/v1/completions",
-                       {"model": model_name, "prompt": PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0})
+    completion = _post(
+        url, "/v1/completions", {"model": model_name, "prompt": PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0}
+    )
     assert completion["choices"][0]["text"] == out["generate_text"][0]
     out["completion"] = completion["choices"][0]["text"]
 
-    chat = _post(url, "/v1/chat/completions", {
-        "model": model_name, "max_tokens": MAX_NEW, "temperature": 0,
-        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-    })
+    chat = _post(
+        url,
+        "/v1/chat/completions",
+        {
+            "model": model_name,
+            "max_tokens": MAX_NEW,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        },
+    )
     out["chat"] = chat["choices"][0]["message"]["content"]
     assert chat["usage"]["completion_tokens"] > 0
 
@@ -88,8 +95,9 @@ def probe(url: str, model_name: str) -> dict:
         s += "Q: " + first + "\nA:" + sgl.gen("a1", max_tokens=12, temperature=0, stop="\n")
         s += "\nQ: " + second + "\nA:" + sgl.gen("a2", max_tokens=12, temperature=0, stop="\n")
 
-    state = two_questions.run(first="What is the capital of France?", second="And of Italy?",
-                              backend=sgl.RuntimeEndpoint(url))
+    state = two_questions.run(
+        first="What is the capital of France?", second="And of Italy?", backend=sgl.RuntimeEndpoint(url)
+    )
     out["frontend"] = [state["a1"], state["a2"]]
     return out
 
@@ -152,12 +160,17 @@ def _record(model: str, outputs: dict, meta: dict) -> None:
 
     path = Path(out_dir) / f"gpu-server-test-{model}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "device": torch.cuda.get_device_name(0),
-        "date": datetime.date.today().isoformat(),
-        "commit": git_commit(),
-        "model": model,
-        "servers": meta,
-        "outputs": outputs,
-        "summary": {"sparse_equals_vanilla": outputs["sparse"] == outputs["vanilla"]},
-    }, indent=2))
+    path.write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(0),
+                "date": datetime.date.today().isoformat(),
+                "commit": git_commit(),
+                "model": model,
+                "servers": meta,
+                "outputs": outputs,
+                "summary": {"sparse_equals_vanilla": outputs["sparse"] == outputs["vanilla"]},
+            },
+            indent=2,
+        )
+    )

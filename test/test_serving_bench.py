@@ -14,8 +14,8 @@ from benchmark.serving import (
     TOKEN_ID_RANGE,
     TRACES,
     RateRun,
-    RequestRecord,
     Request,
+    RequestRecord,
     TraceSpec,
     drive,
     generate_payload,
@@ -147,7 +147,9 @@ def test_kv_budget_flags_in_the_extra_server_args_are_refused(extra):
                               sparse_server_args="", vanilla_server_args="")  # fmt: skip
     with pytest.raises(SystemExit, match="sizes itself"):
         server_args("sparse", args)
-    assert "--cuda-graph-max-bs" in server_args("vanilla", argparse.Namespace(**{**vars(args), "extra_server_args": "--cuda-graph-max-bs 64"}))
+    assert "--cuda-graph-max-bs" in server_args(
+        "vanilla", argparse.Namespace(**{**vars(args), "extra_server_args": "--cuda-graph-max-bs 64"})
+    )
 
 
 # ---------------------------------------------------------------- metrics
@@ -184,7 +186,7 @@ class _Pieces:
 
 
 def test_sse_events_reassembles_events_split_across_reads():
-    body = b'data: {"a": 1}\n\ndata: {"b": [' + b"7," * 50000 + b'7]}\n\ndata: [DONE]\n\n'
+    body = b'data: {"a": 1}\n\ndata: {"b": [' + b"7," * 50000 + b"7]}\n\ndata: [DONE]\n\n"
     pieces = [body[i : i + 4096] for i in range(0, len(body), 4096)]
 
     async def collect():
@@ -431,7 +433,9 @@ def test_server_log_steady_state_is_time_weighted_over_the_second_half():
 
     lines = ["server_args=ServerArgs(decode_log_interval=10, ...)"]
     for running, tput in [(2, 100.0), (4, 50.0), (4, 200.0), (8, 400.0)]:
-        lines.append(f"[t] Decode batch, #running-req: {running}, #token: 1, cuda graph: True, gen throughput (token/s): {tput}, #queue-req: 0")
+        lines.append(
+            f"[t] Decode batch, #running-req: {running}, #token: 1, cuda graph: True, gen throughput (token/s): {tput}, #queue-req: 0"
+        )
         lines.append(f"[t] Sparse KV, cache hit: 0.5, H2D pages/step: {running}.0, H2D GB/s: 1.0, D2H GB/s: 0.1")
     got = steady_state("\n".join(lines))
     # Second half: 40 tokens at 200 tok/s (0.2 s) and 80 at 400 (0.2 s): 300 tok/s, 20 steps in 0.4 s.
@@ -444,7 +448,9 @@ def test_server_log_hit_ratio_by_batch_pairs_each_interval_with_its_batch(tmp_pa
 
     lines = []
     for running, hit, pages in [(3, 0.99, 100), (5, 0.97, 300), (9, 0.90, 1000), (12, 0.80, 2000), (7, 0.95, 500)]:
-        lines.append(f"[t] Decode batch, #running-req: {running}, #token: 1, cuda graph: True, gen throughput (token/s): 10.0, #queue-req: 0")
+        lines.append(
+            f"[t] Decode batch, #running-req: {running}, #token: 1, cuda graph: True, gen throughput (token/s): 10.0, #queue-req: 0"
+        )
         lines.append("[t] Prefill batch, #new-seq: 1, #new-token: 8192")  # between the two: ignored
         lines.append(f"[t] Sparse KV, cache hit: {hit}, H2D pages/step: {pages}.0, H2D GB/s: 1.0, D2H GB/s: 0.1")
     lines.append("[t] Sparse KV, cache hit: 0.1, H2D pages/step: 9.0, H2D GB/s: 1.0")  # no decode line before it
@@ -473,7 +479,12 @@ def test_server_log_first_seconds_counts_the_same_wall_clock_span_from_the_first
              decode("00:15", 8), kv("00:15", 0.1, 900)]  # fmt: skip
     # 10 s from the first decode line (10:00:05) take the lines at :05 and :10 (and not :15).
     got = first_seconds("\n".join(lines), 10)
-    assert got == {"seconds": 10, "output_throughput": (20 + 40) / 10, "cache_hit_ratio": 0.8, "h2d_pages_per_step": 200}
+    assert got == {
+        "seconds": 10,
+        "output_throughput": (20 + 40) / 10,
+        "cache_hit_ratio": 0.8,
+        "h2d_pages_per_step": 200,
+    }
     (tmp_path / "a.log").write_text("\n".join(lines))
     (tmp_path / "b.log").write_text("\n".join(lines).replace("#running-req: 4", "#running-req: 10"))
     result = main([f"a={tmp_path / 'a.log'}", f"b={tmp_path / 'b.log'}", "--baseline", "a", "--first-seconds", "10"])

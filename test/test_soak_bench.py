@@ -64,9 +64,11 @@ def test_the_client_sends_aborts_while_requests_run():
         body = await request.json()
         event = aborted.setdefault(body["rid"], asyncio.Event())
         try:
-            await asyncio.wait_for(event.wait(), timeout=len(body["input_ids"]) / 4000)  # 1 s: room for the abort to arrive
+            await asyncio.wait_for(
+                event.wait(), timeout=len(body["input_ids"]) / 4000
+            )  # 1 s: room for the abort to arrive
             finish = {"type": "abort", "message": "Abort in waiting queue"}
-        except asyncio.TimeoutError:
+        except TimeoutError:
             finish = {"type": "length", "length": body["sampling_params"]["max_new_tokens"]}
         return web.json_response({"output_ids": [1], "meta_info": {"finish_reason": finish}})
 

@@ -116,13 +116,24 @@ def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
         k, v = (x.float() * 1e-5 for x in random_kv(2, b.seq_len, gen))
         assert (k.to(torch.float8_e4m3fn).float() == 0).all()  # why the scales are needed
         b.write_kv(layer, store.to_store_dtype(k / k_scale), store.to_store_dtype(v / v_scale))
-        kv.append((store.to_store_dtype(k / k_scale).float() * k_scale, store.to_store_dtype(v / v_scale).float() * v_scale))
+        kv.append(
+            (store.to_store_dtype(k / k_scale).float() * k_scale, store.to_store_dtype(v / v_scale).float() * v_scale)
+        )
     b.plan()
     for layer, (k, v) in enumerate(kv):
         q = (torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen) * 1e5).to(torch.bfloat16)
         out = b.decoder.run(layer, q, k_scale=k_scale, v_scale=v_scale).float() / 1e-5
-        want = sparse_attention_reference(q.float(), k.transpose(1, 2), v.transpose(1, 2), None, config.page_size,
-                                          torch.full((2,), b.seq_len, device="cuda")) / 1e-5  # every page: dense
+        want = (
+            sparse_attention_reference(
+                q.float(),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                None,
+                config.page_size,
+                torch.full((2,), b.seq_len, device="cuda"),
+            )
+            / 1e-5
+        )  # every page: dense
         torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
     store.close()
 
@@ -157,8 +168,9 @@ def test_fused_and_reference_paths_give_the_same_steps(interval, coarse):
     ties); with ``reselect_interval`` 3 the steps between full selections choose among cached pages;
     with ``coarse_pages`` 4 both score 4-page super-pages first (11 built, 8 kept)."""
     gen = torch.Generator(device="cuda").manual_seed(4)
-    config = SparseConfig(token_budget=256, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse,
-                          coarse_min_pages=0)
+    config = SparseConfig(
+        token_budget=256, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse, coarse_min_pages=0
+    )
     runs = {path: bench(config, batch=2, context=1500, fused=path == "fused") for path in ("fused", "reference")}
     kv = [random_kv(2, 1501, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():
@@ -181,10 +193,16 @@ def test_fused_and_reference_paths_give_the_same_steps(interval, coarse):
             assert b.decoder.coarse_steps == (step + 1) * bool(coarse)  # server info's decode_steps_coarse_first
             for layer, (k, v) in enumerate(kv):
                 out = b.decoder.run(layer, qs[layer])
-                pages = torch.where(selected[path, layer] < b.decoder.num_pages.view(-1, 1, 1), selected[path, layer], -1)
+                pages = torch.where(
+                    selected[path, layer] < b.decoder.num_pages.view(-1, 1, 1), selected[path, layer], -1
+                )
                 selected[path, layer] = pages.clone()
-                want = sparse_attention_reference(qs[layer], k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq_lens.cuda())
-                torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2, msg=f"{path} step {step} layer {layer}")
+                want = sparse_attention_reference(
+                    qs[layer], k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq_lens.cuda()
+                )
+                torch.testing.assert_close(
+                    out.float(), want.float(), atol=2e-2, rtol=2e-2, msg=f"{path} step {step} layer {layer}"
+                )
         for layer in range(SHAPE.num_layers):  # both paths selected the same pages (up to exact ties)
             b = runs["reference"]
             priority = score_pages(b.decoder.selector, qs[layer].view(2, SHAPE.num_kv_heads, -1, SHAPE.head_dim),
@@ -209,6 +227,7 @@ def test_a_step_does_not_depend_on_the_order_the_top_k_returns_its_pages():
     q = torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
     select_raw, outs = b.decoder.select_raw, []
     for order in ("as returned", "reversed", "shuffled"):
+
         def reorder(layer, q, order=order):
             ids = select_raw(layer, q)
             if order == "reversed":
@@ -266,8 +285,9 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse)
     path does (up to exact score ties), also when the steps between full selections reuse the cache
     rows (``reselect_interval`` 3), and when super-pages are scored first (``coarse_pages`` 4)."""
     gen = torch.Generator(device="cuda").manual_seed(6)
-    config = SparseConfig(token_budget=512, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse,
-                          coarse_min_pages=0)
+    config = SparseConfig(
+        token_budget=512, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse, coarse_min_pages=0
+    )
     runs = {mode: bench(config, batch=3, context=3000) for mode in ("eager", "graph")}
     kv = [random_kv(3, 3001, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():
@@ -277,7 +297,9 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse)
     g.decoder.init_cuda_graph(max_batch=4)
     slots = torch.cat([g.req_slots, torch.zeros(1, dtype=g.req_slots.dtype, device="cuda")])  # + padding slot 0
     seq_lens = torch.tensor([3001, 3001, 3001, 1])
-    host_pages = torch.cat([g.host_pages, torch.zeros(1, g.host_pages.shape[1], dtype=g.host_pages.dtype, device="cuda")])
+    host_pages = torch.cat(
+        [g.host_pages, torch.zeros(1, g.host_pages.shape[1], dtype=g.host_pages.dtype, device="cuda")]
+    )
     q_static = torch.zeros(4, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
     outs = [None] * SHAPE.num_layers
 
@@ -311,7 +333,16 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse)
             # misses loaded inside the graph), and it selected what the eager step did.
             pages = torch.where(selected["graph", layer][:3] < g.num_pages, selected["graph", layer][:3], -1)
             want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq)
-            torch.testing.assert_close(outs[layer][:3].float(), want.float(), atol=2e-2, rtol=2e-2, msg=f"step {i} layer {layer}")
-            priority = score_pages(e.decoder.selector, qs.view(3, SHAPE.num_kv_heads, -1, SHAPE.head_dim),
-                                   e.store.summaries.layer(layer), e.host_pages, e.decoder.num_pages)
-            assert_same_pages_up_to_ties(pages, eager_pages[layer], priority, e.decoder.num_pages, f"step {i} layer {layer}")
+            torch.testing.assert_close(
+                outs[layer][:3].float(), want.float(), atol=2e-2, rtol=2e-2, msg=f"step {i} layer {layer}"
+            )
+            priority = score_pages(
+                e.decoder.selector,
+                qs.view(3, SHAPE.num_kv_heads, -1, SHAPE.head_dim),
+                e.store.summaries.layer(layer),
+                e.host_pages,
+                e.decoder.num_pages,
+            )
+            assert_same_pages_up_to_ties(
+                pages, eager_pages[layer], priority, e.decoder.num_pages, f"step {i} layer {layer}"
+            )

@@ -23,7 +23,10 @@ def test_interval_stats_are_differences_over_the_interval():
     idle = interval_stats(snapshot(5000, 500, 0, 0), snapshot(5000, 500, 0, 0), steps=40, seconds=2.0)
     assert idle["gpu_cache_hit_ratio"] is None and idle["h2d_pages_per_step"] == 0  # nothing selected: no ratio
     line = log_line(stats, snapshot(5000, 500, 0, 0))
-    assert line.startswith("Sparse KV, cache hit: 0.900, H2D pages/step: 10.0, H2D GB/s: 1.00") and "cache rows: 3/8, working set: 250/400 slots" in line
+    assert (
+        line.startswith("Sparse KV, cache hit: 0.900, H2D pages/step: 10.0, H2D GB/s: 1.00")
+        and "cache rows: 3/8, working set: 250/400 slots" in line
+    )
     assert "cache hit: -," in log_line(idle, snapshot(5000, 500, 0, 0))
 
 
@@ -44,7 +47,11 @@ def test_working_set_admission_adds_demand_deferrals_and_retractions():
     admission = {"working_set_demand_pages": 380, "working_set_deferrals": 7, "working_set_retractions": 2}
     before, now = snapshot(0, 0, 0, 0) | admission, snapshot(100, 10, 0, 0) | admission
     stats = interval_stats(before, now, steps=10, seconds=1.0)
-    assert (stats["working_set_demand_pages"], stats["working_set_deferrals"], stats["working_set_retractions"]) == (380, 7, 2)
+    assert (stats["working_set_demand_pages"], stats["working_set_deferrals"], stats["working_set_retractions"]) == (
+        380,
+        7,
+        2,
+    )
     assert "working set: 250/400 slots, demand: 380 pages, deferred: 7, retracted: 2, host KV" in log_line(stats, now)
     registry = CollectorRegistry()
     SparseMetrics({"model_name": "m"}).publish(stats, registry=registry)

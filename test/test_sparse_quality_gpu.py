@@ -35,7 +35,15 @@ from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cac
 pytestmark = pytest.mark.gpu
 
 LICENSES = Path("/usr/share/common-licenses")
-COMMON = ["--mem-fraction-static", "0.7", "--disable-prefill-cuda-graph", "--sparse-host-cache-gb", "8", "--cuda-graph-max-bs", "8"]
+COMMON = [
+    "--mem-fraction-static",
+    "0.7",
+    "--disable-prefill-cuda-graph",
+    "--sparse-host-cache-gb",
+    "8",
+    "--cuda-graph-max-bs",
+    "8",
+]
 DENSE = ["--sparse-enabled", "false", "--attention-backend", "flashinfer"]
 PASSKEY_BUDGET = 512
 RESELECT_INTERVAL = 8  # Q4 also with selections reused for 8 steps (--sparse-reselect-interval)
@@ -84,12 +92,21 @@ def passkey_cases(tokenizer) -> list[dict]:
     for length in (2048, 4096, 7168):
         for depth in (0.1, 0.5, 0.9):
             key = rng.randrange(10_000, 100_000)
-            cases.append({"length": length, "depth": depth, "key": str(key), "ids": passkey_prompt(tokenizer, length, depth, key)})
+            cases.append(
+                {
+                    "length": length,
+                    "depth": depth,
+                    "key": str(key),
+                    "ids": passkey_prompt(tokenizer, length, depth, key),
+                }
+            )
     return cases
 
 
 def serve(args: list[str], tag: str, log_dir: Path, work) -> dict:
-    with ServerProcess(SPARSE_MODULE, default_model_path(), [*COMMON, *args], log_path=log_dir / f"{tag}.log") as server:
+    with ServerProcess(
+        SPARSE_MODULE, default_model_path(), [*COMMON, *args], log_path=log_dir / f"{tag}.log"
+    ) as server:
         out = work(server.url)
         log = server.log_path.read_text(errors="replace")
     assert server.stopped_cleanly, server.log_tail()
@@ -114,10 +131,14 @@ def test_q1_and_q4_through_the_server(tmp_path):
 
     dense = serve(DENSE, "dense", tmp_path, lambda url: {"q1": q1(url), "q4": q4(url)})
     exact = serve(["--sparse-exact-shortcut", "false"], "sparse-exact", tmp_path, lambda url: {"q1": q1(url)})
-    budget = serve(["--sparse-token-budget", str(PASSKEY_BUDGET), "--sparse-reselect-interval", "1"], "sparse-512", tmp_path, q4)
+    budget = serve(
+        ["--sparse-token-budget", str(PASSKEY_BUDGET), "--sparse-reselect-interval", "1"], "sparse-512", tmp_path, q4
+    )
     reuse = serve(["--sparse-token-budget", str(PASSKEY_BUDGET), "--sparse-reselect-interval", str(RESELECT_INTERVAL)],
                   f"sparse-512-reselect{RESELECT_INTERVAL}", tmp_path, q4)  # fmt: skip
-    assert exact["sparse_backend"] and budget["sparse_backend"] and reuse["sparse_backend"] and not dense["sparse_backend"]
+    assert (
+        exact["sparse_backend"] and budget["sparse_backend"] and reuse["sparse_backend"] and not dense["sparse_backend"]
+    )
 
     q1_equal = [a == b for a, b in zip(exact["out"]["q1"], dense["out"]["q1"])]
     rows = []
@@ -132,7 +153,9 @@ def test_q1_and_q4_through_the_server(tmp_path):
         "passkey_outputs_equal": f"{sum(r['dense'] == r['sparse'] for r in rows)}/{len(rows)}",
         "passkey_dense_correct": sum(r["dense_has_key"] for r in rows),
         "passkey_sparse_correct": sum(r["sparse_has_key"] for r in rows),
-        f"passkey_server_equal_reselect{RESELECT_INTERVAL}": all(passkey_answer(r["dense"]) == passkey_answer(r["sparse_reselect"]) for r in rows),
+        f"passkey_server_equal_reselect{RESELECT_INTERVAL}": all(
+            passkey_answer(r["dense"]) == passkey_answer(r["sparse_reselect"]) for r in rows
+        ),
         f"passkey_outputs_equal_reselect{RESELECT_INTERVAL}": f"{sum(r['dense'] == r['sparse_reselect'] for r in rows)}/{len(rows)}",
         f"passkey_sparse_correct_reselect{RESELECT_INTERVAL}": sum(r["sparse_reselect_has_key"] for r in rows),
     }
@@ -177,13 +200,17 @@ def test_q4_with_coarse_first_selection(tmp_path):
              "sparse_coarse": s, "dense_has_key": c["key"] in d, "sparse_coarse_has_key": c["key"] in s}
             for c, d, s in zip(cases, dense["out"], coarse["out"]["answers"])]  # fmt: skip
     summary = {
-        "passkey_server_equal_coarse4": all(passkey_answer(r["dense"]) == passkey_answer(r["sparse_coarse"]) for r in rows),
+        "passkey_server_equal_coarse4": all(
+            passkey_answer(r["dense"]) == passkey_answer(r["sparse_coarse"]) for r in rows
+        ),
         "passkey_outputs_equal_coarse4": f"{sum(r['dense'] == r['sparse_coarse'] for r in rows)}/{len(rows)}",
         "passkey_dense_correct": sum(r["dense_has_key"] for r in rows),
         "passkey_sparse_correct_coarse4": sum(r["sparse_coarse_has_key"] for r in rows),
         "decode_steps_coarse_first": coarse["out"]["coarse_steps"],
     }
-    save_result("gpu-quality-coarse.json", {"summary": summary, "flags": COARSE, "budget": PASSKEY_BUDGET, "rows": rows})
+    save_result(
+        "gpu-quality-coarse.json", {"summary": summary, "flags": COARSE, "budget": PASSKEY_BUDGET, "rows": rows}
+    )
     print(json.dumps(summary))
     long_cases = sum(c["length"] > 2048 for c in cases)  # every answer token there but the prefill's
     assert summary["decode_steps_coarse_first"] >= 7 * long_cases, summary

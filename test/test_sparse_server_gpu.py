@@ -92,4 +92,6 @@ def test_long_prompts_decode_sparsely_with_chunked_prefill_and_a_radix_hit(tmp_p
                   "decode_mode": mode, "decode_step_ms_batch1_8k": step_ms,
                   "requests": [{"prompt_tokens": o["meta_info"]["prompt_tokens"], "cached_tokens": o["meta_info"].get("cached_tokens"),
                                 "latency_s": o["latency_s"], "output_ids": o["output_ids"]} for o in outs + [hit]]}  # fmt: skip
-        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], f"gpu-sparse-server-8b-{mode}.json").write_text(json.dumps(record, indent=1))
+        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], f"gpu-sparse-server-8b-{mode}.json").write_text(
+            json.dumps(record, indent=1)
+        )

@@ -46,8 +46,9 @@ def miss_list(num_blocks, num_slots, n, pad, gen):
 
 
 @pytest.mark.parametrize("page_size,head_dim,dtype", BLOCKS)
-@pytest.mark.parametrize("index_dtypes", [(torch.int64, torch.int64), (torch.int32, torch.int64),
-                                          (torch.int32, torch.int32)])
+@pytest.mark.parametrize(
+    "index_dtypes", [(torch.int64, torch.int64), (torch.int32, torch.int64), (torch.int32, torch.int32)]
+)
 def test_flash_h2d_matches_reference(page_size, head_dim, dtype, index_dtypes):
     gen = torch.Generator().manual_seed(0)
     host_k, host_v = pinned_store(3, 4, 40, page_size, head_dim, dtype, gen)
@@ -87,8 +88,9 @@ def test_flash_h2d_cuda_graph_replays_new_indices():
         assert same_bytes(gpu_k, want_k) and same_bytes(gpu_v, want_v), n
 
 
-@pytest.mark.parametrize("page_size,head_dim,dtype", [(64, 128, torch.bfloat16), (16, 64, torch.float16),
-                                                      (32, 128, torch.float8_e4m3fn)])
+@pytest.mark.parametrize(
+    "page_size,head_dim,dtype", [(64, 128, torch.bfloat16), (16, 64, torch.float16), (32, 128, torch.float8_e4m3fn)]
+)
 @pytest.mark.parametrize("slots_on", ["cpu", "cuda"])
 def test_flash_d2h_matches_reference(page_size, head_dim, dtype, slots_on):
     gen = torch.Generator().manual_seed(2)
@@ -130,8 +132,9 @@ def test_flash_d2h_errors():
         engine.submit(0, k[:1], k[:1], torch.tensor([0]))
 
 
-@pytest.mark.parametrize("page_size,head_dim,dtype", [(64, 128, torch.bfloat16), (32, 128, torch.float8_e4m3fn),
-                                                      (16, 64, torch.float16)])
+@pytest.mark.parametrize(
+    "page_size,head_dim,dtype", [(64, 128, torch.bfloat16), (32, 128, torch.float8_e4m3fn), (16, 64, torch.float16)]
+)
 @pytest.mark.parametrize("num_ctas", [1, 16])
 def test_direct_d2h_matches_reference(page_size, head_dim, dtype, num_ctas):
     gen = torch.Generator().manual_seed(4)
@@ -163,8 +166,10 @@ def test_pinned_alloc_views_and_memcpy_baseline():
     want[dst] = as_bytes(host)[src]
     assert torch.equal(gpu.cpu(), want)
     with pytest.raises(ValueError, match="pinned"):
-        FlashH2D(*(torch.zeros(1, 1, 2, 16, 8, dtype=torch.bfloat16),) * 2,
-                 *(torch.zeros(4, 16, 8, dtype=torch.bfloat16, device="cuda"),) * 2)
+        FlashH2D(
+            *(torch.zeros(1, 1, 2, 16, 8, dtype=torch.bfloat16),) * 2,
+            *(torch.zeros(4, 16, 8, dtype=torch.bfloat16, device="cuda"),) * 2,
+        )
 
 
 def test_save_then_load_round_trip_sees_each_new_write():

@@ -77,12 +77,16 @@ def test_reference_rejects_bad_layouts():
     idx = torch.tensor([0, 1])
     cases = {
         "multiple of 16": lambda: gather_blocks_reference(
-            *(random_bits((1, 1, 2, 3, 5), torch.float16, gen),) * 2, *(torch.zeros(1, 3, 5, dtype=torch.float16),) * 2,
-            idx, idx),
+            *(random_bits((1, 1, 2, 3, 5), torch.float16, gen),) * 2,
+            *(torch.zeros(1, 3, 5, dtype=torch.float16),) * 2,
+            idx,
+            idx,
+        ),
         "do not match": lambda: gather_blocks_reference(host, host, gpu.float(), gpu.float(), idx, idx),
         "differ": lambda: gather_blocks_reference(host, host[:, :1].contiguous(), gpu, gpu, idx, idx),
-        "page cache": lambda: gather_blocks_reference(host, host, gpu[:, :2].contiguous(), gpu[:, :2].contiguous(),
-                                                      idx, idx),
+        "page cache": lambda: gather_blocks_reference(
+            host, host, gpu[:, :2].contiguous(), gpu[:, :2].contiguous(), idx, idx
+        ),
         "length": lambda: gather_blocks_reference(host, host, gpu, gpu, idx, idx[:1]),
         "int32/int64": lambda: gather_blocks_reference(host, host, gpu, gpu, idx.float(), idx),
         "out of range": lambda: gather_blocks_reference(host, host, gpu, gpu, torch.tensor([0, 8]), idx),

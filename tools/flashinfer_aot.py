@@ -85,7 +85,9 @@ def build(spec, out: Path, include: str | None, stub: Path, jobs: int) -> Path:
         text = ninja.read_text()
         extra = f"    -isystem {include} $\n"
         if extra not in text:
-            ninja.write_text(text.replace("    -isystem $cuda_home/include $\n", "    -isystem $cuda_home/include $\n" + extra))
+            ninja.write_text(
+                text.replace("    -isystem $cuda_home/include $\n", "    -isystem $cuda_home/include $\n" + extra)
+            )
     # Compile with ninja, link here: ninja's own link step wants the real libcuda.
     listed = subprocess.run(["ninja", "-C", str(spec.build_dir), "-t", "targets", "all"], check=True,
                             capture_output=True, text=True).stdout  # fmt: skip
@@ -113,8 +115,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="folder that receives <name>/<name>.so per module")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--head-dim", type=int, default=128,
-                        help="128: the 8B shape's modules (default); 64: SmolLM2's (prefill fa2/fa3, CUDA-core decode)")
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=128,
+        help="128: the 8B shape's modules (default); 64: SmolLM2's (prefill fa2/fa3, CUDA-core decode)",
+    )
     args = parser.parse_args(argv)
     include = curand_include()
     with tempfile.TemporaryDirectory() as tmp:

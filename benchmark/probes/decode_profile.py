@@ -66,7 +66,13 @@ def step_profile(events: list[dict]) -> dict:
         by_family = defaultdict(float)
         for k in inside:
             by_family[family(k["name"])] += k["dur"] / 1e3
-        steps.append({"wall_ms": (end - start) / 1e3, "gpu_busy_ms": sum(by_family.values()), **{f"{f}_ms": v for f, v in by_family.items()}})
+        steps.append(
+            {
+                "wall_ms": (end - start) / 1e3,
+                "gpu_busy_ms": sum(by_family.values()),
+                **{f"{f}_ms": v for f, v in by_family.items()},
+            }
+        )
     if not steps:
         return {"steps": 0}
     keys = sorted({k for s in steps for k in s})
@@ -88,7 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=16384)
-    parser.add_argument("--new-tokens", type=int, default=3000, help="each request's (they are stopped after the profile)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=3000, help="each request's (they are stopped after the profile)"
+    )
     parser.add_argument("--steps", type=int, default=8)
     # The serving benchmark's sparse server (benchmark/serving.py's flags and budgets).
     parser.add_argument("--sparse-host-cache-gb", type=float, default=80.0)

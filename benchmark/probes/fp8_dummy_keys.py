@@ -65,8 +65,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmark" / "results")
-    parser.add_argument("--scales-out", type=Path, default=SCALES_PATH,
-                        help="where to write the calibrated KV scales (SGLang's --quantization-param-path JSON)")
+    parser.add_argument(
+        "--scales-out",
+        type=Path,
+        default=SCALES_PATH,
+        help="where to write the calibrated KV scales (SGLang's --quantization-param-path JSON)",
+    )
     args = parser.parse_args(argv)
     model = KeyPath(vocab=args.tokens).to(torch.bfloat16)
     initialize_dummy_weights(model)
@@ -87,7 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
         "calibrated_scale": scale,
         "calibrated_nonzero_key_fraction": (scaled != 0).float().mean().item(),
         "calibrated_key_rel_err": ((scaled - keys).norm() / keys.norm()).item(),
-        "scales_file": str(args.scales_out.relative_to(REPO)) if args.scales_out.is_relative_to(REPO) else str(args.scales_out),
+        "scales_file": str(args.scales_out.relative_to(REPO))
+        if args.scales_out.is_relative_to(REPO)
+        else str(args.scales_out),
     }
     return finish_run("benchmark/probes/fp8_dummy_keys.py", argv, {"summary": summary}, args.out_dir,
                       "fp8-dummy-keys-{date}.json", device="cpu")  # fmt: skip

@@ -47,7 +47,14 @@ def main(argv: list[str] | None = None) -> dict:
     body = {"policy": quality.Policy().name, "budget": quality.Policy().budget, "passkey_prefill": PREFILL,
             "cases": cases, "summary": summary,
             "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
-    return finish_run("benchmark/probes/passkey_bounds.py", argv, body, REPO / "benchmark" / "results", "passkey-bounds-{date}.json", device="cpu")
+    return finish_run(
+        "benchmark/probes/passkey_bounds.py",
+        argv,
+        body,
+        REPO / "benchmark" / "results",
+        "passkey-bounds-{date}.json",
+        device="cpu",
+    )
 
 
 if __name__ == "__main__":

@@ -87,7 +87,9 @@ def profile_system(system: str, args, model: Path, log_dir: Path) -> dict:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     trace_dir = log_dir / f"trace-{system}-{stamp}"
     rng = np.random.default_rng(0)  # the same prompts for both systems
-    with ServerProcess(SYSTEMS[system], model, flags, log_path=log_dir / f"{system}-{stamp}.log", start_timeout=600) as server:
+    with ServerProcess(
+        SYSTEMS[system], model, flags, log_path=log_dir / f"{system}-{stamp}.log", start_timeout=600
+    ) as server:
         generate_ids(server.url, fresh_prompt(rng, args.prompt_tokens), 1)  # JIT of every chunk's kernels
         flush_cache(server.url)
         requests.post(server.url + "/start_profile", json={"output_dir": str(trace_dir), "num_steps": args.steps,
@@ -121,7 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
     systems = {}
     for system in args.systems.split(","):
         systems[system] = profile_system(system, args, model, log_dir)
-        print(system, json.dumps({k: v for k, v in systems[system].items() if k not in ("flags", "top_kernels")}), flush=True)
+        print(
+            system,
+            json.dumps({k: v for k, v in systems[system].items() if k not in ("flags", "top_kernels")}),
+            flush=True,
+        )
     keys = sorted({k for s in systems.values() for k in s if k.endswith("_ms")})
     summary = {k: {s: round(v.get(k, 0.0), 2) for s, v in systems.items()} for k in keys}
     return finish_run("benchmark/probes/prefill_profile.py", argv, {"args": vars(args) | {"out_dir": str(args.out_dir)},

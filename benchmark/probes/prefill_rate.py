@@ -76,8 +76,12 @@ def add_system_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-hbm-gb", type=float, default=20.0, help="as benchmark/serving.py")
     p.add_argument("--sparse-host-cache-gb", type=float, default=80.0, help="as benchmark/serving.py")
     p.add_argument("--extra-server-args", default="", help="appended to both servers' command lines")
-    p.add_argument("--sparse-server-args", default="", help="appended to the sparse server's only (e.g. FP8 KV, "
-                   "which the serving benchmark's sparse runs use and its vanilla runs do not)")
+    p.add_argument(
+        "--sparse-server-args",
+        default="",
+        help="appended to the sparse server's only (e.g. FP8 KV, "
+        "which the serving benchmark's sparse runs use and its vanilla runs do not)",
+    )
 
 
 def system_flags(system: str, args: argparse.Namespace) -> list[str]:

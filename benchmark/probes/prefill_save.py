@@ -137,7 +137,9 @@ def run(args) -> dict:
     med = {name: statistics.median(t) for name, t in times.items()}
     spread = {name: (min(t), max(t)) for name, t in times.items()}
     for name in variants:
-        print(f"{name:10} median {med[name]:8.1f} ms  (min {spread[name][0]:.1f}, max {spread[name][1]:.1f})", flush=True)
+        print(
+            f"{name:10} median {med[name]:8.1f} ms  (min {spread[name][0]:.1f}, max {spread[name][1]:.1f})", flush=True
+        )
     store.close()
     return {
         "tokens": tokens,

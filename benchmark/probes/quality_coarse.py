@@ -68,7 +68,10 @@ def main() -> dict:
     rows = [{"coarse_pages": s, "coarse_candidates": c, "recall_mean": round(sum(r) / len(r), 4),
              "recall_per_layer": [round(x, 4) for x in r]} for (s, c), r in recall.items()]  # fmt: skip
     at = {(r["coarse_pages"], r["coarse_candidates"]): r["recall_mean"] for r in rows}
-    summary = {"recall_512_page_by_page": at[0, 0.0], **{f"recall_512_coarse{s}_x{c:g}": at[s, c] for s, c in SETTINGS if s}}
+    summary = {
+        "recall_512_page_by_page": at[0, 0.0],
+        **{f"recall_512_coarse{s}_x{c:g}": at[s, c] for s, c in SETTINGS if s},
+    }
     body = {"setup": {"tokens": tokens, "queries": cap.num_queries, "budget": BUDGET, "sink_pages": SINK,
                       "recent_pages": RECENT, "page_size": page, "group_reduce": "sum", "bound_format": "exact"},
             "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip

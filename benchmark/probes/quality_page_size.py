@@ -36,12 +36,15 @@ def main() -> dict:
         for r in quality.recall_table(cap, policies, scale):
             rows.append({"page_size": page, "selector": r["selector"], "budget": r["budget"],
                          "recall_mean": round(r["recall_mean"], 4), "recall_per_layer": r["recall_per_layer"]})  # fmt: skip
-            print(f"page {page:2d} {r['selector']:6} budget {r['budget']:4d}: recall {r['recall_mean']:.4f}", flush=True)
+            print(
+                f"page {page:2d} {r['selector']:6} budget {r['budget']:4d}: recall {r['recall_mean']:.4f}", flush=True
+            )
     at = {(r["page_size"], r["selector"], r["budget"]): r["recall_mean"] for r in rows}
     summary = {f"recall_512_page{p}_{s}": at[p, s, 512] for p in PAGE_SIZES for s in ("quest", quality.ORACLE)}
     summary["target"] = quality.TARGET_RECALL
     summary["largest_page_reaching_target_quest_512"] = next(
-        (p for p in sorted(PAGE_SIZES, reverse=True) if at[p, "quest", 512] >= quality.TARGET_RECALL), None)
+        (p for p in sorted(PAGE_SIZES, reverse=True) if at[p, "quest", 512] >= quality.TARGET_RECALL), None
+    )
     body = {"setup": {"tokens": 7168, "queries": 32, "sink_pages": 1, "recent_pages": 2, "group_reduce": "sum"},
             "rows": rows, "summary": summary, "run_time_s": round(time.monotonic() - start, 1)}  # fmt: skip
     return finish_run("benchmark/probes/quality_page_size.py", [], body, REPO / "benchmark" / "results",

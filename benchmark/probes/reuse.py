@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from sparse_sglang.attention import attention_mass_recall
 from sparse_sglang.attention.reference import retrieve_reference
 from sparse_sglang.mem_cache import GPUPageCache
@@ -58,7 +59,9 @@ def simulate(cap, policy: Policy, interval: int, scale: float, row_ratio: float 
             cached = cache.cached_pages(layer, req, num_pages)
             pages = choose_pages(policy, q, summaries, layer, k, seq_len, cached, due)
             misses = []
-            retrieve_reference(cache, layer, req, pages.long(), host_pages, lambda src, dst: misses.append(int((dst >= 0).sum())), 1)
+            retrieve_reference(
+                cache, layer, req, pages.long(), host_pages, lambda src, dst: misses.append(int((dst >= 0).sum())), 1
+            )
             step_loads += misses[0]
             recall.append(attention_mass_recall(q, k, pages, PAGE_SIZE, seq_len, scale).mean().item())
         loads.append(step_loads)
@@ -77,8 +80,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--queries", type=int, default=96, help="consecutive decode steps (the last positions)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--intervals", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--row-ratios", type=float, nargs="+", default=[1.25],
-                        help="cache row widths over the selection (--sparse-cache-row-ratio)")
+    parser.add_argument(
+        "--row-ratios",
+        type=float,
+        nargs="+",
+        default=[1.25],
+        help="cache row widths over the selection (--sparse-cache-row-ratio)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     start = time.monotonic()

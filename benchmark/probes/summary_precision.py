@@ -40,7 +40,9 @@ def e4m3_values() -> torch.Tensor:
     return torch.unique(values[values.isfinite()])
 
 
-def fp8_outward(kmin: torch.Tensor, kmax: torch.Tensor, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_outward(
+    kmin: torch.Tensor, kmax: torch.Tensor, values: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``kmin``/``kmax`` ``[..., pages, D]`` (float32) as e4m3 values times one power-of-two scale
     per ``[pages, D]`` slab (per kv head), rounded outward: ``lo <= kmin`` and ``hi >= kmax``
     elementwise, each exactly an e4m3 value times its scale (non-finite bounds stay as they are)."""

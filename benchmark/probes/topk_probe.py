@@ -59,7 +59,9 @@ def _radix_topk_kernel(prio_ptr, lengths_ptr, out_ptr, stride, K: tl.constexpr, 
         above = tl.sum(tl.where(d > top, hist, 0), axis=0)
         remaining -= above
         prefix = prefix | (top.to(tl.uint32) << shift)
-    take = held & ((code > prefix) | ((code == prefix) & (tl.cumsum((held & (code == prefix)).to(tl.int32), axis=0) <= remaining)))
+    take = held & (
+        (code > prefix) | ((code == prefix) & (tl.cumsum((held & (code == prefix)).to(tl.int32), axis=0) <= remaining))
+    )
     take = take & (want > 0)
     pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_ptr + row * K + pos, j, mask=take)
@@ -75,7 +77,9 @@ def radix_topk(priority: torch.Tensor, lengths: torch.Tensor, k: int, out: torch
         out = torch.empty(rows, k, dtype=torch.int32, device=priority.device)
     np_ = max(triton.next_power_of_2(length), 256)
     assert k <= np_, "k above the row's register tile"
-    _radix_topk_kernel[(rows,)](priority, lengths, out, priority.stride(0), K=k, NP=np_, num_warps=8 if np_ >= 2048 else 4)
+    _radix_topk_kernel[(rows,)](
+        priority, lengths, out, priority.stride(0), K=k, NP=np_, num_warps=8 if np_ >= 2048 else 4
+    )
     return out
 
 
@@ -101,7 +105,9 @@ def check(gen: torch.Generator, device: str) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256], help="(request, kv head) rows: batch 1, 8, 32")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[8, 64, 256], help="(request, kv head) rows: batch 1, 8, 32"
+    )
     parser.add_argument("--pages", type=int, nargs="+", default=[1025, 4097], help="pages a row: 32K and 128K contexts")
     parser.add_argument("--k", type=int, default=64)
     parser.add_argument("--reps", type=int, default=4, help="top-ks in one timed graph (distinct buffers)")
@@ -126,7 +132,9 @@ def main(argv=None) -> dict:
                 "torch": lambda: [torch.topk(p, args.k, dim=-1, sorted=False) for p in prios],
             }
             if flashinfer is not None:
-                impls["flashinfer"] = lambda: [flashinfer.top_k_ragged_transform(p, offsets, lengths, args.k) for p in prios]
+                impls["flashinfer"] = lambda: [
+                    flashinfer.top_k_ragged_transform(p, offsets, lengths, args.k) for p in prios
+                ]
             row = {"rows": rows, "pages": pages, "k": args.k}
             for name, fn in impls.items():
                 row[f"{name}_us"] = time_graph(fn, args.iters, per=args.reps) * 1e3
@@ -134,7 +142,9 @@ def main(argv=None) -> dict:
             results.append(row)
     from sparse_sglang.testing.provenance import finish_run
 
-    summary = {f"{r['pages']}p_x{r['rows']}": {k: round(v, 1) for k, v in r.items() if k.endswith("_us")} for r in results}
+    summary = {
+        f"{r['pages']}p_x{r['rows']}": {k: round(v, 1) for k, v in r.items() if k.endswith("_us")} for r in results
+    }
     return finish_run("benchmark/probes/topk_probe.py", argv, {"rows": results, "summary": summary}, args.out_dir,
                       "topk-probe-{date}.json")  # fmt: skip
 

@@ -123,30 +123,86 @@ def knob(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any 
 
 @dataclass(frozen=True, slots=True)
 class SparseConfig:
-    enabled: bool = knob(True, help="Serve decode with sparse attention over the per-head KV hierarchy; false = plain SGLang.")
+    enabled: bool = knob(
+        True, help="Serve decode with sparse attention over the per-head KV hierarchy; false = plain SGLang."
+    )
     page_size: int = knob(32, help="Tokens per per-(layer, kv-head) KV page; a power of two.")
-    token_budget: int = knob(2048, help="KV tokens each kv head attends to per decode step; a multiple of the page size. Contexts up to this length decode densely (exact).")
+    token_budget: int = knob(
+        2048,
+        help="KV tokens each kv head attends to per decode step; a multiple of the page size. Contexts up to this length decode densely (exact).",
+    )
     selector: str = knob("quest", help=f"Page scorer: {' | '.join(SELECTORS)}.")
-    group_reduce: str = knob("sum", help=f"How the query heads sharing a kv head (GQA) combine their page scores into its one selection: {' | '.join(GROUP_REDUCES)}. sum ranks by the group's total; max keeps a page any head of the group scores high.")
-    bound_format: str = knob("auto", help=f"How the GPU keeps each page's key bounds (Quest's min/max, which scoring reads for every page every step): {' | '.join(BOUND_FORMATS)}. exact = in the KV dtype; int8 = int8 levels times a power-of-two scale per (page, kv head), the min rounded down and the max up, so they still bound every key: half the bytes of bf16 bounds (docs/decisions/0003-int8-page-bounds.md); auto = int8 for 16-bit KV, exact for fp8 (one byte already).")
-    coarse_pages: int = knob(0, help="Coarse-first selection: S > 0 scores super-pages of S consecutive pages (a request's, whole, before its recent pages) from their joint key bounds first, keeps the best --sparse-coarse-candidates x budget pages' worth of them, and scores only their pages (plus the newest ones) page by page; the bounds of a super-page bound its pages', so a page scoring high keeps its super-page near the top. Reads ~1/S of the bounds instead of all; costs a second set of bounds in GPU memory (the summaries' bounds twice). 0 = score every page.")
-    coarse_candidates: float = knob(4.0, help="Coarse-first selection (--sparse-coarse-pages > 0): pages the coarse pass keeps for the fine one, as a multiple of the budget's pages (rounded up to whole super-pages).")
-    coarse_min_pages: int = knob(24576, help="Coarse-first selection runs on decode steps (CUDA graphs: batch sizes, at the longest context) where it spares the page-by-page score at least this many pages (batch x pages past the candidates); below, its two extra launches cost more than the bytes it saves (docs/decisions/0005-coarse-first-selection-is-opt-in.md).")
+    group_reduce: str = knob(
+        "sum",
+        help=f"How the query heads sharing a kv head (GQA) combine their page scores into its one selection: {' | '.join(GROUP_REDUCES)}. sum ranks by the group's total; max keeps a page any head of the group scores high.",
+    )
+    bound_format: str = knob(
+        "auto",
+        help=f"How the GPU keeps each page's key bounds (Quest's min/max, which scoring reads for every page every step): {' | '.join(BOUND_FORMATS)}. exact = in the KV dtype; int8 = int8 levels times a power-of-two scale per (page, kv head), the min rounded down and the max up, so they still bound every key: half the bytes of bf16 bounds (docs/decisions/0003-int8-page-bounds.md); auto = int8 for 16-bit KV, exact for fp8 (one byte already).",
+    )
+    coarse_pages: int = knob(
+        0,
+        help="Coarse-first selection: S > 0 scores super-pages of S consecutive pages (a request's, whole, before its recent pages) from their joint key bounds first, keeps the best --sparse-coarse-candidates x budget pages' worth of them, and scores only their pages (plus the newest ones) page by page; the bounds of a super-page bound its pages', so a page scoring high keeps its super-page near the top. Reads ~1/S of the bounds instead of all; costs a second set of bounds in GPU memory (the summaries' bounds twice). 0 = score every page.",
+    )
+    coarse_candidates: float = knob(
+        4.0,
+        help="Coarse-first selection (--sparse-coarse-pages > 0): pages the coarse pass keeps for the fine one, as a multiple of the budget's pages (rounded up to whole super-pages).",
+    )
+    coarse_min_pages: int = knob(
+        24576,
+        help="Coarse-first selection runs on decode steps (CUDA graphs: batch sizes, at the longest context) where it spares the page-by-page score at least this many pages (batch x pages past the candidates); below, its two extra launches cost more than the bytes it saves (docs/decisions/0005-coarse-first-selection-is-opt-in.md).",
+    )
     sink_pages: int = knob(1, help="Leading pages every decode step keeps (attention sinks).")
     recent_pages: int = knob(2, help="Newest pages every decode step keeps, the partial newest page included (>= 1).")
-    exact_shortcut: bool = knob(True, help="Skip scoring when every request's context fits in the budget (all pages are attended anyway); false checks the selection machinery.")
-    decode_cuda_graph: bool = knob(True, help="Capture decode steps in SGLang's CUDA graphs (each step's page rows are sized for the longest context, and top-k reads them whole; budgets too wide for the fused kernels, above ~4K tokens, decode eagerly); false = eager decode.")
-    reselect_interval: int = knob(1, help="Decode steps a request's page selection serves (LServe's reuse): on the steps between two full selections each kv head picks its top pages among those its GPU cache row already holds, plus the sink and recent pages, so little crosses PCIe; 1 = a full selection every step.")
-    cache_row_ratio: float = knob(1.25, help="Fewest GPU page-cache slots a running request keeps per (layer, kv head), as a multiple of the pages one step selects: room for recently selected pages to stay cached (SPIN's buffer pages). It sets how many requests fit in the cache; while fewer run, rows grow into the free slots (up to 4x the selection), and give them back when new requests need room.")
-    cache_lru_buckets: int = knob(0, help="GPU page-cache replacement order: 0 = exact LRU (each slot's last-use step); N > 0 = SPIN's bucketed LRU: last uses counted in buckets of --sparse-cache-lru-steps-per-bucket decode steps, the newest N buckets in order and every older use tied with the oldest, ties broken by row position (SPIN uses 64).")
-    cache_lru_steps_per_bucket: int = knob(1, help="Bucketed LRU (--sparse-cache-lru-buckets > 0): decode steps one bucket spans.")
-    working_set_admission: bool = knob(False, help="SparseServe's Algorithm 1: admit a waiting request only while the running requests' working sets (the distinct pages each selected in the last --sparse-working-set-window steps, per layer and kv head) plus a narrowest cache row for it fit the GPU page cache, and retract running requests (SGLang's retraction; their host KV stays as a radix-cached prefix) while those working sets outgrow it; off by default: on the long-generation serving trace it cost 5% throughput (fp8 KV, reused selections), where the page cache holds the working sets anyway.")
-    working_set_window: int = knob(12, help="Decode steps over which a request's selected pages form its working set (SparseServe's w).")
-    gpu_cache_gb: float | None = knob(None, help="HBM (GiB) for cached KV pages; auto = what SGLang's --mem-fraction-static leaves for KV.")
-    host_cache_gb: float = knob(default_factory=default_host_cache_gb, help=f"Pinned host RAM (GiB) holding all KV; defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.")
-    segmented_prefill: bool = knob(False, help="Layer-segmented prefill (SparseServe): while requests decode, a prefill batch runs a few layers per scheduler iteration, each iteration also running one decode step, so decodes never wait for a whole long prompt.")
-    max_inject_tokens: int | None = knob(None, help=f"Layer-segmented prefill: prompt tokens x layers run per iteration; auto = {PREFILL_CHUNK_TOKENS_EQUIVALENT} x the model's layers (what one {PREFILL_CHUNK_TOKENS_EQUIVALENT}-token chunk of chunked prefill costs).")
-    prefix_staging_tokens: int = knob(16384, help="Cached-prefix tokens a prefill stages from the host into GPU memory at once, per layer (fixed buffers): a longer prefix, or a batch of them, is attended in pieces of half this size whose results are merged, so a prefill's KV in HBM stays bounded however long its prompt; the two halves take turns, one loading while the other is attended.")
+    exact_shortcut: bool = knob(
+        True,
+        help="Skip scoring when every request's context fits in the budget (all pages are attended anyway); false checks the selection machinery.",
+    )
+    decode_cuda_graph: bool = knob(
+        True,
+        help="Capture decode steps in SGLang's CUDA graphs (each step's page rows are sized for the longest context, and top-k reads them whole; budgets too wide for the fused kernels, above ~4K tokens, decode eagerly); false = eager decode.",
+    )
+    reselect_interval: int = knob(
+        1,
+        help="Decode steps a request's page selection serves (LServe's reuse): on the steps between two full selections each kv head picks its top pages among those its GPU cache row already holds, plus the sink and recent pages, so little crosses PCIe; 1 = a full selection every step.",
+    )
+    cache_row_ratio: float = knob(
+        1.25,
+        help="Fewest GPU page-cache slots a running request keeps per (layer, kv head), as a multiple of the pages one step selects: room for recently selected pages to stay cached (SPIN's buffer pages). It sets how many requests fit in the cache; while fewer run, rows grow into the free slots (up to 4x the selection), and give them back when new requests need room.",
+    )
+    cache_lru_buckets: int = knob(
+        0,
+        help="GPU page-cache replacement order: 0 = exact LRU (each slot's last-use step); N > 0 = SPIN's bucketed LRU: last uses counted in buckets of --sparse-cache-lru-steps-per-bucket decode steps, the newest N buckets in order and every older use tied with the oldest, ties broken by row position (SPIN uses 64).",
+    )
+    cache_lru_steps_per_bucket: int = knob(
+        1, help="Bucketed LRU (--sparse-cache-lru-buckets > 0): decode steps one bucket spans."
+    )
+    working_set_admission: bool = knob(
+        False,
+        help="SparseServe's Algorithm 1: admit a waiting request only while the running requests' working sets (the distinct pages each selected in the last --sparse-working-set-window steps, per layer and kv head) plus a narrowest cache row for it fit the GPU page cache, and retract running requests (SGLang's retraction; their host KV stays as a radix-cached prefix) while those working sets outgrow it; off by default: on the long-generation serving trace it cost 5% throughput (fp8 KV, reused selections), where the page cache holds the working sets anyway.",
+    )
+    working_set_window: int = knob(
+        12, help="Decode steps over which a request's selected pages form its working set (SparseServe's w)."
+    )
+    gpu_cache_gb: float | None = knob(
+        None, help="HBM (GiB) for cached KV pages; auto = what SGLang's --mem-fraction-static leaves for KV."
+    )
+    host_cache_gb: float = knob(
+        default_factory=default_host_cache_gb,
+        help=f"Pinned host RAM (GiB) holding all KV; defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.",
+    )
+    segmented_prefill: bool = knob(
+        False,
+        help="Layer-segmented prefill (SparseServe): while requests decode, a prefill batch runs a few layers per scheduler iteration, each iteration also running one decode step, so decodes never wait for a whole long prompt.",
+    )
+    max_inject_tokens: int | None = knob(
+        None,
+        help=f"Layer-segmented prefill: prompt tokens x layers run per iteration; auto = {PREFILL_CHUNK_TOKENS_EQUIVALENT} x the model's layers (what one {PREFILL_CHUNK_TOKENS_EQUIVALENT}-token chunk of chunked prefill costs).",
+    )
+    prefix_staging_tokens: int = knob(
+        16384,
+        help="Cached-prefix tokens a prefill stages from the host into GPU memory at once, per layer (fixed buffers): a longer prefix, or a batch of them, is attended in pieces of half this size whose results are merged, so a prefill's KV in HBM stays bounded however long its prompt; the two halves take turns, one loading while the other is attended.",
+    )
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -161,15 +217,21 @@ class SparseConfig:
                 f"must be a multiple of {mention('page_size')} ({self.page_size}), got {self.token_budget}",
             )
         if self.bound_format not in BOUND_FORMATS:
-            raise SparseConfigError("bound_format", f"must be one of {', '.join(BOUND_FORMATS)}; got {self.bound_format!r}")
+            raise SparseConfigError(
+                "bound_format", f"must be one of {', '.join(BOUND_FORMATS)}; got {self.bound_format!r}"
+            )
         if self.group_reduce not in GROUP_REDUCES:
-            raise SparseConfigError("group_reduce", f"must be one of {', '.join(GROUP_REDUCES)}; got {self.group_reduce!r}")
+            raise SparseConfigError(
+                "group_reduce", f"must be one of {', '.join(GROUP_REDUCES)}; got {self.group_reduce!r}"
+            )
         if self.selector not in SELECTORS:
             raise SparseConfigError("selector", f"must be one of {', '.join(SELECTORS)}; got {self.selector!r}")
         if self.sink_pages < 0:
             raise SparseConfigError("sink_pages", f"must be >= 0, got {self.sink_pages}")
         if self.recent_pages < 1:
-            raise SparseConfigError("recent_pages", f"must be >= 1 (the newest page is always attended), got {self.recent_pages}")
+            raise SparseConfigError(
+                "recent_pages", f"must be >= 1 (the newest page is always attended), got {self.recent_pages}"
+            )
         budget_pages = self.token_budget // self.page_size
         if self.sink_pages >= budget_pages:  # the sink alone leaves no room for the newest page
             raise SparseConfigError(
@@ -188,11 +250,17 @@ class SparseConfig:
         if self.coarse_min_pages < 0:
             raise SparseConfigError("coarse_min_pages", f"must be >= 0, got {self.coarse_min_pages}")
         if self.coarse_candidates < 1:
-            raise SparseConfigError("coarse_candidates", f"must be >= 1 (the fine pass needs a budget's pages), got {self.coarse_candidates}")
+            raise SparseConfigError(
+                "coarse_candidates",
+                f"must be >= 1 (the fine pass needs a budget's pages), got {self.coarse_candidates}",
+            )
         if self.reselect_interval < 1:
             raise SparseConfigError("reselect_interval", f"must be >= 1, got {self.reselect_interval}")
         if self.cache_row_ratio < 1:
-            raise SparseConfigError("cache_row_ratio", f"must be >= 1 (a row holds at least one step's selection), got {self.cache_row_ratio}")
+            raise SparseConfigError(
+                "cache_row_ratio",
+                f"must be >= 1 (a row holds at least one step's selection), got {self.cache_row_ratio}",
+            )
         for name in ("cache_row_ratio", "coarse_candidates"):  # multiples of the budget's pages, as int32 widths
             if getattr(self, name) * budget_pages > INT32_MAX:
                 raise SparseConfigError(name, f"{getattr(self, name):g} x the budget's {budget_pages} pages "
@@ -200,7 +268,9 @@ class SparseConfig:
         if self.cache_lru_buckets < 0:
             raise SparseConfigError("cache_lru_buckets", f"must be >= 0 (0 = exact LRU), got {self.cache_lru_buckets}")
         if self.cache_lru_steps_per_bucket < 1:
-            raise SparseConfigError("cache_lru_steps_per_bucket", f"must be >= 1, got {self.cache_lru_steps_per_bucket}")
+            raise SparseConfigError(
+                "cache_lru_steps_per_bucket", f"must be >= 1, got {self.cache_lru_steps_per_bucket}"
+            )
         if self.working_set_window < 1:
             raise SparseConfigError("working_set_window", f"must be >= 1, got {self.working_set_window}")
         if self.gpu_cache_gb is not None and self.gpu_cache_gb <= 0:

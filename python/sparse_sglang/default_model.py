@@ -48,9 +48,7 @@ def find_gguf() -> Path:
     # the `llm` CLI, which --no-deps leaves out on purpose.
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise DefaultModelUnavailable(
-            f"no --model-path given and the default model is not installed: {INSTALL_HINT}"
-        )
+        raise DefaultModelUnavailable(f"no --model-path given and the default model is not installed: {INSTALL_HINT}")
     path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
     if not path.is_file():
         raise DefaultModelUnavailable(f"{path} is missing; reinstall it: {INSTALL_HINT}")

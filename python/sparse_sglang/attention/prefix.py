@@ -55,7 +55,9 @@ class PrefixPiece:
     last_page_len: list[int]
 
 
-def prefix_pieces(prefix_lens: list[int], extend_lens: list[int], page_size: int, capacity_pages: int) -> list[PrefixPiece]:
+def prefix_pieces(
+    prefix_lens: list[int], extend_lens: list[int], page_size: int, capacity_pages: int
+) -> list[PrefixPiece]:
     """Cut the batch's prefix pages, request by request, into pieces of at most ``capacity_pages``.
 
     A piece spans the consecutive requests its pages belong to, so their query rows are one
@@ -123,7 +125,9 @@ class PrefixAttention:
         self.k_attend = self.k if self.attend_dtype == s.dtype else torch.empty_like(self.k, dtype=self.attend_dtype)
         self.v_attend = self.v if self.attend_dtype == s.dtype else torch.empty_like(self.v, dtype=self.attend_dtype)
         self.kv = tuple(t.view(pages, s.num_kv_heads, s.page_size, s.head_dim) for t in (self.k_attend, self.v_attend))
-        self.wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND") for _ in range(PLANNED_PIECES)]
+        self.wrappers = [
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND") for _ in range(PLANNED_PIECES)
+        ]
         # Re-planning a wrapper rewrites the pinned buffer its last plan's copy reads: wait for its last run first.
         self.last_run = [torch.cuda.Event() for _ in self.wrappers]
         self.slots = torch.arange(pages * s.num_kv_heads, device=store.device)
@@ -228,4 +232,3 @@ class PrefixAttention:
                 self.v_attend[first : first + units].copy_(self.v[first : first + units])
             self.loaded[b].record()
         self.staged[b] = (layer, i)
-

@@ -33,8 +33,13 @@ def gather_layer(summary: torch.Tensor, host_pages: torch.Tensor) -> torch.Tenso
 
 
 def score_pages_reference(
-    selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
-    num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE, forced: tuple[int, int] | None = None,
+    selector: str,
+    q: torch.Tensor,
+    layer_summaries: dict[str, torch.Tensor],
+    host_pages: torch.Tensor,
+    num_pages: torch.Tensor,
+    group_reduce: str = DEFAULT_GROUP_REDUCE,
+    forced: tuple[int, int] | None = None,
     reuse: CachedRows | None = None,
 ) -> torch.Tensor:
     """Scores of every page of every request (plain torch): what
@@ -76,8 +81,13 @@ def score_pages_reference(
 
 
 def score_coarse_reference(
-    q: torch.Tensor, coarse_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor, built: torch.Tensor,
-    coarse_pages: int, sink_pages: int, group_reduce: str = DEFAULT_GROUP_REDUCE,
+    q: torch.Tensor,
+    coarse_summaries: dict[str, torch.Tensor],
+    host_pages: torch.Tensor,
+    built: torch.Tensor,
+    coarse_pages: int,
+    sink_pages: int,
+    group_reduce: str = DEFAULT_GROUP_REDUCE,
 ) -> torch.Tensor:
     """:func:`~sparse_sglang.attention.scoring.score_coarse` in plain torch (same arguments)."""
     supers = coarse_host_pages(host_pages, coarse_pages)
@@ -87,9 +97,18 @@ def score_coarse_reference(
 
 
 def score_candidates_reference(
-    selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
-    num_pages: torch.Tensor, supers: torch.Tensor, built: torch.Tensor, coarse_pages: int, tail: int,
-    group_reduce: str = DEFAULT_GROUP_REDUCE, forced: tuple[int, int] = (0, 1), reuse: CachedRows | None = None,
+    selector: str,
+    q: torch.Tensor,
+    layer_summaries: dict[str, torch.Tensor],
+    host_pages: torch.Tensor,
+    num_pages: torch.Tensor,
+    supers: torch.Tensor,
+    built: torch.Tensor,
+    coarse_pages: int,
+    tail: int,
+    group_reduce: str = DEFAULT_GROUP_REDUCE,
+    forced: tuple[int, int] = (0, 1),
+    reuse: CachedRows | None = None,
 ) -> torch.Tensor:
     """:func:`~sparse_sglang.attention.scoring.score_candidates` in plain torch (same arguments;
     ``tail`` is not needed here)."""
@@ -103,8 +122,13 @@ def score_candidates_reference(
 
 
 def retrieve_reference(
-    cache: GPUPageCache, layer: int, req_slots: torch.Tensor, page_ids: torch.Tensor, host_pages: torch.Tensor,
-    load: Callable[[torch.Tensor, torch.Tensor], None], num_host_pages: int,
+    cache: GPUPageCache,
+    layer: int,
+    req_slots: torch.Tensor,
+    page_ids: torch.Tensor,
+    host_pages: torch.Tensor,
+    load: Callable[[torch.Tensor, torch.Tensor], None],
+    num_host_pages: int,
 ) -> torch.Tensor:
     """Slots holding the selected pages of one layer, loading the misses from the host.
 

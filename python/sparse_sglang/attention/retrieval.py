@@ -119,9 +119,17 @@ if triton is not None:
 
 
 def retrieve_pages(
-    cache: CacheView, layer: int, req_slots: torch.Tensor, page_ids: torch.Tensor, num_pages: torch.Tensor,
-    host_pages: torch.Tensor, num_host_pages: int, indptr: torch.Tensor, indices: torch.Tensor,
-    miss_src: torch.Tensor, miss_dst: torch.Tensor,
+    cache: CacheView,
+    layer: int,
+    req_slots: torch.Tensor,
+    page_ids: torch.Tensor,
+    num_pages: torch.Tensor,
+    host_pages: torch.Tensor,
+    num_host_pages: int,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    miss_src: torch.Tensor,
+    miss_dst: torch.Tensor,
 ) -> None:
     """Hits, LRU victims, table updates, FlashInfer indices and the miss list of one layer (one launch).
 

@@ -262,10 +262,19 @@ def score_launch() -> tuple[int, int]:
 
 
 def score_pages(
-    selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
-    num_pages: torch.Tensor, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
-    forced: tuple[int, int] | None = None, reuse: CachedRows | None = None,
-    fill_tail: bool = True, block_n: int | None = None, num_warps: int | None = None, only_reused: bool = False,
+    selector: str,
+    q: torch.Tensor,
+    layer_summaries: dict[str, torch.Tensor],
+    host_pages: torch.Tensor,
+    num_pages: torch.Tensor,
+    group_reduce: str = DEFAULT_GROUP_REDUCE,
+    out: torch.Tensor | None = None,
+    forced: tuple[int, int] | None = None,
+    reuse: CachedRows | None = None,
+    fill_tail: bool = True,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    only_reused: bool = False,
 ) -> torch.Tensor:
     """:func:`~sparse_sglang.attention.reference.score_pages_reference` in one Triton kernel (on CPU
     tensors it runs in Triton's interpreter).
@@ -322,8 +331,14 @@ def coarse_host_pages(host_pages: torch.Tensor, coarse_pages: int) -> torch.Tens
 
 
 def score_coarse(
-    q: torch.Tensor, coarse_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor, built: torch.Tensor,
-    coarse_pages: int, sink_pages: int, group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
+    q: torch.Tensor,
+    coarse_summaries: dict[str, torch.Tensor],
+    host_pages: torch.Tensor,
+    built: torch.Tensor,
+    coarse_pages: int,
+    sink_pages: int,
+    group_reduce: str = DEFAULT_GROUP_REDUCE,
+    out: torch.Tensor | None = None,
     reselect: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Quest scores of each request's first ``built[b]`` super-pages of ``coarse_pages`` pages,
@@ -367,10 +382,19 @@ def candidate_pages(supers: torch.Tensor, built: torch.Tensor, num_pages: torch.
 
 
 def score_candidates(
-    selector: str, q: torch.Tensor, layer_summaries: dict[str, torch.Tensor], host_pages: torch.Tensor,
-    num_pages: torch.Tensor, supers: torch.Tensor, built: torch.Tensor, coarse_pages: int, tail: int,
-    group_reduce: str = DEFAULT_GROUP_REDUCE, out: torch.Tensor | None = None,
-    forced: tuple[int, int] = (0, 1), reuse: CachedRows | None = None,
+    selector: str,
+    q: torch.Tensor,
+    layer_summaries: dict[str, torch.Tensor],
+    host_pages: torch.Tensor,
+    num_pages: torch.Tensor,
+    supers: torch.Tensor,
+    built: torch.Tensor,
+    coarse_pages: int,
+    tail: int,
+    group_reduce: str = DEFAULT_GROUP_REDUCE,
+    out: torch.Tensor | None = None,
+    forced: tuple[int, int] = (0, 1),
+    reuse: CachedRows | None = None,
 ) -> torch.Tensor:
     """Selection priorities (:func:`score_pages` with ``forced``) of only the candidate pages
     (:func:`candidate_pages`), ``-inf`` elsewhere: the second, fine pass of a coarse-first

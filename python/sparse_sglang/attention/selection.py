@@ -50,7 +50,11 @@ def force_pages(scores: torch.Tensor, num_pages: torch.Tensor, sink_pages: int, 
 
 
 def select_pages(
-    scores: torch.Tensor, num_pages: torch.Tensor, budget_pages: int, sink_pages: int = 1, recent_pages: int = 2,
+    scores: torch.Tensor,
+    num_pages: torch.Tensor,
+    budget_pages: int,
+    sink_pages: int = 1,
+    recent_pages: int = 2,
 ) -> Selection:
     """Top pages per (request, kv head) within a page budget, with sink and recent pages forced.
 
@@ -107,7 +111,9 @@ def keep_cached(priority: torch.Tensor, cached: torch.Tensor, reselect: torch.Te
 
 
 def max_reduce_logical(
-    scores: torch.Tensor, logical_per_physical: int, num_logical: torch.Tensor | None = None,
+    scores: torch.Tensor,
+    logical_per_physical: int,
+    num_logical: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Physical-page scores from logical-page scores by max (LServe §3.5.2, hierarchical paging).
 
@@ -131,13 +137,17 @@ def max_reduce_logical(
     g = logical_per_physical
     scores = scores.float()
     if num_logical is not None:
-        held = torch.arange(n_logical, device=scores.device).view(1, 1, -1) < num_logical.to(scores.device).view(-1, 1, 1)
+        held = torch.arange(n_logical, device=scores.device).view(1, 1, -1) < num_logical.to(scores.device).view(
+            -1, 1, 1
+        )
         scores = torch.where(held, scores, -math.inf)
     scores = F.pad(scores, (0, -n_logical % g), value=-math.inf)
     return scores.view(batch, heads, -1, g).amax(dim=-1)
 
 
-def selected_token_mask(page_ids: torch.Tensor | None, page_size: int, seq_len: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def selected_token_mask(
+    page_ids: torch.Tensor | None, page_size: int, seq_len: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
     """``[B, Hkv or 1, T]`` bool: token ``t < seq_len`` lies in a selected page (all of them when
     ``page_ids`` is None)."""
     token = torch.arange(num_tokens, device=seq_len.device)
@@ -163,8 +173,13 @@ def _logits(q: torch.Tensor, k: torch.Tensor, seq_len: torch.Tensor, scale: floa
 
 
 def sparse_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor | None, page_size: int,
-    seq_len: torch.Tensor, scale: float | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    page_ids: torch.Tensor | None,
+    page_size: int,
+    seq_len: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Decode attention over the tokens of the selected pages only (float32 math).
 
@@ -197,7 +212,11 @@ def sparse_attention_reference(
 
 
 def attention_mass_recall(
-    q: torch.Tensor, k: torch.Tensor, page_ids: torch.Tensor, page_size: int, seq_len: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    page_ids: torch.Tensor,
+    page_size: int,
+    seq_len: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Share of each query head's dense softmax mass on the selected tokens.

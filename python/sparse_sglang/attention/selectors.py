@@ -98,8 +98,13 @@ class Selector(ABC):
         SELECTORS[cls.name] = cls
 
     def score(
-        self, q: torch.Tensor, kmin: torch.Tensor | None, kmax: torch.Tensor | None, mean: torch.Tensor | None,
-        group_reduce: str = DEFAULT_GROUP_REDUCE, radius: torch.Tensor | None = None,
+        self,
+        q: torch.Tensor,
+        kmin: torch.Tensor | None,
+        kmax: torch.Tensor | None,
+        mean: torch.Tensor | None,
+        group_reduce: str = DEFAULT_GROUP_REDUCE,
+        radius: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scores of every page for each kv head.
 

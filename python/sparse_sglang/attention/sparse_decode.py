@@ -139,7 +139,9 @@ class SparseDecoder:
         if use_tensor_cores is None:
             use_tensor_cores = self.group >= 4
         self.workspace, self.use_tensor_cores = workspace, use_tensor_cores
-        self.eager_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=use_tensor_cores)
+        self.eager_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "HND", use_tensor_cores=use_tensor_cores
+        )
         self.wrapper = self.eager_wrapper
         self.graph_wrappers: dict = {}  # batch size -> CUDA-graph wrapper (init_cuda_graph)
         if topk not in TOPK_IMPLS:
@@ -257,7 +259,9 @@ class SparseDecoder:
             kv_data_type=self.store.shape.dtype,
         )  # fmt: skip
         self.req_slots, self.batch = req_slots, batch
-        reselect = None if self.interval == 1 else self.store.cache.due_for_selection(req_slots, seq_lens_cpu, self.interval)
+        reselect = (
+            None if self.interval == 1 else self.store.cache.due_for_selection(req_slots, seq_lens_cpu, self.interval)
+        )
         if graph:  # into the static buffers the captured kernels read
             g = self.graph
             if reselect is not None:
@@ -308,7 +312,9 @@ class SparseDecoder:
         else:
             self.built, self.built_rows = built, built.repeat_interleave(self.num_kv_heads)
             # max_built > supers: else every super-page would be kept
-            self.use_coarse = max_built > self.supers and self.config.coarse_pays(self.batch, self.max_pages, self.width)
+            self.use_coarse = max_built > self.supers and self.config.coarse_pays(
+                self.batch, self.max_pages, self.width
+            )
         if not self.use_coarse or torch.cuda.is_current_stream_capturing():  # capture: no real pages
             return
         self.coarse_steps += 1
@@ -374,7 +380,9 @@ class SparseDecoder:
         """
         page_ids = self.select_raw(layer, q)
         if self.selection_log is not None:  # -1 for none (the top-k's picks past a request's end)
-            self.selection_log[: self.batch, layer] = torch.where(page_ids < self.num_pages.view(-1, 1, 1), page_ids, -1)
+            self.selection_log[: self.batch, layer] = torch.where(
+                page_ids < self.num_pages.view(-1, 1, 1), page_ids, -1
+            )
         self._retrieve(layer, page_ids)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
@@ -448,7 +456,9 @@ class TorchPathDecoder(SparseDecoder):
     def _keep_cached(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
         if self.reselect is None:
             return scores
-        return keep_cached(scores, self.store.cache.cached_pages(layer, self.req_slots, scores.shape[-1]), self.reselect)
+        return keep_cached(
+            scores, self.store.cache.cached_pages(layer, self.req_slots, scores.shape[-1]), self.reselect
+        )
 
     def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
         store = self.store
@@ -470,7 +480,9 @@ def make_decoder(store: SparseKVStore, config: SparseConfig, num_q_heads: int, w
     return decoder(store, config, num_q_heads, workspace, max_batch, **options)
 
 
-def host_page_table(req_to_token: torch.Tensor, req_slots: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:
+def host_page_table(
+    req_to_token: torch.Tensor, req_slots: torch.Tensor, num_pages: int, page_size: int
+) -> torch.Tensor:
     """``[B, num_pages]`` int32 host page id of each logical page of each request, read from
     SGLang's ``req_to_token`` rows (token location ``page * page_size + offset``)."""
     cols = torch.arange(num_pages, device=req_to_token.device) * page_size

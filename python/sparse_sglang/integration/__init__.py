@@ -25,12 +25,11 @@ def install() -> None:
     if _installed:
         return
     check_sglang_version()
+    from sparse_sglang.integration.admission import patch_abort_request, patch_check_decode_mem, patch_prefill_adder
     from sparse_sglang.integration.attention_backend import (
         add_sparse_backend_choice,
         register_sparse_attention_backend,
     )
-
-    from sparse_sglang.integration.admission import patch_abort_request, patch_check_decode_mem, patch_prefill_adder
     from sparse_sglang.integration.forward_batch import patch_forward_batch_init_new
     from sparse_sglang.integration.input_length import patch_validate_input_length
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool

@@ -20,7 +20,9 @@ from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.scheduler import WorkingSetGate
 
 
-@relies_on("sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req", at="sglang/srt/managers/schedule_policy.py:1059")
+@relies_on(
+    "sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req", at="sglang/srt/managers/schedule_policy.py:1059"
+)
 def patch_prefill_adder() -> None:
     """Make ``PrefillAdder.add_one_req`` defer a request :data:`WorkingSetGate.current` does not admit."""
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
@@ -39,8 +41,9 @@ def patch_prefill_adder() -> None:
     wrap_once(PrefillAdder, "add_one_req", wrap)
 
 
-@relies_on("sglang.srt.managers.schedule_batch:ScheduleBatch.check_decode_mem",
-           at="sglang/srt/managers/schedule_batch.py:2727")
+@relies_on(
+    "sglang.srt.managers.schedule_batch:ScheduleBatch.check_decode_mem", at="sglang/srt/managers/schedule_batch.py:2727"
+)
 def patch_check_decode_mem() -> None:
     """Make ``ScheduleBatch.check_decode_mem`` also ask :meth:`WorkingSetGate.keeps` whether the
     running requests (those ``selected_indices`` keeps, during a retraction) fit the GPU cache."""

@@ -74,7 +74,9 @@ class SparseAttnBackend(FlashInferAttnBackend):
             self.tracker = WorkingSetTracker(max_batch, shape.num_layers, shape.num_kv_heads, self.decoder.width,
                                              config.working_set_window, self.store.device)  # fmt: skip
             self.decoder.log_selections(max_batch)
-        WorkingSetGate.current = WorkingSetGate(self.store.cache, self.tracker) if config.working_set_admission else None
+        WorkingSetGate.current = (
+            WorkingSetGate(self.store.cache, self.tracker) if config.working_set_admission else None
+        )
         logger.info("sparse attention backend: %s", self.sparse_config)
 
     @staticmethod
@@ -177,7 +179,9 @@ class SparseAttnBackend(FlashInferAttnBackend):
         num_pages = self.store.shape.max_pages if graph else math.ceil(max(seq_lens) / page)
         host_pages = host_page_table(self.req_to_token_pool.req_to_token, req_slots, num_pages, page)
         self.decoder.plan(req_slots, seq_lens_cpu, host_pages, graph=graph, seq_lens=fb.seq_lens[:bs])
-        if self.tracker is not None:  # counts up to the last step; this step's selection is recorded at the next forward
+        if (
+            self.tracker is not None
+        ):  # counts up to the last step; this step's selection is recorded at the next forward
             self.tracker.publish([slot for slot, _ in real], math.ceil(max(seq_lens) / page))
             self.tracked_slots = req_slots.clone()
         if not graph:  # a captured step binds its runs inside the graph (init_forward_metadata_in_graph)
@@ -200,7 +204,9 @@ class SparseAttnBackend(FlashInferAttnBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False):
         if not forward_batch.forward_mode.is_decode():
-            raise NotImplementedError(f"the sparse backend captures decode steps only, not {forward_batch.forward_mode}")
+            raise NotImplementedError(
+                f"the sparse backend captures decode steps only, not {forward_batch.forward_mode}"
+            )
         if in_capture:  # a batch the graph runner made up, not one init_new built
             self.next_req_slots = None
         self.store.note_forward_stream()
@@ -210,7 +216,9 @@ class SparseAttnBackend(FlashInferAttnBackend):
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
         bs, page = forward_batch.batch_size, self.store.shape.page_size
-        self.store.bind_runs(SaveRuns.for_decode(forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs], page))
+        self.store.bind_runs(
+            SaveRuns.for_decode(forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs], page)
+        )
 
     # Per layer, on the device.
 
@@ -221,7 +229,9 @@ class SparseAttnBackend(FlashInferAttnBackend):
         cap = layer.logit_cap or None
         k_scale, v_scale = fp8_kv_scales(layer, self.store.shape.dtype)
         if not self.prefix.active:  # the new tokens' own K/V, unquantized
-            o = self.prefill_wrapper_ragged.forward(q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap)
+            o = self.prefill_wrapper_ragged.forward(
+                q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap
+            )
         else:
             o, lse = self.prefill_wrapper_ragged.forward_return_lse(
                 q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap

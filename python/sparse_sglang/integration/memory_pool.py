@@ -137,7 +137,9 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     model = runner.model_config
     dtype = runner.kv_cache_dtype
     if dtype in (torch.float8_e4m3fnuz,):
-        raise ValueError(f"sparse KV store: kv cache dtype {dtype} is not supported (bf16, fp16, fp8_e4m3, fp8_e5m2 are)")
+        raise ValueError(
+            f"sparse KV store: kv cache dtype {dtype} is not supported (bf16, fp16, fp8_e4m3, fp8_e5m2 are)"
+        )
     plan = plan_memory(
         sparse,
         num_layers=conf.layer_info.num_effective_layers,

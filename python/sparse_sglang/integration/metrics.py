@@ -29,7 +29,7 @@ GAUGES = {  # name suffix -> documentation; values from interval_stats()
     "gpu_cache_slots_free": "Free GPU page-cache slots.",
     "working_set_pages": "GPU page-cache slots the running requests used in the last --sparse-working-set-window steps.",
     "working_set_demand_pages": "Distinct pages the running requests selected in the last --sparse-working-set-window steps "
-                                "(summed over layers and kv heads; with --sparse-working-set-admission).",
+    "(summed over layers and kv heads; with --sparse-working-set-admission).",
     "working_set_deferrals": "Admission answers 'wait' of the working-set rule since start.",
     "working_set_retractions": "Running requests the working-set rule retracted since start.",
     "host_tokens_used": "Host KV tokens in use (running requests and the radix cache).",
@@ -69,8 +69,10 @@ def row_width(now: dict) -> str:
 def admission(stats: dict) -> str:
     if stats["working_set_demand_pages"] is None:
         return ""
-    return (f", demand: {stats['working_set_demand_pages']} pages, deferred: {stats['working_set_deferrals']}, "
-            f"retracted: {stats['working_set_retractions']}")
+    return (
+        f", demand: {stats['working_set_demand_pages']} pages, deferred: {stats['working_set_deferrals']}, "
+        f"retracted: {stats['working_set_retractions']}"
+    )
 
 
 def log_line(stats: dict, now: dict) -> str:
@@ -112,8 +114,13 @@ class SparseMetrics:
             from prometheus_client import REGISTRY, Gauge  # after SGLang set PROMETHEUS_MULTIPROC_DIR
 
             self.gauges = {
-                name: Gauge(f"sglang:sparse_{name}", doc, labelnames=list(self.labels), multiprocess_mode="mostrecent",
-                            registry=registry or REGISTRY)  # fmt: skip
+                name: Gauge(
+                    f"sglang:sparse_{name}",
+                    doc,
+                    labelnames=list(self.labels),
+                    multiprocess_mode="mostrecent",
+                    registry=registry or REGISTRY,
+                )  # fmt: skip
                 for name, doc in GAUGES.items()
             }
         for name, gauge in self.gauges.items():

@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 SGLANG_VERSION = "0.5.17"
 

@@ -33,7 +33,9 @@ def refuse_alone(scheduler, recv_req, err: BaseException) -> None:
     scheduler._add_request_to_queue(req)
 
 
-@relies_on("sglang.srt.managers.scheduler:Scheduler.handle_generate_request", at="sglang/srt/managers/scheduler.py:2300")
+@relies_on(
+    "sglang.srt.managers.scheduler:Scheduler.handle_generate_request", at="sglang/srt/managers/scheduler.py:2300"
+)
 def patch_handle_generate_request() -> None:
     """Make ``Scheduler.handle_generate_request`` refuse a request it fails on (:func:`refuse_alone`)
     instead of raising into the event loop; whatever the failed call queued is taken back first."""

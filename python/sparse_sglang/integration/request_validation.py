@@ -156,7 +156,9 @@ def check_batch_form(obj) -> None:
             raise RequestRejected("sampling_params.n", "must be the same for every prompt of a batch")
     if obj.token_ids_logprob and size is not None and isinstance(obj.token_ids_logprob[0], list):
         if len(obj.token_ids_logprob) != size:
-            raise RequestRejected("token_ids_logprob", f"a list of {len(obj.token_ids_logprob)} lists for {size} prompts")
+            raise RequestRejected(
+                "token_ids_logprob", f"a list of {len(obj.token_ids_logprob)} lists for {size} prompts"
+            )
 
 
 # -- one request -----------------------------------------------------------------------------------

@@ -42,7 +42,9 @@ def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
         **hbm_state(reset_hbm_peak),
         "prefix_staging_bytes": staging_bytes(scheduler.tp_worker.model_runner.attn_backend),
         "decode_steps_coarse_first": coarse_steps(scheduler.tp_worker.model_runner.attn_backend),
-        "segmented_prefill": dataclasses.asdict(segmented) if (segmented := getattr(scheduler, "sparse_segmented_prefill", None)) else None,
+        "segmented_prefill": dataclasses.asdict(segmented)
+        if (segmented := getattr(scheduler, "sparse_segmented_prefill", None))
+        else None,
     }
 
 

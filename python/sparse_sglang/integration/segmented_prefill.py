@@ -162,7 +162,9 @@ class SegmentedPrefillLoop:
                     len(batch.reqs), batch.split_index, self.num_layers)  # fmt: skip
 
 
-@relies_on("sglang.srt.model_executor.forward_batch_info:ForwardMode", at="sglang/srt/model_executor/forward_batch_info.py:98")
+@relies_on(
+    "sglang.srt.model_executor.forward_batch_info:ForwardMode", at="sglang/srt/model_executor/forward_batch_info.py:98"
+)
 def split_prefill_mode():
     """SGLang's forward mode of a batch run a few layers at a time."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode

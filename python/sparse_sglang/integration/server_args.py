@@ -20,7 +20,16 @@ from typing import Any
 
 from sglang.srt.server_args import ServerArgs
 
-from sparse_sglang.config import BOUND_FORMATS, GROUP_REDUCES, SELECTORS, SEGMENTED_CHUNK_TOKENS, SparseConfig, SparseConfigError, field_type, flag_name
+from sparse_sglang.config import (
+    BOUND_FORMATS,
+    GROUP_REDUCES,
+    SEGMENTED_CHUNK_TOKENS,
+    SELECTORS,
+    SparseConfig,
+    SparseConfigError,
+    field_type,
+    flag_name,
+)
 from sparse_sglang.integration.attention_backend import BACKEND_NAME, add_sparse_backend_choice
 from sparse_sglang.integration.registry import relies_on
 
@@ -97,8 +106,7 @@ class SparseServerArgs(ServerArgs):
         self.disable_prefill_cuda_graph = True
         self.disable_decode_cuda_graph = not self.sparse.decode_cuda_graph
         if self.sparse.decode_cuda_graph:
-            from sparse_sglang.mem_cache.plan import fits_fused_retrieve
-            from sparse_sglang.mem_cache.plan import row_width_for
+            from sparse_sglang.mem_cache.plan import fits_fused_retrieve, row_width_for
 
             budget_pages = self.sparse.budget_pages
             if not fits_fused_retrieve(budget_pages, row_width_for(budget_pages, ratio=self.sparse.cache_row_ratio)):
@@ -183,7 +191,9 @@ def add_sparse_cli_args(parser: argparse.ArgumentParser) -> None:
             default=None,  # None = not given: SparseConfig's own default applies
             choices=choices,
             metavar="{" + ",".join(choices) + "}" if choices else base.__name__.upper(),
-            help=f"{f.metadata['help']} (default: {_shown(default)})".replace("%", "%%"),  # argparse formats help with %
+            help=f"{f.metadata['help']} (default: {_shown(default)})".replace(
+                "%", "%%"
+            ),  # argparse formats help with %
         )
 
 
@@ -252,7 +262,9 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
             args.model_path = default_model_path()
         except DefaultModelUnavailable as err:
             raise CLIError(f"--model-path: {err}") from None
-    elif args.model_path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(args.model_path)):
+    elif args.model_path.startswith(("/", "./", "../", "~")) and not os.path.exists(
+        os.path.expanduser(args.model_path)
+    ):
         raise CLIError(f"--model-path: {args.model_path} does not exist")
     args.sparse = sparse
 

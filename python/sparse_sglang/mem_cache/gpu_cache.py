@@ -158,10 +158,23 @@ class GPUPageCache:
     """
 
     def __init__(
-        self, num_slots: int, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int,
-        dtype: torch.dtype, *, max_requests: int, row_width: int, max_pages: int, total_pages: int,
-        device: torch.device | str = "cpu", segment_pages: int = 128, min_row_width: int | None = None,
-        lru_buckets: int = 0, lru_steps_per_bucket: int = 1,
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        *,
+        max_requests: int,
+        row_width: int,
+        max_pages: int,
+        total_pages: int,
+        device: torch.device | str = "cpu",
+        segment_pages: int = 128,
+        min_row_width: int | None = None,
+        lru_buckets: int = 0,
+        lru_steps_per_bucket: int = 1,
     ):
         check_kv_shape(page_size, head_dim, dtype, num_slots=num_slots, num_layers=num_layers,
                        num_kv_heads=num_kv_heads, max_requests=max_requests, row_width=row_width)  # fmt: skip
@@ -184,7 +197,9 @@ class GPUPageCache:
         self.k_with_scratch = torch.zeros(num_slots + 1, page_size, head_dim, dtype=dtype, device=device)
         self.v_with_scratch = torch.zeros_like(self.k_with_scratch)
         self.k, self.v = self.k_with_scratch[:num_slots], self.v_with_scratch[:num_slots]
-        self.rows = torch.full((max_requests, num_layers, num_kv_heads, row_width), -1, dtype=torch.int64, device=device)
+        self.rows = torch.full(
+            (max_requests, num_layers, num_kv_heads, row_width), -1, dtype=torch.int64, device=device
+        )
         self.slot_page = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
         self.last_used = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=device)
         self.step = torch.zeros((), dtype=torch.int64, device=device)
@@ -344,7 +359,9 @@ class GPUPageCache:
         row = self.rows[req_slot, :, :, :old]  # [L, H, old]
         order = self.recency(self.last_used[row]).argsort(dim=-1, descending=True, stable=True)
         keep, drop = row.gather(-1, order[..., :width]), row.gather(-1, order[..., width:])
-        self.page_table.invalidate(req_slot, self._layers.view(-1, 1, 1), self._heads.view(1, -1, 1), self.slot_page[drop])
+        self.page_table.invalidate(
+            req_slot, self._layers.view(-1, 1, 1), self._heads.view(1, -1, 1), self.slot_page[drop]
+        )
         self.slot_page[drop] = -1
         self.last_used[drop] = -1
         self.rows[req_slot, :, :, :width] = keep
@@ -412,7 +429,9 @@ class GPUPageCache:
         slots = slots.long()
         return torch.where(slots < 0, self.num_slots, slots)
 
-    def store(self, layer: int, req_slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(
+        self, layer: int, req_slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Write new tokens into the cached blocks of their pages (write-through: uncached pages
         are skipped, the host store has every token).
 

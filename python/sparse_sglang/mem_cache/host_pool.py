@@ -32,7 +32,12 @@ def host_page_bytes(num_layers: int, num_kv_heads: int, page_size: int, head_dim
 
 
 def pages_for_budget(
-    gb: float, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype,
+    gb: float,
+    num_layers: int,
+    num_kv_heads: int,
+    page_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
 ) -> int:
     """Host page ids (the reserved page 0 included) that fit in ``gb`` GiB of host memory.
 
@@ -197,8 +202,15 @@ class HostKVPool:
     """
 
     def __init__(
-        self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
-        dtype: torch.dtype, *, pin: bool = True,
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        num_pages: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        *,
+        pin: bool = True,
     ):
         check_kv_shape(page_size, head_dim, dtype, num_layers=num_layers, num_kv_heads=num_kv_heads)
         self.allocator = HostPageAllocator(num_pages)
@@ -208,8 +220,15 @@ class HostKVPool:
 
     @classmethod
     def from_budget(
-        cls, host_cache_gb: float, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int,
-        dtype: torch.dtype, *, pin: bool = True,
+        cls,
+        host_cache_gb: float,
+        num_layers: int,
+        num_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        *,
+        pin: bool = True,
     ) -> HostKVPool:
         """A pool with as many pages as fit in ``host_cache_gb`` GiB (see :func:`pages_for_budget`)."""
         pages = pages_for_budget(host_cache_gb, num_layers, num_kv_heads, page_size, head_dim, dtype)

@@ -80,7 +80,9 @@ class SaveRuns:
         hi = torch.minimum((page + 1) * page_size, ends[owner])
         token_base = torch.cumsum(lens, 0) - lens
         token_req = torch.repeat_interleave(slots, lens)
-        token_pos = torch.cat([torch.arange(s, e) for s, e in zip(starts.tolist(), ends.tolist())]) if len(req_slots) else lens
+        token_pos = (
+            torch.cat([torch.arange(s, e) for s, e in zip(starts.tolist(), ends.tolist())]) if len(req_slots) else lens
+        )
         runs = (token_base[owner] + lo - starts[owner], hi - lo, slots[owner], page, lo % page_size)
         to = lambda t, dtype: t.to(dtype).to(device, non_blocking=True)  # noqa: E731
         return cls(*(to(t, torch.int32) for t in runs), to(token_req, torch.int64), to(token_pos, torch.int64))
@@ -260,7 +262,9 @@ def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, t
     if runs.num_runs == 0:
         return
     num_tokens, heads, dim = k.shape
-    assert k.is_contiguous() and v.is_contiguous() and dim & (dim - 1) == 0, "k/v [T, H, D] contiguous, D a power of two"
+    assert k.is_contiguous() and v.is_contiguous() and dim & (dim - 1) == 0, (
+        "k/v [T, H, D] contiguous, D a power of two"
+    )
     pt = cache.page_table
     lay = summaries.layer(layer)
     kmin, count = lay["kmin"], summaries.layer_count(layer)

@@ -77,7 +77,9 @@ class SparseKVStore:
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
         s = shape
-        self.host = HostKVPool(s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype, pin=on_gpu)
+        self.host = HostKVPool(
+            s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype, pin=on_gpu
+        )
         self.summaries = PageSummaries(s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype,
                                        self.device, with_radius=with_radius, with_mean=with_mean,
                                        bound_format=bound_format, coarse_pages=coarse_pages)  # fmt: skip
@@ -94,7 +96,9 @@ class SparseKVStore:
             self.flash_d2h = FlashD2H(self.host.k, self.host.v, s.max_save_tokens, device=self.device)
             self.direct_d2h = DirectD2H(self.host.k, self.host.v, device=self.device)
         else:
-            self.load = lambda src, dst: gather_blocks_reference(self.host.k, self.host.v, self.cache.k, self.cache.v, src, dst)
+            self.load = lambda src, dst: gather_blocks_reference(
+                self.host.k, self.host.v, self.cache.k, self.cache.v, src, dst
+            )
             self.flash_d2h = self.direct_d2h = None
         self.fused = on_gpu if fused is None else fused
         self.runs: SaveRuns | None = None  # the current forward's tokens (bind_runs)
@@ -153,7 +157,9 @@ class SparseKVStore:
         elif staged:
             step = self.shape.max_save_tokens
             for start in range(0, k.shape[0], step):
-                self.flash_d2h.submit(layer, k[start : start + step], v[start : start + step], loc[start : start + step])
+                self.flash_d2h.submit(
+                    layer, k[start : start + step], v[start : start + step], loc[start : start + step]
+                )
         else:
             self.direct_d2h(layer, k, v, loc)
 

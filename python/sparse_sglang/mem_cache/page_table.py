@@ -68,11 +68,24 @@ class TwoLevelPageTable:
     """
 
     def __init__(
-        self, max_requests: int, num_layers: int, num_kv_heads: int, max_pages: int, num_segments: int,
-        segment_pages: int = 128, device: torch.device | str = "cpu", debug: bool = False,
+        self,
+        max_requests: int,
+        num_layers: int,
+        num_kv_heads: int,
+        max_pages: int,
+        num_segments: int,
+        segment_pages: int = 128,
+        device: torch.device | str = "cpu",
+        debug: bool = False,
     ):
-        sizes = {"max_requests": max_requests, "num_layers": num_layers, "num_kv_heads": num_kv_heads,
-                 "max_pages": max_pages, "num_segments": num_segments, "segment_pages": segment_pages}
+        sizes = {
+            "max_requests": max_requests,
+            "num_layers": num_layers,
+            "num_kv_heads": num_kv_heads,
+            "max_pages": max_pages,
+            "num_segments": num_segments,
+            "segment_pages": segment_pages,
+        }
         for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -92,7 +105,11 @@ class TwoLevelPageTable:
 
     @staticmethod
     def segments_needed(
-        num_layers: int, num_kv_heads: int, total_pages: int, max_requests: int, segment_pages: int,
+        num_layers: int,
+        num_kv_heads: int,
+        total_pages: int,
+        max_requests: int,
+        segment_pages: int,
     ) -> int:
         """Pool size that always suffices for ``max_requests`` requests holding ``total_pages``
         logical pages together (each request wastes at most one partial segment per head)."""
@@ -215,8 +232,16 @@ class TwoLevelPageTable:
         directory = self.directory.numel() * ENTRY_BYTES
         in_use = self.segments_in_use * self.segment_pages * ENTRY_BYTES
         dense = (
-            (dense_requests or self.max_requests) * (dense_pages or self.max_pages)
-            * self.num_layers * self.num_kv_heads * ENTRY_BYTES
+            (dense_requests or self.max_requests)
+            * (dense_pages or self.max_pages)
+            * self.num_layers
+            * self.num_kv_heads
+            * ENTRY_BYTES
         )
-        return {"directory": directory, "segments_in_use": in_use, "used": directory + in_use,
-                "pool": self.segments.numel() * ENTRY_BYTES, "dense": dense}
+        return {
+            "directory": directory,
+            "segments_in_use": in_use,
+            "used": directory + in_use,
+            "pool": self.segments.numel() * ENTRY_BYTES,
+            "dense": dense,
+        }

@@ -38,7 +38,6 @@ def fits_fused_retrieve(selected_pages: int, row_width: int) -> bool:
     return next_pow2(selected_pages) * next_pow2(row_width) <= MAX_RETRIEVE_CELLS
 
 
-
 # Widest row (rows grow into slots no other request needs), over the selection: SPIN found ~5x
 # buffer over mandatory pages a sweet spot, and the retrieve kernel's work per row (a sort of the
 # row, a selection x row comparison) grows with the row.
@@ -57,7 +56,9 @@ class MemoryPlan:
     selection_pages: int  # pages one decode step attends per (request, kv head)
     summary_bytes: int
     cache_bytes: int
-    staging_bytes: int  # the buffer cached-prefix KV is staged into, one piece at a time (--sparse-prefix-staging-tokens)
+    staging_bytes: (
+        int  # the buffer cached-prefix KV is staged into, one piece at a time (--sparse-prefix-staging-tokens)
+    )
     table_bytes: int  # the page table's directory and segments (an upper estimate)
 
     @property
@@ -110,8 +111,16 @@ def prefix_staging_tokens(config: SparseConfig, context_len: int) -> int:
 
 
 def fixed_gpu_bytes(
-    host_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, staging_tokens: int,
-    with_radius: bool = False, with_mean: bool = True, bound_format: str = "exact", coarse_pages: int = 0,
+    host_pages: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    staging_tokens: int,
+    with_radius: bool = False,
+    with_mean: bool = True,
+    bound_format: str = "exact",
+    coarse_pages: int = 0,
 ) -> tuple[int, int, int]:
     """GPU bytes besides the page cache: ``(summaries, prefix staging, page table)`` for a host
     store of ``host_pages`` pages (summaries of every host page stay resident)."""
@@ -122,15 +131,26 @@ def fixed_gpu_bytes(
     summary = num_layers * num_kv_heads * (host_pages + 1) * per_page + num_layers * (host_pages + 1) * 4
     summary += (host_pages + 1) * 4 if coarse_pages else 0  # coarse_first
     attend = kv_compute_dtype(dtype)  # + the copy the prefix is attended from, when it has another dtype
-    staging = 2 * staging_tokens * num_kv_heads * head_dim * (dtype.itemsize + (attend.itemsize if attend != dtype else 0))
+    staging = (
+        2 * staging_tokens * num_kv_heads * head_dim * (dtype.itemsize + (attend.itemsize if attend != dtype else 0))
+    )
     table = num_layers * num_kv_heads * (host_pages + 64) * 4 * 2  # segments + directory, roughly
     return summary, staging, table
 
 
 def plan_memory(
-    config: SparseConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-    context_len: int, gpu_kv_bytes: int, max_running_requests: int | None = None,
-    max_total_tokens: int | None = None, with_radius: bool = False, with_mean: bool = True,
+    config: SparseConfig,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    context_len: int,
+    gpu_kv_bytes: int,
+    max_running_requests: int | None = None,
+    max_total_tokens: int | None = None,
+    with_radius: bool = False,
+    with_mean: bool = True,
 ) -> MemoryPlan:
     """Split the budgets (see module doc).
 

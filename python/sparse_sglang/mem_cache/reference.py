@@ -56,10 +56,13 @@ class BucketedLRU:
         in a CUDA graph; :meth:`next_step` runs on the host between steps).
     """
 
-    def __init__(self, num_slots: int, num_buckets: int = 64, steps_per_bucket: int = 1,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self, num_slots: int, num_buckets: int = 64, steps_per_bucket: int = 1, device: torch.device | str = "cpu"
+    ):
         if num_slots < 1 or steps_per_bucket < 1 or num_buckets < 2 or num_buckets % 2 or num_buckets > 1 << 14:
-            raise ValueError(f"bad bucketed LRU shape: {num_slots} slots, {num_buckets} buckets, {steps_per_bucket} steps per bucket")
+            raise ValueError(
+                f"bad bucketed LRU shape: {num_slots} slots, {num_buckets} buckets, {steps_per_bucket} steps per bucket"
+            )
         self.num_slots, self.num_buckets, self.steps_per_bucket = num_slots, num_buckets, steps_per_bucket
         self.bucket = torch.full((num_slots + 1,), -1, dtype=torch.int16, device=device)
         self.now = torch.zeros((), dtype=torch.int16, device=device)
@@ -93,7 +96,9 @@ class BucketedLRU:
         """Mark ``slots`` empty (their page was dropped): they are evicted first."""
         self.bucket[self._slots(slots)] = -1
 
-    def evict(self, candidates: torch.Tensor, n: int | torch.Tensor, mandatory: torch.Tensor | None = None) -> torch.Tensor:
+    def evict(
+        self, candidates: torch.Tensor, n: int | torch.Tensor, mandatory: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Choose ``n`` victims among ``candidates``, least recently used buckets first.
 
         Parameters
@@ -131,8 +136,9 @@ class BucketedLRU:
         return victims.view(shape)
 
 
-def exact_lru_evict_reference(last_used: torch.Tensor, candidates: torch.Tensor, n: int,
-                              mandatory: torch.Tensor | None = None) -> torch.Tensor:
+def exact_lru_evict_reference(
+    last_used: torch.Tensor, candidates: torch.Tensor, n: int, mandatory: torch.Tensor | None = None
+) -> torch.Tensor:
     """Exact LRU for one row: the ``n`` eligible candidates with the smallest exact last-use step
     (``last_used[slot]``, -1 = empty), ties by position. Returns a ``[C]`` bool mask."""
     cand = candidates.long()

@@ -110,9 +110,19 @@ class PageSummaries:
     """
 
     def __init__(
-        self, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
-        kv_dtype: torch.dtype, device: torch.device | str = "cpu", *, with_radius: bool = False,
-        with_mean: bool = True, bound_format: str = "exact", coarse_pages: int = 0,
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        num_pages: int,
+        page_size: int,
+        head_dim: int,
+        kv_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        *,
+        with_radius: bool = False,
+        with_mean: bool = True,
+        bound_format: str = "exact",
+        coarse_pages: int = 0,
     ):
         # One extra page at index num_pages: padding tokens fold into it, so updates need no masks.
         shape = (num_layers, num_kv_heads, num_pages + 1, head_dim)
@@ -144,7 +154,8 @@ class PageSummaries:
             self.coarse_first = self._coarse_first[:num_pages]
         self.coarse_kmin, self.coarse_kmax, self.coarse_exp = (
             None if self._coarse is None or name not in self._coarse else self._coarse[name][:, :, :num_pages]
-            for name in ("kmin", "kmax", "bound_exp"))
+            for name in ("kmin", "kmax", "bound_exp")
+        )
         if self._coarse is None:
             self.coarse_first = None
         # all_layers(), built once: the tensors never move, and index_runs asks on every save.
@@ -152,7 +163,9 @@ class PageSummaries:
         if self._exp is not None:
             self._all_layers["bound_exp"] = self._exp
         if self._coarse is not None:
-            self._all_layers.update({f"coarse_{name}": t for name, t in self._coarse.items()}, coarse_first=self._coarse_first)
+            self._all_layers.update(
+                {f"coarse_{name}": t for name, t in self._coarse.items()}, coarse_first=self._coarse_first
+            )
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         """The summaries of one layer, ``[num_kv_heads, num_pages + 1, head_dim]`` each (the

@@ -54,4 +54,6 @@ def segment_hbm_pages(segment: Segment, page_size: int, num_kv_heads: int, stagi
     each layer's KV leaves for the host before the next layer runs (the bound the tests check a
     plan against)."""
     staged = segment.tokens.start if staging_tokens is None else min(segment.tokens.start, staging_tokens)
-    return prefill_pages(staged, 1, num_kv_heads, page_size) + prefill_pages(len(segment.tokens), 1, num_kv_heads, page_size)
+    return prefill_pages(staged, 1, num_kv_heads, page_size) + prefill_pages(
+        len(segment.tokens), 1, num_kv_heads, page_size
+    )

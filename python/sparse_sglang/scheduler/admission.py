@@ -61,8 +61,15 @@ class WorkingSetTracker:
     device : torch.device or str
     """
 
-    def __init__(self, max_requests: int, num_layers: int, num_kv_heads: int, max_selected: int,
-                 window: int = 12, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        max_requests: int,
+        num_layers: int,
+        num_kv_heads: int,
+        max_selected: int,
+        window: int = 12,
+        device: torch.device | str = "cpu",
+    ):
         for name, value in {"max_requests": max_requests, "num_layers": num_layers, "num_kv_heads": num_kv_heads,
                             "max_selected": max_selected, "window": window}.items():  # fmt: skip
             if value < 1:

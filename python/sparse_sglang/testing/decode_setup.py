@@ -38,8 +38,9 @@ def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_co
         dtype=dtype, num_host_pages=max_batch * max_pages + 1, num_slots=max_batch * shape.num_layers * shape.num_kv_heads * width,
         max_requests=max_batch + 1, row_width=width, max_pages=max_pages, max_save_tokens=8192,
     )  # fmt: skip
-    return SparseKVStore(s, "cuda", **kept_summaries(config.selector), bound_format=config.bound_format,
-                         coarse_pages=config.coarse_pages)
+    return SparseKVStore(
+        s, "cuda", **kept_summaries(config.selector), bound_format=config.bound_format, coarse_pages=config.coarse_pages
+    )
 
 
 class DecodeBench:
@@ -79,7 +80,9 @@ class DecodeBench:
         """Save ``[batch, seq_len, Hkv, D]`` K/V of one layer (host store, summaries; not cached)."""
         slots = self.token_slots().reshape(-1)
         page = self.store.shape.page_size
-        self.store.bind_runs(SaveRuns.for_extend(self.req_slots.tolist(), [0] * self.batch, [self.seq_len] * self.batch, page, "cuda"))
+        self.store.bind_runs(
+            SaveRuns.for_extend(self.req_slots.tolist(), [0] * self.batch, [self.seq_len] * self.batch, page, "cuda")
+        )
         heads, dim = k.shape[-2:]
         self.store.save(layer, slots, k.reshape(-1, heads, dim), v.reshape(-1, heads, dim), staged=True)
         self.store.wait_saves()

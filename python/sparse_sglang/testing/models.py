@@ -43,8 +43,12 @@ LLAMA3_8B_TOKEN_IDS = (1000, 100000)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-def write_llama3_8b_dummy(out_dir: str | Path, tokenizer_from: str | Path | None = None,
-                          num_layers: int | None = None, context_len: int | None = None) -> str:
+def write_llama3_8b_dummy(
+    out_dir: str | Path,
+    tokenizer_from: str | Path | None = None,
+    num_layers: int | None = None,
+    context_len: int | None = None,
+) -> str:
     """A folder holding the Llama-3-8B-shaped ``config.json`` (serve with ``--load-format dummy``).
 
     With ``tokenizer_from`` (a model folder, e.g. the default SmolLM2 one) the

@@ -65,7 +65,11 @@ def save_gpu_test_record(name: str, record: dict) -> None:
 
     import torch
 
-    header = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), "commit": git_commit()}
+    header = {
+        "device": torch.cuda.get_device_name(0),
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+    }
     save_result({**header, **record}, Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], name))
 
 

@@ -41,8 +41,9 @@ def greedy_comparison(reference: list[dict], other: list[dict]) -> dict:
     logprobs = lambda out: [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]  # noqa: E731
     return {
         "greedy_equal": [a["output_ids"] == b["output_ids"] for a, b in zip(reference, other)],
-        "output_logprob_max_abs_diff": max(abs(x - y) for a, b in zip(reference, other)
-                                           for x, y in zip(logprobs(a), logprobs(b))),  # fmt: skip
+        "output_logprob_max_abs_diff": max(
+            abs(x - y) for a, b in zip(reference, other) for x, y in zip(logprobs(a), logprobs(b))
+        ),  # fmt: skip
     }
 
 
@@ -97,7 +98,9 @@ async def streamed_meta(session, url: str, ids: list[int], new_tokens: int,
             "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}  # fmt: skip
     if rid:
         body["rid"] = rid
-    async with session.post(url + "/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as resp:
+    async with session.post(
+        url + "/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+    ) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
         async for event in sse_events(resp.content):
@@ -137,7 +140,7 @@ class ServerProcess:
         self.exit_code: int | None = None
         self.stopped_cleanly = False
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         self.start()
         return self
 

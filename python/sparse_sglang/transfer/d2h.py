@@ -45,8 +45,15 @@ def _shared_pool(num_threads: int, nontemporal: bool):
 
 
 def scatter_rows_cpu(
-    k_rows: torch.Tensor, v_rows: torch.Tensor, host_k: torch.Tensor, host_v: torch.Tensor, layer: int,
-    token_slots: torch.Tensor, *, num_threads: int | None = None, nontemporal: bool = True,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    layer: int,
+    token_slots: torch.Tensor,
+    *,
+    num_threads: int | None = None,
+    nontemporal: bool = True,
 ) -> None:
     """FlashD2H's scatter step on CPU tensors, in native threads (GIL released); blocks until done.
 
@@ -114,8 +121,15 @@ class FlashD2H:
     sms_used = 0  # the copy engine moves the bytes, CPU threads place them
 
     def __init__(
-        self, host_k: torch.Tensor, host_v: torch.Tensor, max_tokens: int, *, num_buffers: int = 4,
-        num_threads: int | None = None, nontemporal: bool = True, device=None,
+        self,
+        host_k: torch.Tensor,
+        host_v: torch.Tensor,
+        max_tokens: int,
+        *,
+        num_buffers: int = 4,
+        num_threads: int | None = None,
+        nontemporal: bool = True,
+        device=None,
     ):
         check_host_store(host_k, host_v)
         if host_k.device.type != "cpu" or not host_k.is_pinned():
@@ -172,8 +186,10 @@ class FlashD2H:
             raise ValueError(f"k/v must be on {self.device}, got {k.device}")
         n = k.shape[0]
         if n > self.max_tokens:
-            raise ValueError(f"{n} tokens exceed this FlashD2H's max_tokens={self.max_tokens}: construct it "
-                             "with a larger max_tokens or submit the batch in parts")
+            raise ValueError(
+                f"{n} tokens exceed this FlashD2H's max_tokens={self.max_tokens}: construct it "
+                "with a larger max_tokens or submit the batch in parts"
+            )
         if not token_slots.is_cuda and n and int(token_slots.max()) >= self.num_slots:
             raise ValueError(f"token slot {int(token_slots.max())} is past the host store ({self.num_slots} slots)")
         if n == 0:
@@ -195,8 +211,9 @@ class FlashD2H:
         if not token_slots.is_cuda:
             buf.slots[:n].copy_(token_slots)
         events = [buf.k_copied.cuda_event, buf.v_copied.cuda_event]
-        buf.ticket = self._pool.submit(events, self.device.index, [buf.k, buf.v], [self.host_k, self.host_v], layer,
-                                       buf.slots, n)
+        buf.ticket = self._pool.submit(
+            events, self.device.index, [buf.k, buf.v], [self.host_k, self.host_v], layer, buf.slots, n
+        )
         return buf.ticket
 
     def wait(self, ticket: int) -> None:

@@ -68,7 +68,11 @@ class FlashH2D:
 
 
 def copy_blocks_memcpy(
-    src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor, block_bytes: int,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_blocks: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    block_bytes: int,
 ) -> None:
     """Baseline: one ``cudaMemcpyAsync`` per block on the current stream.
 

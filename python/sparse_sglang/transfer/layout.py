@@ -19,7 +19,6 @@ from sparse_sglang.config import GIB
 from sparse_sglang.transfer.native import host_ext
 
 
-
 class PinnedMemoryError(RuntimeError):
     """Pinned (page-locked) host memory for the KV store could not be allocated."""
 
@@ -85,7 +84,10 @@ def check_tokens(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, token_s
 
 
 def alloc_host_tensor(
-    shape: tuple[int, ...], dtype: torch.dtype, pin: bool = True, what: str = "the host KV store",
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    pin: bool = True,
+    what: str = "the host KV store",
 ) -> torch.Tensor:
     """An uninitialized CPU tensor, page-locked when ``pin`` (exact size, unlike torch's pinned
     allocator, which rounds up to a power of two). Raises :class:`PinnedMemoryError` naming the size."""
@@ -103,8 +105,13 @@ def alloc_host_tensor(
 
 
 def alloc_host_store(
-    num_layers: int, num_kv_heads: int, num_host_pages: int, page_size: int, head_dim: int,
-    dtype: torch.dtype, pin: bool = True,
+    num_layers: int,
+    num_kv_heads: int,
+    num_host_pages: int,
+    page_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    pin: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the host KV store.
 

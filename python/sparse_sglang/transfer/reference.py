@@ -40,8 +40,12 @@ def token_slots(num_tokens: int, pages: torch.Tensor, page_size: int, pad=()) ->
 
 
 def gather_blocks_reference(
-    host_k: torch.Tensor, host_v: torch.Tensor, gpu_k: torch.Tensor, gpu_v: torch.Tensor,
-    src_blocks: torch.Tensor, dst_slots: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    gpu_k: torch.Tensor,
+    gpu_v: torch.Tensor,
+    src_blocks: torch.Tensor,
+    dst_slots: torch.Tensor,
 ) -> None:
     """FlashH2D semantics: copy host blocks into page-cache slots.
 
@@ -75,7 +79,11 @@ def gather_blocks_reference(
 
 
 def scatter_tokens_reference(
-    host_k: torch.Tensor, host_v: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
     token_slots: torch.Tensor,
 ) -> None:
     """FlashD2H semantics: save one layer's new K/V rows into the host store.
