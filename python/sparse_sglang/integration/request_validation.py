@@ -393,20 +393,30 @@ JSON_OBJECT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings
 @relies_on("sglang.srt.entrypoints.http_server:openai_v1_chat_completions",
            at="sglang/srt/entrypoints/http_server.py:1702")  # fmt: skip
 def patch_openai_body_must_be_an_object() -> None:
-    """A middleware on SGLang's FastAPI app (``http_server.app``, which serves this route): a POST to an OpenAI route whose body is JSON but not
-    an object (``5``, ``"text"``, ``[]``) is a 400 naming the body. ``ChatCompletionRequest``'s
+    """A middleware on SGLang's FastAPI app (``http_server.app``, which serves this route): a POST
+    to an OpenAI route whose body is JSON but not an object (``5``, ``"text"``, ``[]``) is a 400
+    naming the body. ``ChatCompletionRequest``'s
     own "before" validator calls ``.get`` on the body, so such a request failed with a 500.
     Malformed JSON is left to FastAPI, which SGLang already answers with a 400."""
+    from sglang.srt.entrypoints.http_server import app
+
+    refuse_bodies_that_are_not_objects(app)
+
+
+def refuse_bodies_that_are_not_objects(app) -> None:
+    """Install the middleware of :func:`patch_openai_body_must_be_an_object` on a FastAPI ``app``
+    (once; also after the app has started, when Starlette rebuilds its middleware stack on the
+    next request)."""
     import json
 
     from fastapi.responses import JSONResponse
-    from sglang.srt.entrypoints.http_server import app
+    from starlette.middleware import Middleware
+    from starlette.middleware.base import BaseHTTPMiddleware
 
     if getattr(app.state, "sparse_json_object_guard", False):
         return
     app.state.sparse_json_object_guard = True
 
-    @app.middleware("http")
     async def openai_body_must_be_an_object(request, call_next):
         if request.method == "POST" and request.url.path in JSON_OBJECT_ROUTES:
             try:
@@ -415,6 +425,11 @@ def patch_openai_body_must_be_an_object() -> None:
                 body = {}
             if not isinstance(body, dict):
                 message = f"request body: must be a JSON object, got {type(body).__name__}"
-                return JSONResponse({"object": "error", "message": message, "type": "BadRequestError", "param": None,
-                                     "code": 400}, status_code=400)  # fmt: skip
+                return JSONResponse(
+                    {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400},
+                    status_code=400,
+                )
         return await call_next(request)
+
+    app.user_middleware.insert(0, Middleware(BaseHTTPMiddleware, dispatch=openai_body_must_be_an_object))
+    app.middleware_stack = None  # rebuilt with it on the next request
