@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One call's worth of GPU-host work after the parts are parked (see README.md here): copy the tree
-# out of the call's folder (later calls replace it), build the native kernels, check the parallel
-# pinning on this host (falling back to one cudaHostAlloc per store if it fails), then start, detached:
+# out of the call's folder (later calls replace it), build the native kernels, then start, detached:
 # the accuracy grid, the GPU tests named in $GPU_TESTS, and the fuzzer against its own sparse server.
 # Results gather in /root/o; collect them with `tar czf $OUT/o.tgz -C /root o` in a later call.
 #   SPARSE_SGLANG_COMMIT=<commit> bash tools/gpu_host_burst.sh      (carry .accuracy: the suite's items)
@@ -12,11 +11,6 @@ export PYTHONPATH=/tmp/site:/root/repo/python:/root/repo SPARSE_SGLANG_DEFAULT_G
 echo "export PYTHONPATH=$PYTHONPATH SPARSE_SGLANG_DEFAULT_GGUF=$SPARSE_SGLANG_DEFAULT_GGUF PYTHONUNBUFFERED=1 SPARSE_SGLANG_RESULTS_DIR=/root/o SPARSE_SGLANG_COMMIT=$SPARSE_SGLANG_COMMIT" > /root/env.sh
 python3 -m sgl_kernels_ext.build > /root/o/build.log 2>&1 || { tail -30 /root/o/build.log; exit 1; }
 python3 -c "from sparse_sglang.default_model import default_model_path; print(default_model_path())"
-if ! python3 -m pytest -m gpu -q -s test/test_pinned_store.py > /root/o/pinned-store-test.log 2>&1; then
-  tail -20 /root/o/pinned-store-test.log
-  sed -i 's/^PARALLEL_PIN_MIN_BYTES = .*/PARALLEL_PIN_MIN_BYTES = 1 << 62  # parallel pinning failed its GPU test on this host/' python/sparse_sglang/transfer/layout.py
-fi
-tail -3 /root/o/pinned-store-test.log
 setsid nohup python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz --out-dir /root/o/acc --parallel "${GRID_PARALLEL:-9}" \
   --stagger 3 > /root/o/grid.log 2>&1 < /dev/null &
 setsid nohup python3 -m pytest -m gpu -q ${GPU_TESTS:-test/test_selection_real_kv_gpu.py} > /root/o/gpu-tests.log 2>&1 < /dev/null &
