@@ -225,15 +225,16 @@ class Builder:
         messages = [{"role": "user", "content": user}]
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + answer_prefix
 
-    def fit(self, length: int, make) -> tuple[str, int]:
-        """``make(filler_tokens) -> prompt`` at the largest filler within ``length`` tokens."""
+    def fit(self, length: int, build) -> tuple[tuple, int]:
+        """``build(filler_tokens)`` (a family's ``(prompt, answers, metric, detail)``) at a filler
+        that puts the prompt within ``LENGTH_SLACK`` under ``length`` tokens, and its token count."""
         lo_ok = int(length * (1 - LENGTH_SLACK))
         filler = length
         for _ in range(30):
-            prompt = make(filler)
-            n = self.count(prompt)
+            parts = build(filler)
+            n = self.count(parts[0])
             if lo_ok <= n <= length:
-                return prompt, n
+                return parts, n
             filler = max(16, filler + (lo_ok + length) // 2 - n)
         raise RuntimeError(f"could not fit a prompt to {length} tokens (last {n})")
 
@@ -242,18 +243,11 @@ class Builder:
         # The haystack and needles are drawn once; fit() only varies how much text is taken.
         state = rng.getstate()
 
-        def build(filler: int):
+        def build(filler: int) -> tuple:
             rng.setstate(state)
             return getattr(self, family)(rng, length, index, filler)
 
-        holder = {}
-
-        def make(filler: int) -> str:
-            holder["parts"] = build(filler)
-            return holder["parts"][0]
-
-        prompt, n = self.fit(length, make)
-        _, answers, metric, detail = holder["parts"]
+        (prompt, answers, metric, detail), n = self.fit(length, build)
         return Item(
             f"{family}-{length}-{index}", family, length, prompt, answers, metric, NEW_TOKENS[family], n, detail
         )
