@@ -605,8 +605,8 @@ def reference(args) -> dict:
         row = {"id": item.id}
         for name, policy in policies.items():
             hook = prefill.fork(policy)
-            generated = _reference_decode(
-                model, hook, copy.deepcopy(cache), first, item.max_new_tokens, tokenizer, device
+            generated = quality.decode(
+                model, hook, copy.deepcopy(cache), [], item.max_new_tokens, first, stop=tokenizer.eos_token_id
             )
             text = tokenizer.decode(generated, skip_special_tokens=True)
             row[name] = {"output": text, "score": score(item, text)}
@@ -617,28 +617,6 @@ def reference(args) -> dict:
     return {"kind": "reference", "name": f"reference-{args.budget}", "budget": args.budget,
             "bound_format": args.bound_format, "dense_layers": args.dense_layers, "items_digest": meta.get("digest"),
             "commit": git_commit(), "outputs": outputs}  # fmt: skip
-
-
-def _reference_decode(model, hook, cache, first: int, new_tokens: int, tokenizer, device) -> list[int]:
-    import torch
-
-    out, nxt = [], first
-    eos = tokenizer.eos_token_id
-    for _ in range(new_tokens):
-        out.append(nxt)
-        if nxt == eos:
-            break
-
-        def step(token: int) -> int:
-            logits = model(
-                input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True
-            ).logits
-            return int(logits[0, -1].argmax())
-
-        import quality
-
-        nxt = quality.run_with(hook, step, nxt)
-    return out
 
 
 # Summary.

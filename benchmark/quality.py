@@ -367,21 +367,30 @@ def passkey_prompt(tokenizer, target_tokens: int, depth: float, key: int) -> lis
 
 
 def decode(
-    model, hook: SparseDecoder, cache, tokens: list[int], new_tokens: int, first: int | None = None
+    model,
+    hook: SparseDecoder,
+    cache,
+    tokens: list[int],
+    new_tokens: int,
+    first: int | None = None,
+    stop: int | None = None,
 ) -> list[int]:
     """Feed ``tokens`` one at a time, then ``new_tokens`` greedy ones; returns the generated ids.
-    With no ``tokens``, ``first`` is the first generated id (the prefill's greedy token)."""
+    With no ``tokens``, ``first`` is the first generated id (the prefill's greedy token). A
+    generated ``stop`` id (the end-of-sequence token) ends the answer, itself included."""
     out = []
 
     def step(token: int) -> int:
-        logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
-        return int(logits[0, -1].argmax())
+        logits = model(input_ids=torch.tensor([[token]], device=model.device), past_key_values=cache, use_cache=True)
+        return int(logits.logits[0, -1].argmax())
 
     nxt = first
     for token in tokens:
         nxt = run_with(hook, step, token)
     for _ in range(new_tokens):
         out.append(nxt)
+        if nxt == stop:
+            break
         nxt = run_with(hook, step, nxt)
     return out
 

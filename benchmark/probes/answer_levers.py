@@ -168,8 +168,8 @@ def main() -> None:
             if name in ("quest-window", "quest-window-bounds"):
                 hook.__class__ = WindowDecoder
                 hook.pinned = pins if name == "quest-window" else bound_pins
-            out = accuracy._reference_decode(
-                model, hook, copy.deepcopy(cache), first, min(item.max_new_tokens, 24), tokenizer, "cpu"
+            out = quality.decode(
+                model, hook, copy.deepcopy(cache), [], min(item.max_new_tokens, 24), first, stop=tokenizer.eos_token_id
             )
             text = tokenizer.decode(out, skip_special_tokens=True)
             row[name] = accuracy.score(item, text)

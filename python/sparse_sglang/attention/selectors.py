@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 GROUP_REDUCES = ("sum", "max")
-DEFAULT_GROUP_REDUCE = "sum"  # higher attention-mass recall than "max" on SmolLM2 (benchmark/quality.py)
+DEFAULT_GROUP_REDUCE = "sum"  # why: docs/results.md, "Selection quality"
 
 
 def cuboid_score(q: torch.Tensor, center: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
