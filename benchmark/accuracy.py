@@ -670,7 +670,6 @@ def summarize(paths: list[str], items_path: str) -> dict:
     dense_batched = [r for r in server if r["name"] == "dense"]
     dense_alone = [r for r in server if r["name"].startswith("dense-alone")]
     batched = family_table(_pairs(server, by_id, "sparse-", dense_batched))
-    batched = {f: {c: v for c, v in t.items()} for f, t in batched.items()}
     alone = list(_pairs(server, by_id, "sparse-alone-", dense_alone))
     headline = list(_pairs(server, by_id, "headline-alone-", dense_alone))
 
@@ -678,40 +677,36 @@ def summarize(paths: list[str], items_path: str) -> dict:
         pairs = [(by_id[o["id"]], o) for r in run_list for o in r["outputs"] if o.get("repeat_output") is not None]
         return _mean(answer(i, o["output"]) == answer(i, o["repeat_output"]) for i, o in pairs)
 
+    def agreement(pairs: list, comp: int) -> float | None:
+        return _mean(answer(i, o["output"]) == answer(i, d["output"]) for _, i, c, o, d in pairs if c == comp)
+
     def gap(table: dict, comp: str) -> float | None:
         gaps = [t[comp]["dense"] - t[comp]["sparse"] for t in table.values() if comp in t]
         return _mean(gaps)
 
     summary = {
-        "agreement_4x": _mean(answer(i, o["output"]) == answer(i, d["output"]) for _, i, c, o, d in alone if c == 4),
+        "agreement_4x": agreement(alone, 4),
         "accuracy_gap_16x": gap(batched, "16"),
-        "headline_config_agreement_4x": _mean(
-            answer(i, o["output"]) == answer(i, d["output"]) for _, i, c, o, d in headline if c == 4
-        ),  # fmt: skip
+        "headline_config_agreement_4x": agreement(headline, 4),
         "dense_repeat_agreement_alone": floor(dense_alone),
         "dense_repeat_agreement_batched": floor(dense_batched),
         "items": len(items),
     }
     variants = {}
-    for name in sorted({r["name"].rsplit("-", 1)[0] for r in server} - {"dense", "dense-alone", "sparse", "sparse-alone",
-                                                                          "headline-alone"}):  # fmt: skip
+    named = {"dense", "dense-alone", "sparse", "sparse-alone", "headline-alone"}
+    for name in sorted({r["name"].rsplit("-", 1)[0] for r in server} - named):
         table = family_table(_pairs(server, by_id, name + "-", dense_batched))
-        base = family_table(p for p in _pairs(server, by_id, "sparse-", dense_batched)
-                            if p[1].id in {o["id"] for r in server if r["name"].startswith(name + "-") for o in r["outputs"]})  # fmt: skip
+        ran = {o["id"] for r in server if r["name"].startswith(name + "-") for o in r["outputs"]}
+        base = family_table(p for p in _pairs(server, by_id, "sparse-", dense_batched) if p[1].id in ran)
         variants[name] = {c: {"gap": gap(table, c), "default_gap": gap(base, c)} for c in ("4", "8", "16", "32")
                           if gap(table, c) is not None}  # fmt: skip
     references = [r for r in runs if r["kind"] == "reference"]
     ref_rows = []
     for ref in references:
         name = f"sparse-{ref['budget']}"
-        srv = {}
-        for r in server:  # the deterministic run where there is one
-            if (
-                r["budget"] == ref["budget"]
-                and not r["vanilla"]
-                and r["name"] in (name, f"sparse-alone-{ref['budget']}")
-            ):
-                srv.update(_outputs(r)) if r["name"].startswith("sparse-alone") or not srv else None
+        by_name = {r["name"]: _outputs(r) for r in server if not r["vanilla"]}
+        # the deterministic (one at a time) run's answers where there is one, the batched run's elsewhere
+        srv = {**by_name.get(name, {}), **by_name.get(f"sparse-alone-{ref['budget']}", {})}
         for row in ref["outputs"]:
             if row["id"] in srv:
                 ref_rows.append({"id": row["id"], "budget": ref["budget"], "reference": row[name]["score"],
