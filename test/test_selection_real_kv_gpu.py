@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_sglang.attention import select_pages, sparse_attention_reference
+from sparse_sglang.attention import get_selector, select_pages, sparse_attention_reference
 from sparse_sglang.attention.reference import score_pages_reference
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
@@ -122,10 +122,7 @@ def test_server_path_selects_what_the_reference_selects_on_real_kv(captured, bou
             valid = (torch.arange(pages * config.page_size, device="cuda") < seq_len).view(1, pages, -1, 1)
             kmin = torch.where(valid, blocks, torch.inf).amin(2).unsqueeze(0)
             kmax = torch.where(valid, blocks, -torch.inf).amax(2).unsqueeze(0)
-            s32 = qg.float() @ ((kmax + kmin) / 2).transpose(-1, -2) + qg.float().abs() @ ((kmax - kmin) / 2).transpose(
-                -1, -2
-            )
-            s32 = s32.sum(2) if config.group_reduce == "sum" else s32.amax(2)
+            s32 = get_selector("quest").score(qg, kmin, kmax, None, config.group_reduce)
             exact = select_pages(
                 s32, decoder.num_pages, config.budget_pages, config.sink_pages, config.recent_pages
             ).page_ids
