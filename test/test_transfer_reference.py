@@ -111,6 +111,9 @@ def test_alloc_host_store_checks_and_pinned_error(monkeypatch):
         def alloc_pinned(self, nbytes):
             raise RuntimeError("cudaHostAlloc failed: out of memory")
 
+        def alloc_pinned_chunked(self, nbytes, chunks, num_threads):  # 1 GiB and more: pinned in parallel first
+            raise RuntimeError("cudaHostRegister failed: out of memory")
+
     monkeypatch.setattr(layout, "host_ext", lambda: NoPinning())
     with pytest.raises(PinnedMemoryError, match=r"1\.00 GiB .*2\.00 GiB for both.*--sparse-host-cache-gb.*ulimit -l"):
         alloc_host_store(1, 1, 1 << 17, 32, 128, torch.bfloat16)

@@ -4,7 +4,17 @@
 
 #include "flash_d2h.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <utility>
+#include <vector>
+
 #ifdef SPARSE_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #endif
@@ -26,6 +36,72 @@ at::Tensor alloc_pinned(int64_t nbytes) {
                        at::TensorOptions().dtype(at::kByte).device(at::kCPU));
 #else
   TORCH_CHECK(false, "alloc_pinned: this build has no CUDA");
+#endif
+}
+
+// `nbytes` of page-locked host memory pinned by several threads at once: an anonymous mapping
+// (transparent huge pages asked for), cut into `chunks` (offset, size) pairs that the caller planned
+// (page-aligned, in order, covering [0, nbytes)), each first touched and then cudaHostRegister'ed
+// by one of `num_threads` threads (`prefault` false skips the touch: cudaHostRegister then faults
+// the pages in itself). One thread faults and locks page by page; the chunks run side by side. Every chunk must map to the same device address as its host
+// address (unified addressing), so one base pointer serves the whole range as alloc_pinned's
+// does; otherwise, or on any failure, everything is undone and the call raises. The tensor's
+// deleter unregisters every chunk and unmaps the range.
+at::Tensor alloc_pinned_chunked(int64_t nbytes, const std::vector<std::pair<int64_t, int64_t>>& chunks,
+                                int64_t num_threads, bool prefault) {
+  TORCH_CHECK_VALUE(nbytes > 0, "alloc_pinned_chunked: nbytes must be positive, got ", nbytes);
+  int64_t covered = 0;
+  for (const auto& [offset, size] : chunks) {
+    TORCH_CHECK_VALUE(offset == covered && size > 0, "alloc_pinned_chunked: chunks must tile [0, nbytes) in order");
+    covered += size;
+  }
+  TORCH_CHECK_VALUE(covered == nbytes, "alloc_pinned_chunked: chunks cover ", covered, " of ", nbytes, " bytes");
+#ifdef SPARSE_WITH_CUDA
+  void* base = mmap(nullptr, static_cast<size_t>(nbytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(base != MAP_FAILED, "alloc_pinned_chunked: mmap(", nbytes, " bytes) failed");
+  (void)madvise(base, static_cast<size_t>(nbytes), MADV_HUGEPAGE);  // fewer pages to fault and lock; a hint
+  auto* bytes = static_cast<char*>(base);
+  const int device = c10::cuda::current_device();
+  std::vector<cudaError_t> status(chunks.size(), cudaSuccess);
+  std::vector<char> identity(chunks.size(), 1);
+  std::atomic<size_t> next{0};
+  auto worker = [&]() {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    for (size_t i = next++; i < chunks.size(); i = next++) {
+      char* start = bytes + chunks[i].first;
+      const auto size = static_cast<size_t>(chunks[i].second);
+      if (prefault) std::memset(start, 0, size);  // fault the pages in from this thread
+      status[i] = cudaHostRegister(start, size, cudaHostRegisterPortable | cudaHostRegisterMapped);
+      void* dptr = nullptr;
+      if (status[i] == cudaSuccess) {
+        status[i] = cudaHostGetDevicePointer(&dptr, start, 0);
+        identity[i] = dptr == static_cast<void*>(start);
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int64_t t = 0; t < std::max<int64_t>(1, num_threads); ++t) threads.emplace_back(worker);
+  for (auto& thread : threads) thread.join();
+  auto unpin_and_unmap = [bytes, nbytes, chunks](void*) {
+    for (const auto& [offset, size] : chunks) (void)cudaHostUnregister(bytes + offset);
+    (void)cudaGetLastError();
+    munmap(bytes, static_cast<size_t>(nbytes));
+  };
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (status[i] != cudaSuccess || !identity[i]) {
+      for (size_t j = 0; j < chunks.size(); ++j)
+        if (status[j] == cudaSuccess) (void)cudaHostUnregister(bytes + chunks[j].first);
+      (void)cudaGetLastError();
+      munmap(bytes, static_cast<size_t>(nbytes));
+      TORCH_CHECK(status[i] == cudaSuccess, "cudaHostRegister(", chunks[i].second, " bytes) failed: ",
+                  cudaGetErrorString(status[i]));
+      TORCH_CHECK(false, "alloc_pinned_chunked: registered memory has device addresses other than its host "
+                  "addresses (no unified addressing); use alloc_pinned");
+    }
+  }
+  return at::from_blob(base, {nbytes}, unpin_and_unmap, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+#else
+  TORCH_CHECK(false, "alloc_pinned_chunked: this build has no CUDA");
 #endif
 }
 
@@ -68,6 +144,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_threads", &ScatterPool::num_threads)
       .def_property_readonly("last_ticket", &ScatterPool::last_ticket);
   m.def("alloc_pinned", &sparse_transfer::alloc_pinned, py::arg("nbytes"));
+  m.def("alloc_pinned_chunked", &sparse_transfer::alloc_pinned_chunked, py::arg("nbytes"), py::arg("chunks"),
+        py::arg("num_threads"), py::arg("prefault") = true, release());
   m.def("cuda_view_of_host", &sparse_transfer::cuda_view_of_host, py::arg("host"), py::arg("device"));
 #ifdef SPARSE_WITH_CUDA
   m.attr("with_cuda") = true;

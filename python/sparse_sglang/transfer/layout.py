@@ -11,7 +11,9 @@ a block is a multiple of 16 bytes.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
 
@@ -83,17 +85,63 @@ def check_tokens(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, token_s
         )
 
 
+# Pinning in parallel (alloc_pinned_chunked): chunks are whole huge pages (2 MiB, what the mapping
+# asks transparent huge pages for), a store below PARALLEL_PIN_MIN_BYTES is pinned in one call, and
+# each thread gets a few chunks so one slow chunk does not hold the rest.
+HUGE_PAGE_BYTES = 2 << 20
+PARALLEL_PIN_MIN_BYTES = 1 << 30
+CHUNKS_PER_THREAD = 4
+MAX_PIN_THREADS = 16
+
+
+def pin_threads() -> int:
+    return max(1, min(MAX_PIN_THREADS, os.cpu_count() or 1))
+
+
+def plan_pin_chunks(nbytes: int, num_threads: int, align: int = HUGE_PAGE_BYTES) -> list[tuple[int, int]]:
+    """``(offset, size)`` chunks tiling ``[0, nbytes)`` in order, each a multiple of ``align`` but
+    the last, about :data:`CHUNKS_PER_THREAD` per thread (fewer when ``nbytes`` holds fewer
+    ``align`` units)."""
+    if nbytes <= 0 or align <= 0 or num_threads <= 0:
+        raise ValueError(
+            f"plan_pin_chunks: nbytes, align and num_threads must be positive, got {nbytes}, {align}, {num_threads}"
+        )
+    units = math.ceil(nbytes / align)
+    count = max(1, min(units, num_threads * CHUNKS_PER_THREAD))
+    chunks, offset = [], 0
+    for i in range(count):
+        end = min(nbytes, (units * (i + 1) // count) * align)
+        chunks.append((offset, end - offset))
+        offset = end
+    return chunks
+
+
 def alloc_host_tensor(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     pin: bool = True,
     what: str = "the host KV store",
+    align: int = HUGE_PAGE_BYTES,
 ) -> torch.Tensor:
     """An uninitialized CPU tensor, page-locked when ``pin`` (exact size, unlike torch's pinned
-    allocator, which rounds up to a power of two). Raises :class:`PinnedMemoryError` naming the size."""
+    allocator, which rounds up to a power of two). From :data:`PARALLEL_PIN_MIN_BYTES` on it is
+    pinned by :func:`pin_threads` threads in chunks of whole ``align`` units (zero-filled: each
+    thread faults its chunks in, which one thread alone does slowly), falling back to one
+    ``cudaHostAlloc`` if that fails. Raises :class:`PinnedMemoryError` naming the size."""
     if not pin:
         return torch.empty(shape, dtype=dtype)
+    if torch.cuda.is_available():
+        # torch's is_pinned() says False for every pointer until torch itself has initialized CUDA
+        # (at::Context::isPinnedPtr), and FlashD2H checks it; the extension pins without torch.
+        torch.cuda.init()
     nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= PARALLEL_PIN_MIN_BYTES:
+        threads = pin_threads()
+        try:
+            buf = host_ext().alloc_pinned_chunked(nbytes, plan_pin_chunks(nbytes, threads, align), threads)
+            return buf.view(dtype).view(shape)
+        except RuntimeError as err:
+            logging.getLogger(__name__).warning("pinning %s in parallel failed (%s); pinning it in one call", what, err)
     try:
         buf = host_ext().alloc_pinned(nbytes)
     except RuntimeError as err:
@@ -125,4 +173,5 @@ def alloc_host_store(
     meta = torch.empty(shape, dtype=dtype, device="meta")
     check_host_store(meta, meta)
     what = f"K or V of the host KV store ({2 * meta.nbytes / GIB:.2f} GiB for both)"
-    return alloc_host_tensor(shape, dtype, pin, what), alloc_host_tensor(shape, dtype, pin, what)
+    align = math.lcm(HUGE_PAGE_BYTES, block_bytes(meta))  # chunks of whole blocks: no block spans two
+    return alloc_host_tensor(shape, dtype, pin, what, align), alloc_host_tensor(shape, dtype, pin, what, align)
