@@ -37,6 +37,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+ID_ROUTES = ROUTES[:2]  # the routes whose prompt may be token ids
 VALID_KINDS = ("valid", "unicode", "empty_strings")
 BAD_KINDS = ("token_out_of_vocab", "negative_token", "wrong_type", "non_finite", "huge_number", "negative_number",
              "huge_max_new_tokens", "bad_regex", "bad_json_schema", "bad_ebnf", "odd_batch", "bad_logprob",
@@ -206,8 +207,9 @@ def fuzz_cases(vocab_size: int, model: str) -> st.SearchStrategy[FuzzCase]:
                 draw, route, {"max_new_tokens": 4, "stop": [""]}, prompt=draw(st.sampled_from(["", " "]))
             ),
         ),  # fmt: skip
-        with_route("token_out_of_vocab", with_ids(st.integers(vocab_size, 2**62))),
-        with_route("negative_token", with_ids(st.integers(-(2**62), -1))),
+        # token ids go on the wire only where a prompt may be ids (chat turns them into text)
+        with_route("token_out_of_vocab", with_ids(st.integers(vocab_size, 2**62)), ID_ROUTES),
+        with_route("negative_token", with_ids(st.integers(-(2**62), -1)), ID_ROUTES),
         with_route("wrong_type", bad_sampling(st.tuples(any_field, wrong_value))),
         with_route("non_finite", bad_sampling(st.tuples(any_field, non_finite))),
         # temperature has no upper bound (a huge one samples near-uniformly); every other field has

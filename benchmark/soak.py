@@ -1,6 +1,7 @@
 """Soak: aborts, overload and bad input against the real sparse server; afterwards nothing leaked.
 
-One server (Llama-3-8B shape, dummy weights, ``input_ids`` in, a small host cache), five phases:
+One server (Llama-3-8B shape, dummy weights, the default model's tokenizer so that every route takes
+text, a small host cache), five phases:
 
 1. **probe**: one greedy request on the fresh server; its tokens are the reference.
 2. **mixed**: ``--requests`` requests, prompts log-uniform in 1K-32K tokens, 16-128 new tokens,
@@ -8,7 +9,10 @@ One server (Llama-3-8B shape, dummy weights, ``input_ids`` in, a small host cach
    at a random moment: while queued, during prefill or during decode (with
    ``--extra-server-args "--sparse-segmented-prefill true"``, during layer-segmented prefill too:
    the summary's ``segmented_prefill`` counts the split batches those aborts stopped); an abort
-   planned for after its request finished is not sent.
+   planned for after its request finished is not sent. Mixed in at random moments of the phase:
+   ``--crashers`` bad requests of the fuzzer (``benchmark/fuzz.py``'s bad kinds, over its three
+   routes: ids outside the vocabulary, NaN and huge numbers, specs that do not compile, bodies that
+   are not JSON objects, ...), each of which must be refused with a 4xx or served, never a 5xx.
 3. **bad input**: each malformed request must get an HTTP 4xx with a reason while the server keeps
    serving (a prompt longer than the context, one whose KV exceeds the host cache, negative
    ``max_new_tokens``, malformed JSON, wrong types, an empty prompt).
@@ -42,7 +46,9 @@ from pathlib import Path
 import aiohttp
 import requests
 
+from benchmark import fuzz
 from sparse_sglang.config import GIB
+from sparse_sglang.default_model import default_model_path
 from sparse_sglang.testing.models import (
     LLAMA3_8B_CONFIG,
     LLAMA3_8B_KV_BYTES_PER_TOKEN,
@@ -52,7 +58,9 @@ from sparse_sglang.testing.models import (
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sparse_state
 
-TOKEN_IDS = LLAMA3_8B_TOKEN_IDS
+# Synthetic prompt ids: clear of the special tokens, inside the vocabulary of the tokenizer served
+# (the default model's, which shrinks the 8B shape's vocabulary to its own)
+TOKEN_IDS = (LLAMA3_8B_TOKEN_IDS[0], 40000)
 PAGE_SIZE = 32
 
 
@@ -120,9 +128,10 @@ def prompt_ids(rid: str, n: int) -> list[int]:
     return [rng.randrange(*TOKEN_IDS) for _ in range(n)]
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float) -> tuple[int, str]:
+async def send(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float,
+               route: str = "/generate") -> tuple[int, str]:  # fmt: skip
     try:
-        async with session.post(url + "/generate", data=body, headers={"Content-Type": "application/json"},
+        async with session.post(url + route, data=body, headers={"Content-Type": "application/json"},
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as response:  # fmt: skip
             return response.status, await response.text()
     except (TimeoutError, aiohttp.ClientError) as err:
@@ -137,9 +146,31 @@ def client() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
 
 
-async def run_mixed(url: str, plan: list[SoakRequest], timeout: float) -> list[dict]:
+def crasher_plan(n: int, span_s: float, seed: int, vocab_size: int, model: str) -> list[tuple[float, fuzz.FuzzCase]]:
+    """``n`` of the fuzzer's bad requests (its seeded strategies, bad kinds only), each with a
+    moment in ``[0, span_s)`` at which the mixed phase sends it."""
+    cases: list[fuzz.FuzzCase] = []
+    drawn = 0
+    while len(cases) < n:
+        more = fuzz.generate_cases(2 * (n - len(cases)) + 8, seed * 7919 + drawn, vocab_size, model)
+        cases += [case for case in more if case.kind in fuzz.BAD_KINDS]
+        drawn += 1
+    rng = random.Random(seed)
+    return sorted(((rng.uniform(0.0, span_s), case) for case in cases[:n]), key=lambda pair: pair[0])
+
+
+async def run_mixed(url: str, plan: list[SoakRequest], timeout: float,
+                    crashers: list[tuple[float, fuzz.FuzzCase]] = ()) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """The mixed phase's requests (with their aborts) and, sent beside them, ``crashers``: one
+    record per request of each."""
     async with client() as session:
         start = time.monotonic()
+
+        async def crasher(at: float, case: fuzz.FuzzCase) -> dict:
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            status, text = await send(session, url, case.body, timeout, case.route)
+            return {"kind": case.kind, "route": case.route, "send_at": at, "status": status,
+                    "error": None if status < 300 else text[:300]}  # fmt: skip
 
         async def one(r: SoakRequest) -> dict:
             await asyncio.sleep(max(0.0, start + r.send_at - time.monotonic()))
@@ -161,7 +192,8 @@ async def run_mixed(url: str, plan: list[SoakRequest], timeout: float) -> list[d
             return {**asdict(r), "status": status, "abort_sent": aborted, "finish": finish,
                     "error": None if status == 200 else text[:300]}  # fmt: skip
 
-        return await asyncio.gather(*(one(r) for r in plan))
+        records = await asyncio.gather(*(one(r) for r in plan), *(crasher(at, case) for at, case in crashers))
+        return records[: len(plan)], records[len(plan) :]
 
 
 async def run_burst(url: str, n: int, prompt_tokens: int, timeout: float) -> list[dict]:
@@ -200,7 +232,8 @@ def summarize(result: dict) -> dict:
     """The soak's summary, from the raw phases in ``result``. ``aborted`` counts requests whose
     finish reason is an abort; an abort sent in the instant the request finished counts as completed."""
     mixed, bad, burst, now = result["mixed"], result["bad"], result["burst"], result["idle_after"]
-    statuses = [r["status"] for r in mixed] + [b["status"] for b in bad.values()] + [r["status"] for r in burst]
+    crashers = result.get("crashers", [])
+    statuses = [r["status"] for r in mixed + crashers + burst] + [b["status"] for b in bad.values()]
     finishes = [(r["finish"] or {}) for r in mixed]
     aborted = [f for f in finishes if f.get("type") == "abort"]
     return {
@@ -217,6 +250,11 @@ def summarize(result: dict) -> dict:
         "completed": sum(1 for r, f in zip(mixed, finishes) if r["status"] == 200 and f.get("type") == "length"),
         "errors_5xx": sum(1 for s in statuses if s >= 500),
         "bad_requests_4xx": f"{sum(400 <= b['status'] < 500 for b in bad.values())}/{len(bad)}",
+        # the fuzzer's bad requests sent during the mixed phase: refused (4xx) or served (2xx), never a 5xx
+        "crashers": len(crashers),
+        "crashers_4xx": sum(400 <= r["status"] < 500 for r in crashers),
+        "crashers_2xx": sum(200 <= r["status"] < 300 for r in crashers),
+        "crashers_5xx": sum(r["status"] >= 500 for r in crashers),
         "healthy_after_bad": all(b["healthy_after"] for b in bad.values()),
         "burst_completed": f"{sum(r['status'] == 200 for r in burst)}/{len(burst)}",
         **leaks(result["idle_before"], now),
@@ -232,9 +270,10 @@ def summarize(result: dict) -> dict:
 
 
 def run(args) -> dict:
-    model = write_llama3_8b_dummy(Path(args.log_dir) / f"llama3-8b-dummy-{args.layers}l", num_layers=args.layers)
+    model = write_llama3_8b_dummy(Path(args.log_dir) / f"llama3-8b-dummy-{args.layers}l",
+                                  tokenizer_from=default_model_path(), num_layers=args.layers)  # fmt: skip
     kv_bytes_per_token = LLAMA3_8B_KV_BYTES_PER_TOKEN * args.layers // LLAMA3_8B_CONFIG["num_hidden_layers"]
-    flags = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.8",
+    flags = ["--load-format", "dummy", "--mem-fraction-static", "0.8",
              "--sparse-host-cache-gb", str(args.host_cache_gb), *args.extra_server_args.split()]  # fmt: skip
     result: dict = {"flags": flags, "model": {"shape": "Llama-3-8B", "num_layers": args.layers, "weights": "dummy"}}
     with ServerProcess(SPARSE_MODULE, model, flags, log_path=Path(args.log_dir) / "soak-server.log") as server:
@@ -243,8 +282,10 @@ def run(args) -> dict:
         flush_cache(url, 60)
         idle = sparse_state(url)
         plan = mixed_plan(args.requests, args.rate, args.abort_frac, args.seed)
+        served_model, vocab_size = fuzz.model_facts(url)
+        crashers = crasher_plan(args.crashers, plan[-1].send_at, args.seed, vocab_size, served_model)
         started = time.monotonic()
-        mixed = asyncio.run(run_mixed(url, plan, args.request_timeout))
+        mixed, crashed = asyncio.run(run_mixed(url, plan, args.request_timeout, crashers))
         result["mixed_s"] = round(time.monotonic() - started, 1)
         bad = {}
         for name, body in bad_requests(LLAMA3_8B_CONFIG["max_position_embeddings"], idle["host_tokens"]).items():
@@ -259,7 +300,7 @@ def run(args) -> dict:
         now = sparse_state(url)
         again = probe(url)
         log = server.log_path.read_text(errors="replace")
-    result.update(mixed=mixed, bad=bad, burst=burst, idle_before=idle, idle_after=now, flushed=flushed,
+    result.update(mixed=mixed, crashers=crashed, bad=bad, burst=burst, idle_before=idle, idle_after=now, flushed=flushed,
                   probe_fresh=fresh, probe_after=again, burst_prompt_tokens=burst_tokens,
                   server_tracebacks=log.count("Traceback"), stopped_cleanly=server.stopped_cleanly)  # fmt: skip
     result["summary"] = summarize(result)
@@ -277,6 +318,9 @@ def main(argv=None) -> dict:
         help="share of requests given an abort moment; 60%% of those finished first (2026-11-23 run)",
     )
     parser.add_argument("--burst", type=int, default=50)
+    parser.add_argument(
+        "--crashers", type=int, default=500, help="the fuzzer's bad requests mixed into the mixed phase"
+    )
     parser.add_argument("--host-cache-gb", type=float, default=8.0, help="small: the burst must queue")
     parser.add_argument(
         "--layers",

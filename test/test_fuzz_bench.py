@@ -17,7 +17,7 @@ with warnings.catch_warnings():
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-from benchmark.fuzz import BAD_KINDS, KINDS, ROUTES, VALID_KINDS, generate_cases, summarize
+from benchmark.fuzz import BAD_KINDS, ID_ROUTES, KINDS, ROUTES, VALID_KINDS, generate_cases, summarize
 from sparse_sglang.integration import request_validation as rv
 
 VOCAB = 49152
@@ -37,8 +37,10 @@ def test_every_route_and_kind_is_generated(cases):
     kinds = Counter(c.kind for c in cases)
     assert set(kinds) == set(KINDS), set(KINDS) - set(kinds)
     assert {c.route for c in cases} == set(ROUTES)
-    for kind in ("valid", "non_finite", "token_out_of_vocab", "bad_logprob", "odd_batch"):
+    for kind in ("valid", "non_finite", "bad_logprob", "odd_batch"):
         assert {c.route for c in cases if c.kind == kind} == set(ROUTES), kind
+    for kind in ("token_out_of_vocab", "negative_token"):  # where a prompt may be ids, and the bad id is sent
+        assert {c.route for c in cases if c.kind == kind} == set(ID_ROUTES), kind
     bodies = [c.body for c in cases if c.kind == "non_finite"]
     assert any(b"NaN" in b for b in bodies) and any(b"Infinity" in b for b in bodies)  # JSON's non-finite literals
     assert all(

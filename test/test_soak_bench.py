@@ -81,8 +81,8 @@ def test_the_client_sends_aborts_while_requests_run():
         async with standin_server([web.post("/generate", generate), web.post("/abort_request", abort)]) as url:
             return await run_mixed(url, plan, timeout=30)
 
-    results = asyncio.run(main())  # the stand-in and the client share one event loop
-    assert len(results) == 150 and all(r["status"] == 200 for r in results)
+    results, crashers = asyncio.run(main())  # the stand-in and the client share one event loop
+    assert len(results) == 150 and all(r["status"] == 200 for r in results) and crashers == []
     for r in results:
         assert r["abort_sent"] == (r["abort_after"] is not None)
         assert r["finish"]["type"] == ("abort" if r["abort_after"] is not None else "length"), r["rid"]
@@ -116,3 +116,61 @@ def test_summary_counts_aborts_by_finish_reason_and_where_they_landed():
     assert summary["errors_5xx"] == 1 and summary["bad_requests_4xx"] == "1/1" and summary["burst_completed"] == "1/1"
     assert summary["leaked_host_pages"] == 0 and summary["output_matches_fresh"] is True
     assert summary["aborted_while_waiting_for_working_set"] == 2 and summary["segmented_prefill"] == {"cancelled": 1}
+
+
+def test_crashers_are_the_fuzzers_bad_requests_at_seeded_moments_of_the_phase():
+    from benchmark import fuzz
+    from benchmark.soak import crasher_plan
+
+    plan = crasher_plan(40, 12.5, seed=3, vocab_size=49152, model="m")
+    assert len(plan) == 40 and plan == crasher_plan(40, 12.5, seed=3, vocab_size=49152, model="m")
+    assert all(case.kind in fuzz.BAD_KINDS and case.route in fuzz.ROUTES for _, case in plan)
+    moments = [at for at, _ in plan]
+    assert moments == sorted(moments) and 0.0 <= moments[0] and moments[-1] < 12.5
+    assert len({case.kind for _, case in plan}) > 5  # many classes, not one
+
+
+def test_crashers_go_out_beside_the_mixed_requests_and_their_5xx_count():
+    """Through a stand-in whose routes refuse every crasher with a 400 except one it fails with a
+    500: each crasher is sent to its own route, and the summary counts the 500 as an error."""
+    import asyncio
+
+    from aiohttp import web
+
+    from benchmark import fuzz
+    from benchmark.soak import SoakRequest, run_mixed, summarize
+    from sparse_sglang.testing.server import standin_server
+
+    seen: list[str] = []
+
+    def route(path):
+        async def handler(request):
+            body = await request.read()
+            seen.append(path)
+            if b"input_ids" in body and b"rid" in body:  # a mixed-phase request
+                return web.json_response({"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"}}})
+            return web.json_response({"error": "bad"}, status=500 if body == b"boom" else 400)
+
+        return web.post(path, handler)
+
+    crashers = [(0.01 * i, fuzz.FuzzCase("malformed_json", r, b"[]")) for i, r in enumerate(fuzz.ROUTES)]
+    crashers.append((0.05, fuzz.FuzzCase("malformed_json", "/generate", b"boom")))
+
+    async def main():
+        plan = [SoakRequest(f"r{i}", 0.01 * i, 64, 4, None) for i in range(5)]
+        async with standin_server([route(path) for path in fuzz.ROUTES]) as url:
+            return await run_mixed(url, plan, timeout=30, crashers=crashers)
+
+    mixed, crashed = asyncio.run(main())
+    assert [r["status"] for r in mixed] == [200] * 5
+    assert [(r["route"], r["status"]) for r in crashed] == [(r, 400) for r in fuzz.ROUTES] + [("/generate", 500)]
+    assert sorted(set(seen)) == sorted(fuzz.ROUTES)
+    idle = {"gpu_cache_slots_free": 1, "gpu_cache_rows_open": 0, "host_tokens_free": 64, "request_slots_free": 1}
+    summary = summarize({"mixed": mixed, "crashers": crashed, "bad": {}, "burst": [], "idle_before": idle,
+                         "idle_after": dict(idle), "probe_fresh": [1], "probe_after": [1]})  # fmt: skip
+    assert (summary["crashers"], summary["crashers_4xx"], summary["crashers_5xx"], summary["errors_5xx"]) == (
+        4,
+        3,
+        1,
+        1,
+    )
