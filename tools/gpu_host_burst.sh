@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # One call's worth of GPU-host work after the parts are parked (see README.md here): copy the tree
-# out of the call's folder (later calls replace it), build the native kernels, then start, detached:
-# the accuracy grid, the GPU tests named in $GPU_TESTS, and the fuzzer against its own sparse server.
-# Results gather in /root/o; collect them with `tar czf $OUT/o.tgz -C /root o` in a later call.
-#   SPARSE_SGLANG_COMMIT=<commit> bash tools/gpu_host_burst.sh      (carry .accuracy: the suite's items)
+# out of the call's folder (later calls replace it), build the native kernels, then run $JOBS
+# detached. $JOBS is stages separated by commas, each stage jobs separated by spaces: a stage's jobs
+# run side by side, and a stage starts when the one before it has ended (so a timing job can have
+# the machine to itself). Results gather in /root/o; collect them with
+# `tar czf $OUT/o.tgz -C /root o` in a later call; /root/o/stage.log says which stage runs.
+#   SPARSE_SGLANG_COMMIT=<commit> JOBS="pin,startup,soak fuzz" bash tools/gpu_host_burst.sh
+# Jobs: grid (the accuracy grid; carry .accuracy, the suite's items), tests ($GPU_TESTS), fuzz,
+# soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
+# its GPU test), startup (vanilla and sparse cold starts, a 92 GiB host store).
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
 export PYTHONPATH=/tmp/site:/root/repo/python:/root/repo SPARSE_SGLANG_DEFAULT_GGUF=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -11,9 +16,41 @@ export PYTHONPATH=/tmp/site:/root/repo/python:/root/repo SPARSE_SGLANG_DEFAULT_G
 echo "export PYTHONPATH=$PYTHONPATH SPARSE_SGLANG_DEFAULT_GGUF=$SPARSE_SGLANG_DEFAULT_GGUF PYTHONUNBUFFERED=1 SPARSE_SGLANG_RESULTS_DIR=/root/o SPARSE_SGLANG_COMMIT=$SPARSE_SGLANG_COMMIT" > /root/env.sh
 python3 -m sgl_kernels_ext.build > /root/o/build.log 2>&1 || { tail -30 /root/o/build.log; exit 1; }
 python3 -c "from sparse_sglang.default_model import default_model_path; print(default_model_path())"
-setsid nohup python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz --out-dir /root/o/acc --parallel "${GRID_PARALLEL:-9}" \
-  --stagger 3 > /root/o/grid.log 2>&1 < /dev/null &
-setsid nohup python3 -m pytest -m gpu -q ${GPU_TESTS:-test/test_selection_real_kv_gpu.py} > /root/o/gpu-tests.log 2>&1 < /dev/null &
-setsid nohup python3 benchmark/fuzz.py --launch --requests "${FUZZ_REQUESTS:-5000}" --extra-server-args \
-  "--sparse-host-cache-gb 4 --mem-fraction-static 0.1" --out-dir /root/o --log-dir /root/o/fuzz-logs > /root/o/fuzz.log 2>&1 < /dev/null &
+
+job_grid() {
+  python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz --out-dir /root/o/acc \
+    --parallel "${GRID_PARALLEL:-9}" --stagger 3 ${GRID_ARGS:-}
+}
+job_tests() { python3 -m pytest -m gpu -q -s ${GPU_TESTS:-test/test_selection_real_kv_gpu.py}; }
+job_fuzz() {
+  python3 benchmark/fuzz.py --launch --requests "${FUZZ_REQUESTS:-5000}" --extra-server-args \
+    "--sparse-host-cache-gb 4 --mem-fraction-static 0.1" --out-dir /root/o --log-dir /root/o/fuzz-logs
+}
+job_soak() {
+  python3 benchmark/soak.py --requests "${SOAK_REQUESTS:-300}" --rate 1.5 --host-cache-gb 24 --burst 20 \
+    --request-timeout 240 --crashers "${SOAK_CRASHERS:-500}" --extra-server-args "--cuda-graph-max-bs 64" \
+    --out-dir /root/o --log-dir /root/o/soak-logs
+}
+job_pin() {
+  python3 benchmark/probes/pin_rate.py --gib 8 --out /root/o/pin-rate.json
+  python3 -m pytest -m gpu -q -s test/test_pinned_store.py
+}
+job_startup() {
+  python3 benchmark/startup.py --sparse-host-cache-gb 92 --repeats "${STARTUP_REPEATS:-1}" \
+    --vanilla-args "--attention-backend flashinfer" --out-dir /root/o --log-dir /root/o/startup-logs
+}
+
+run_stages() {
+  IFS=',' read -ra stages <<< "$JOBS"
+  for stage in "${stages[@]}"; do
+    echo "$(date +%T) stage: $stage" >> /root/o/stage.log
+    for job in $stage; do "job_$job" > "/root/o/$job.log" 2>&1 & done
+    wait
+  done
+  echo "$(date +%T) done" >> /root/o/stage.log
+}
+JOBS=${JOBS:-"grid tests fuzz"}
+export -f run_stages $(compgen -A function job_)
+export JOBS GPU_TESTS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS STARTUP_REPEATS
+setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
