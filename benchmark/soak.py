@@ -39,24 +39,27 @@ import asyncio
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import aiohttp
-import requests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root holds `benchmark`
 
-from benchmark import fuzz
-from sparse_sglang.config import GIB
-from sparse_sglang.default_model import default_model_path
-from sparse_sglang.testing.models import (
+import aiohttp  # noqa: E402
+import requests  # noqa: E402
+
+from benchmark import fuzz  # noqa: E402
+from sparse_sglang.config import GIB  # noqa: E402
+from sparse_sglang.default_model import default_model_path  # noqa: E402
+from sparse_sglang.testing.models import (  # noqa: E402
     LLAMA3_8B_CONFIG,
     LLAMA3_8B_KV_BYTES_PER_TOKEN,
     LLAMA3_8B_TOKEN_IDS,
     write_llama3_8b_dummy,
 )
-from sparse_sglang.testing.provenance import add_server_run_args, finish_run
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sparse_state
+from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sparse_state  # noqa: E402
 
 # Synthetic prompt ids: clear of the special tokens, inside the vocabulary of the tokenizer served
 # (the default model's, which shrinks the 8B shape's vocabulary to its own)
