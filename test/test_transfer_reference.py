@@ -111,7 +111,7 @@ def test_alloc_host_store_checks_and_pinned_error(monkeypatch):
         def alloc_pinned(self, nbytes):
             raise RuntimeError("cudaHostAlloc failed: out of memory")
 
-        def alloc_pinned_chunked(self, nbytes, chunks, num_threads):  # 1 GiB and more: pinned in parallel first
+        def alloc_pinned_parallel(self, nbytes, chunks, num_threads):  # 1 GiB and more: pinned in parallel first
             raise RuntimeError("cudaHostRegister failed: out of memory")
 
     monkeypatch.setattr(layout, "host_ext", lambda: NoPinning())

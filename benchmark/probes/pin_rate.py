@@ -1,6 +1,6 @@
-"""How fast this machine pins host memory: one ``cudaHostAlloc`` against the chunked path
-(``alloc_pinned_chunked``) at several thread counts, with and without each thread faulting its
-chunks in first. Decides the host store's pinning (see docs/results.md, "Start-up").
+"""How fast this machine pins host memory: one ``cudaHostAlloc`` (``alloc_pinned``) against
+threads faulting the memory in and one ``cudaHostRegister`` (``alloc_pinned_parallel``), by
+thread count. Decided how the host store is pinned (docs/results.md, "Start-up").
 
     python benchmark/probes/pin_rate.py --gib 8 --out pin-rate.json
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -35,17 +36,16 @@ def main(argv=None) -> dict:
     torch.cuda.init()
     nbytes = int(args.gib * (1 << 30))
     ext = host_ext()
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    rows = [{"path": "cudaHostAlloc", "seconds": round(timed(lambda: ext.alloc_pinned(nbytes)), 3)}]
+    rows = [{"path": "cudaHostAlloc", "seconds": timed(lambda: ext.alloc_pinned(nbytes))}]
     for threads in map(int, args.threads.split(",")):
-        for prefault in (True, False):
-            chunks = plan_pin_chunks(nbytes, threads)
-            seconds = timed(lambda: ext.alloc_pinned_chunked(nbytes, chunks, threads, prefault))
-            rows.append({"path": "chunked", "threads": threads, "prefault": prefault, "seconds": round(seconds, 3)})
+        chunks = plan_pin_chunks(nbytes, threads)
+        seconds = timed(lambda: ext.alloc_pinned_parallel(nbytes, chunks, threads))
+        rows.append({"path": "faulted in by threads, one cudaHostRegister", "threads": threads, "seconds": seconds})
     for row in rows:
-        row["gb_per_s"] = round(nbytes / row["seconds"] / 1e9, 2)
+        row.update(seconds=round(row["seconds"], 3), gb_per_s=round(nbytes / row["seconds"] / 1e9, 2))
         print(row, flush=True)
-    result = {"device": torch.cuda.get_device_name(), "gib": args.gib, "cpus": torch.get_num_threads(),
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    result = {"device": torch.cuda.get_device_name(), "gib": args.gib, "cpus": os.cpu_count(),
               "transparent_hugepage": thp.read_text().strip() if thp.exists() else None, "rows": rows}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

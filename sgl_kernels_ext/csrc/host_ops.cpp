@@ -39,69 +39,59 @@ at::Tensor alloc_pinned(int64_t nbytes) {
 #endif
 }
 
-// `nbytes` of page-locked host memory pinned by several threads at once: an anonymous mapping
-// (transparent huge pages asked for), cut into `chunks` (offset, size) pairs that the caller planned
-// (page-aligned, in order, covering [0, nbytes)), each first touched and then cudaHostRegister'ed
-// by one of `num_threads` threads (`prefault` false skips the touch: cudaHostRegister then faults
-// the pages in itself). One thread faults and locks page by page; the chunks run side by side. Every chunk must map to the same device address as its host
-// address (unified addressing), so one base pointer serves the whole range as alloc_pinned's
-// does; otherwise, or on any failure, everything is undone and the call raises. The tensor's
-// deleter unregisters every chunk and unmaps the range.
-at::Tensor alloc_pinned_chunked(int64_t nbytes, const std::vector<std::pair<int64_t, int64_t>>& chunks,
-                                int64_t num_threads, bool prefault) {
-  TORCH_CHECK_VALUE(nbytes > 0, "alloc_pinned_chunked: nbytes must be positive, got ", nbytes);
+// `nbytes` of page-locked host memory, faulted in by several threads and then registered with CUDA
+// in one call: an anonymous mapping (transparent huge pages asked for) cut into `chunks` (offset,
+// size) pairs that the caller planned (in order, covering [0, nbytes)), each zero-filled by one of
+// `num_threads` threads, then one cudaHostRegister over the whole range. Faulting pages in is what
+// one thread does slowly (and what cudaHostAlloc does on one thread); registering pages already
+// present is fast. One registration, not one per chunk: a cudaMemcpy that spans two registrations
+// fails ("invalid argument"), and callers treat the result as one pinned tensor. Its device address
+// must equal its host address (unified addressing), as alloc_pinned's does; otherwise, or on any
+// failure, everything is undone and the call raises. The tensor's deleter unregisters and unmaps.
+at::Tensor alloc_pinned_parallel(int64_t nbytes, const std::vector<std::pair<int64_t, int64_t>>& chunks,
+                                 int64_t num_threads) {
+  TORCH_CHECK_VALUE(nbytes > 0, "alloc_pinned_parallel: nbytes must be positive, got ", nbytes);
   int64_t covered = 0;
   for (const auto& [offset, size] : chunks) {
-    TORCH_CHECK_VALUE(offset == covered && size > 0, "alloc_pinned_chunked: chunks must tile [0, nbytes) in order");
+    TORCH_CHECK_VALUE(offset == covered && size > 0, "alloc_pinned_parallel: chunks must tile [0, nbytes) in order");
     covered += size;
   }
-  TORCH_CHECK_VALUE(covered == nbytes, "alloc_pinned_chunked: chunks cover ", covered, " of ", nbytes, " bytes");
+  TORCH_CHECK_VALUE(covered == nbytes, "alloc_pinned_parallel: chunks cover ", covered, " of ", nbytes, " bytes");
 #ifdef SPARSE_WITH_CUDA
-  void* base = mmap(nullptr, static_cast<size_t>(nbytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(base != MAP_FAILED, "alloc_pinned_chunked: mmap(", nbytes, " bytes) failed");
-  (void)madvise(base, static_cast<size_t>(nbytes), MADV_HUGEPAGE);  // fewer pages to fault and lock; a hint
+  const auto length = static_cast<size_t>(nbytes);
+  void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(base != MAP_FAILED, "alloc_pinned_parallel: mmap(", nbytes, " bytes) failed");
+  (void)madvise(base, length, MADV_HUGEPAGE);  // fewer pages to fault and lock; a hint
   auto* bytes = static_cast<char*>(base);
-  const int device = c10::cuda::current_device();
-  std::vector<cudaError_t> status(chunks.size(), cudaSuccess);
-  std::vector<char> identity(chunks.size(), 1);
   std::atomic<size_t> next{0};
-  auto worker = [&]() {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    for (size_t i = next++; i < chunks.size(); i = next++) {
-      char* start = bytes + chunks[i].first;
-      const auto size = static_cast<size_t>(chunks[i].second);
-      if (prefault) std::memset(start, 0, size);  // fault the pages in from this thread
-      status[i] = cudaHostRegister(start, size, cudaHostRegisterPortable | cudaHostRegisterMapped);
-      void* dptr = nullptr;
-      if (status[i] == cudaSuccess) {
-        status[i] = cudaHostGetDevicePointer(&dptr, start, 0);
-        identity[i] = dptr == static_cast<void*>(start);
-      }
-    }
+  auto toucher = [&]() {
+    for (size_t i = next++; i < chunks.size(); i = next++)
+      std::memset(bytes + chunks[i].first, 0, static_cast<size_t>(chunks[i].second));
   };
   std::vector<std::thread> threads;
-  for (int64_t t = 0; t < std::max<int64_t>(1, num_threads); ++t) threads.emplace_back(worker);
+  for (int64_t t = 0; t < std::max<int64_t>(1, num_threads); ++t) threads.emplace_back(toucher);
   for (auto& thread : threads) thread.join();
-  auto unpin_and_unmap = [bytes, nbytes, chunks](void*) {
-    for (const auto& [offset, size] : chunks) (void)cudaHostUnregister(bytes + offset);
-    (void)cudaGetLastError();
-    munmap(bytes, static_cast<size_t>(nbytes));
-  };
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    if (status[i] != cudaSuccess || !identity[i]) {
-      for (size_t j = 0; j < chunks.size(); ++j)
-        if (status[j] == cudaSuccess) (void)cudaHostUnregister(bytes + chunks[j].first);
-      (void)cudaGetLastError();
-      munmap(bytes, static_cast<size_t>(nbytes));
-      TORCH_CHECK(status[i] == cudaSuccess, "cudaHostRegister(", chunks[i].second, " bytes) failed: ",
-                  cudaGetErrorString(status[i]));
-      TORCH_CHECK(false, "alloc_pinned_chunked: registered memory has device addresses other than its host "
-                  "addresses (no unified addressing); use alloc_pinned");
-    }
+  c10::cuda::CUDAGuard guard(c10::cuda::current_device());
+  cudaError_t err = cudaHostRegister(base, length, cudaHostRegisterPortable | cudaHostRegisterMapped);
+  void* dptr = nullptr;
+  if (err == cudaSuccess) {
+    err = cudaHostGetDevicePointer(&dptr, base, 0);
+    if (err != cudaSuccess || dptr != base) (void)cudaHostUnregister(base);
   }
-  return at::from_blob(base, {nbytes}, unpin_and_unmap, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  if (err != cudaSuccess || dptr != base) {
+    (void)cudaGetLastError();
+    munmap(base, length);
+    TORCH_CHECK(err == cudaSuccess, "cudaHostRegister(", nbytes, " bytes) failed: ", cudaGetErrorString(err));
+    TORCH_CHECK(false, "alloc_pinned_parallel: registered memory has a device address other than its host "
+                "address (no unified addressing); use alloc_pinned");
+  }
+  return at::from_blob(base, {nbytes}, [length](void* p) {
+    (void)cudaHostUnregister(p);
+    (void)cudaGetLastError();
+    munmap(p, length);
+  }, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
 #else
-  TORCH_CHECK(false, "alloc_pinned_chunked: this build has no CUDA");
+  TORCH_CHECK(false, "alloc_pinned_parallel: this build has no CUDA");
 #endif
 }
 
@@ -144,8 +134,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_threads", &ScatterPool::num_threads)
       .def_property_readonly("last_ticket", &ScatterPool::last_ticket);
   m.def("alloc_pinned", &sparse_transfer::alloc_pinned, py::arg("nbytes"));
-  m.def("alloc_pinned_chunked", &sparse_transfer::alloc_pinned_chunked, py::arg("nbytes"), py::arg("chunks"),
-        py::arg("num_threads"), py::arg("prefault") = true, release());
+  m.def("alloc_pinned_parallel", &sparse_transfer::alloc_pinned_parallel, py::arg("nbytes"), py::arg("chunks"),
+        py::arg("num_threads"), release());
   m.def("cuda_view_of_host", &sparse_transfer::cuda_view_of_host, py::arg("host"), py::arg("device"));
 #ifdef SPARSE_WITH_CUDA
   m.attr("with_cuda") = true;

@@ -85,9 +85,9 @@ def check_tokens(k: torch.Tensor, v: torch.Tensor, host_k: torch.Tensor, token_s
         )
 
 
-# Pinning in parallel (alloc_pinned_chunked): chunks are whole huge pages (2 MiB, what the mapping
-# asks transparent huge pages for), a store below PARALLEL_PIN_MIN_BYTES is pinned in one call, and
-# each thread gets a few chunks so one slow chunk does not hold the rest.
+# Pinning in parallel (alloc_pinned_parallel): threads fault in chunks of whole huge pages (2 MiB,
+# what the mapping asks transparent huge pages for), a few chunks each so that one slow chunk does
+# not hold the rest; a store below PARALLEL_PIN_MIN_BYTES is pinned by one cudaHostAlloc.
 HUGE_PAGE_BYTES = 2 << 20
 PARALLEL_PIN_MIN_BYTES = 1 << 30
 CHUNKS_PER_THREAD = 4
@@ -121,13 +121,12 @@ def alloc_host_tensor(
     dtype: torch.dtype,
     pin: bool = True,
     what: str = "the host KV store",
-    align: int = HUGE_PAGE_BYTES,
 ) -> torch.Tensor:
     """An uninitialized CPU tensor, page-locked when ``pin`` (exact size, unlike torch's pinned
-    allocator, which rounds up to a power of two). From :data:`PARALLEL_PIN_MIN_BYTES` on it is
-    pinned by :func:`pin_threads` threads in chunks of whole ``align`` units (zero-filled: each
-    thread faults its chunks in, which one thread alone does slowly), falling back to one
-    ``cudaHostAlloc`` if that fails. Raises :class:`PinnedMemoryError` naming the size."""
+    allocator, which rounds up to a power of two). From :data:`PARALLEL_PIN_MIN_BYTES` on,
+    :func:`pin_threads` threads fault it in (zero-filled, in :func:`plan_pin_chunks`' chunks; one
+    thread alone does that slowly) before one ``cudaHostRegister`` pins it whole, falling back to
+    one ``cudaHostAlloc`` if that fails. Raises :class:`PinnedMemoryError` naming the size."""
     if not pin:
         return torch.empty(shape, dtype=dtype)
     if torch.cuda.is_available():
@@ -138,7 +137,7 @@ def alloc_host_tensor(
     if nbytes >= PARALLEL_PIN_MIN_BYTES:
         threads = pin_threads()
         try:
-            buf = host_ext().alloc_pinned_chunked(nbytes, plan_pin_chunks(nbytes, threads, align), threads)
+            buf = host_ext().alloc_pinned_parallel(nbytes, plan_pin_chunks(nbytes, threads), threads)
             return buf.view(dtype).view(shape)
         except RuntimeError as err:
             logging.getLogger(__name__).warning("pinning %s in parallel failed (%s); pinning it in one call", what, err)
@@ -173,5 +172,4 @@ def alloc_host_store(
     meta = torch.empty(shape, dtype=dtype, device="meta")
     check_host_store(meta, meta)
     what = f"K or V of the host KV store ({2 * meta.nbytes / GIB:.2f} GiB for both)"
-    align = math.lcm(HUGE_PAGE_BYTES, block_bytes(meta))  # chunks of whole blocks: no block spans two
-    return alloc_host_tensor(shape, dtype, pin, what, align), alloc_host_tensor(shape, dtype, pin, what, align)
+    return alloc_host_tensor(shape, dtype, pin, what), alloc_host_tensor(shape, dtype, pin, what)
