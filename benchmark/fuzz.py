@@ -364,7 +364,9 @@ def run(args) -> dict:
         for start in range(0, len(cases), args.batch_size):
             batch = cases[start : start + args.batch_size]
             answers = asyncio.run(send_batch(url, batch, args.request_timeout))
-            records += [{"i": start + i, "kind": c.kind, "route": c.route, "status": s, "answer": text}
+            # a 5xx keeps its body: hypothesis may draw other cases elsewhere, so the seed alone may not replay it
+            records += [{"i": start + i, "kind": c.kind, "route": c.route, "status": s, "answer": text,
+                         **({"body": c.body.decode(errors="replace")} if s >= 500 else {})}
                         for i, (c, (s, text)) in enumerate(zip(batch, answers))]  # fmt: skip
             if healthy(url):
                 continue

@@ -167,6 +167,25 @@ def test_native_request_refused_naming_the_field(body, field, reason):
     assert reason in str(error)
 
 
+WRONG_VALUES = ("hot", "1", [1, 2], [], {"a": 1}, True, None, 1e300)  # the fuzzer's wrong types, and more
+
+
+@pytest.mark.parametrize("name", sorted(rv.SAMPLING_FLOATS) + sorted(rv.SAMPLING_INTS))
+@pytest.mark.parametrize("batch", [False, True])
+def test_every_numeric_sampling_field_of_a_wrong_type_is_refused_naming_it(name, batch):
+    """Each numeric sampling field, given each value of a wrong type, one prompt or a batch of two:
+    a refusal naming the field, never another exception (the fuzzer's one 500: ``n`` a list)."""
+    for value in WRONG_VALUES:
+        if value is None and name != "n":
+            continue  # null is SGLang's default for the others
+        if value == 1e300 and name in rv.SAMPLING_FLOATS:
+            continue  # finite: SamplingParams.verify judges the float ranges
+        params = {"max_new_tokens": 4, name: value}
+        body = {"input_ids": [PROMPT, PROMPT], "sampling_params": [params, params]} if batch else \
+            {"input_ids": PROMPT, "sampling_params": params}  # fmt: skip
+        assert rejected(body).field == f"sampling_params.{name}", value
+
+
 GOOD = [
     {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
     {"text": "The capital of France is", "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "n": 2}},

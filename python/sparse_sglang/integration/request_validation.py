@@ -149,10 +149,9 @@ def check_batch_form(obj) -> None:
         items = params if isinstance(params, list) else [params]
         if not all(isinstance(p, dict) for p in items):
             raise RequestRejected("sampling_params", "must be an object, or a list of one object per prompt")
-        counts = {p.get("n", 1) for p in items}
-        for n in counts:  # null too: SGLang compares it with 1 before any default applies
-            _check_int("sampling_params.n", n, *SAMPLING_INTS["n"])
-        if len(counts) > 1:
+        for p in items:  # null too: SGLang compares it with 1 before any default applies
+            _check_int("sampling_params.n", p.get("n", 1), *SAMPLING_INTS["n"])
+        if len({p.get("n", 1) for p in items}) > 1:  # ints by now (a list or an object is unhashable)
             raise RequestRejected("sampling_params.n", "must be the same for every prompt of a batch")
     if obj.token_ids_logprob and size is not None and isinstance(obj.token_ids_logprob[0], list):
         if len(obj.token_ids_logprob) != size:
