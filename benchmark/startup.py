@@ -9,7 +9,7 @@ RAM, as the launcher's); its log's own lines say where the rest went. Writes
 medians over ``--repeats``)::
 
     python benchmark/startup.py                                   # the 8B shape, the default host store
-    python benchmark/startup.py --sparse-host-cache-gb 92 --repeats 2
+    python benchmark/startup.py --sparse-host-cache-gb 92 --warmup   # FlashInfer's JIT done before timing
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 SYSTEMS = ("vanilla", "sparse")
 
 
-def launcher_args(system: str, args) -> list[str]:
-    """The flags each system starts with: the same SGLang ones, plus the host store for sparse."""
-    shared = ["--load-format", "dummy", "--skip-tokenizer-init", *shlex.split(args.extra_server_args)]
+def launcher_args(system: str, args, warmup: bool = False) -> list[str]:
+    """The flags each system starts with: the same SGLang ones, plus the host store for sparse
+    (and, for an untimed warm-up start, ``--warmup-args``)."""
+    extra = [*shlex.split(args.extra_server_args), *(shlex.split(args.warmup_args) if warmup else [])]
+    shared = ["--load-format", "dummy", "--skip-tokenizer-init", *extra]
     if system == "vanilla":
         return [*shared, *shlex.split(args.vanilla_args)]
     if args.sparse_host_cache_gb is not None:
@@ -36,13 +38,15 @@ def launcher_args(system: str, args) -> list[str]:
     return shared
 
 
-def time_start(system: str, model: str, args, attempt: int) -> dict:
-    """One cold start of ``system``: seconds to healthy, or the error."""
+def time_start(system: str, model: str, args, attempt: int | str) -> dict:
+    """One cold start of ``system``: seconds to healthy, or the error (``attempt`` "warmup": an
+    untimed start with ``--warmup-args``)."""
     from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
 
     module = {"vanilla": VANILLA_MODULE, "sparse": SPARSE_MODULE}[system]
     log_path = Path(args.log_dir) / f"startup-{system}-{attempt}.log"
-    server = ServerProcess(module, model, launcher_args(system, args), log_path=log_path,
+    flags = launcher_args(system, args, warmup=attempt == "warmup")
+    server = ServerProcess(module, model, flags, log_path=log_path,
                            start_timeout=args.start_timeout, stop_timeout=60)  # fmt: skip
     record = {"system": system, "command": shlex.join(server.command), "log": str(log_path)}
     started = time.perf_counter()
@@ -73,12 +77,13 @@ def run(args) -> dict:
     from sparse_sglang.testing.models import write_llama3_8b_dummy
 
     model = args.model_path or write_llama3_8b_dummy(Path(args.log_dir) / "llama3-8b-dummy")
+    warmups = [time_start(system, model, args, "warmup") for system in SYSTEMS] if args.warmup else []
     starts = []
     for attempt in range(args.repeats):
         for system in SYSTEMS:  # alternated, so a warm page cache or file cache favours neither
             starts.append(time_start(system, model, args, attempt))
             print(starts[-1])
-    return {"model": model, "starts": starts, "summary": summarize(starts)}
+    return {"model": model, "warmups": warmups, "starts": starts, "summary": summarize(starts)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -96,6 +101,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="flags vanilla alone gets (e.g. its attention backend, which the sparse launcher sets itself)",
     )
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--warmup",
+        action="store_true",
+        help="one untimed start of each system first: FlashInfer's JIT compiles on a fresh machine's first "
+        "start of a module, which would fall on whichever system starts first",
+    )
+    parser.add_argument("--warmup-args", default="", help="flags only the warm-up starts get (e.g. less GPU memory)")
     parser.add_argument("--start-timeout", type=float, default=900.0)
     add_server_run_args(parser, "startup")
     args = parser.parse_args(argv)
