@@ -91,9 +91,11 @@ class SparseServerArgs(ServerArgs):
                          ("--speculative-algorithm", self.speculative_algorithm is not None)):  # fmt: skip
             if on:
                 raise ValueError(f"{flag} is not supported with sparse decode (add --sparse-enabled false)")
-        if self.sparse.segmented_prefill and self.pp_size > 1:
-            raise ValueError("--sparse-segmented-prefill runs in SGLang's normal scheduler loop, which pipeline "
-                             "parallelism (--pp-size > 1) replaces; leave one of them out")  # fmt: skip
+        for flag, size in (("--tp-size", self.tp_size), ("--dp-size", self.dp_size), ("--pp-size", self.pp_size)):
+            if size > 1:  # each rank would build a whole host store and decide admission on its own state
+                raise ValueError(f"{flag} {size}: sparse decode serves one GPU per server so far (its host store "
+                                 "and working-set decisions are not split across ranks); run one server per GPU, "
+                                 "or add --sparse-enabled false")  # fmt: skip
         self.page_size = page
         # SGLang's overlap scheduler plans step N+1 while step N runs: the backend reads request
         # slots from the host mirror, queues row changes behind the forwards, and waits for saved
