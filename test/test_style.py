@@ -31,3 +31,15 @@ def test_package_names_no_commits_or_result_files():
             if hex_id.search(line) or result_file.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
     assert not found, "\n".join(found)
+
+
+def test_results_keep_the_newest_files_and_no_logs():
+    """benchmark/results/ holds the newest file of each kind and those the docs cite (at most 60;
+    older ones live in git history), JSON and plots only; benchmark/ has the harness at its top."""
+    results = [p for p in (ROOT / "benchmark" / "results").iterdir() if p.is_file()]
+    assert len(results) <= 60, f"{len(results)} files: move superseded ones to git history (docs/results.md)"
+    assert all(p.suffix in (".json", ".png") for p in results), [
+        p.name for p in results if p.suffix not in (".json", ".png")
+    ]
+    scripts = [p for p in (ROOT / "benchmark").glob("*.py") if p.name != "__init__.py"]
+    assert len(scripts) <= 12, sorted(p.name for p in scripts)
