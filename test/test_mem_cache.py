@@ -15,8 +15,6 @@ from sparse_sglang.mem_cache import (
     GPUCacheFull,
     GPUPageCache,
     HostKVPool,
-    HostMemoryExhausted,
-    HostPageAllocator,
     PageSummaries,
     SegmentPoolExhausted,
     TwoLevelPageTable,
@@ -30,90 +28,12 @@ GIB = 1 << 30
 FP8 = torch.float8_e4m3fn
 
 
-# Host page allocator.
-
-
-def test_allocator_random_operations_keep_refcounts_and_free_every_page_once():
-    rng = random.Random(0)
-    alloc = HostPageAllocator(40)
-    held: dict[int, int] = {}  # page -> reference count (the model)
-    requests: dict[int, list[int]] = {}
-    handed_out: dict[int, int] = {}  # page -> times allocated
-    freed: dict[int, int] = {}  # page -> times returned to the free list
-
-    def note_freed(pages):
-        for p in pages.tolist():
-            assert held.pop(p) == 0
-            freed[p] = freed.get(p, 0) + 1
-
-    for _ in range(400):
-        op = rng.choice(["alloc", "share", "finish", "abort"])
-        if op == "alloc":
-            rid, n = rng.randrange(8), rng.randrange(6)
-            if n > alloc.available():
-                with pytest.raises(HostMemoryExhausted):
-                    alloc.alloc_for_request(rid, n)
-                continue
-            pages = alloc.alloc_for_request(rid, n).tolist()
-            assert len(set(pages)) == n and not set(pages) & set(held) and 0 not in pages
-            for p in pages:
-                held[p], handed_out[p] = 1, handed_out.get(p, 0) + 1
-            requests.setdefault(rid, []).extend(pages)
-        elif op == "share" and held:
-            rid = rng.randrange(8)
-            pages = rng.sample(sorted(held), min(3, len(held)))
-            alloc.share_with_request(rid, torch.tensor(pages))
-            for p in pages:
-                held[p] += 1
-            requests.setdefault(rid, []).extend(pages)
-        elif op in ("finish", "abort") and requests:
-            rid = rng.choice(sorted(requests))
-            for p in requests.pop(rid):
-                held[p] -= 1
-            note_freed(alloc.free_request(rid))
-        assert all(alloc.refcount[p] == c for p, c in held.items())
-        assert int((alloc.refcount > 0).sum()) == len(held)
-        assert alloc.available() == alloc.capacity - len(held)
-    for rid in sorted(requests):
-        note_freed(alloc.free_request(rid))
-    assert not held and alloc.available() == alloc.capacity == 39
-    assert freed == handed_out  # every page freed exactly once per allocation
-    assert sorted(alloc.alloc(39).tolist()) == list(range(1, 40))
-
-
-def test_allocator_incref_decref_and_errors():
-    alloc = HostPageAllocator(6)
-    pages = alloc.alloc(3)
-    assert pages.tolist() == [1, 2, 3] and pages.dtype == torch.int64
-    alloc.incref(pages[:1])
-    assert alloc.free(pages).tolist() == [2, 3]  # page 1 still has a holder
-    assert alloc.decref(pages[:1]).tolist() == [1]
-    for bad, match in (([0], "unknown host pages \\[0\\]"), ([6], "unknown"), ([-1], "unknown"), ([2], "double free")):
-        with pytest.raises(ValueError, match=match):
-            alloc.free(torch.tensor(bad))
-    with pytest.raises(ValueError, match="not allocated"):
-        alloc.incref(torch.tensor([4]))
-    page = alloc.alloc(1)
-    with pytest.raises(ValueError, match="double free"):
-        alloc.free(torch.cat([page, page]))  # held once, freed twice in one call
-    assert alloc.refcount[page].item() == 1  # the failed call changed nothing
-    with pytest.raises(HostMemoryExhausted, match="requested 5 pages, 4 free of 5"):
-        alloc.alloc(5)
-    assert alloc.available() == 4
-    with pytest.raises(KeyError, match="holds no host pages"):
-        alloc.free_request("never-seen")
-    alloc.alloc_for_request("r", 2)
-    alloc.free_request("r")
-    with pytest.raises(KeyError):
-        alloc.free_request("r")  # finish after abort: a double free
-
-
 def test_host_pool_sizes_and_bad_sizes():
     # One page id of 2 layers x 2 heads x 4 tokens x 16 dims, K and V: 512 elements.
     assert pages_for_budget(512 * 2 * 10 / GIB, 2, 2, 4, 16, torch.bfloat16) == 10
     assert pages_for_budget(512 * 2 * 10 / GIB, 2, 2, 4, 16, FP8) == 20  # fp8: one byte per element
     pool = HostKVPool.from_budget(512 * 2 * 7.5 / GIB, 2, 2, 4, 16, torch.bfloat16, pin=False)
-    assert pool.k.shape == pool.v.shape == (2, 2, 7, 4, 16) and pool.allocator.capacity == 6
+    assert pool.k.shape == pool.v.shape == (2, 2, 7, 4, 16) and pool.num_pages == 7
     assert pool.nbytes == 7 * pool.page_bytes == pool.k.nbytes + pool.v.nbytes
     flat = torch.arange(pool.k[..., 0, 0].numel()).view(2, 2, 7)
     heads, pages = torch.tensor([[0], [1]]), torch.tensor([[3, 5]])
@@ -670,7 +590,9 @@ def test_gpu_cache_write_allocate_holds_every_token_like_the_host_store(dtype):
     cache = make_cache(64, layers=layers, heads=heads, dtype=dtype, width=4)
     host = HostKVPool(layers, heads, 16, page_size, dim, dtype, pin=False)
     lengths = {0: 9, 1: 4}  # prompt tokens of request slots 0 and 1
-    host_pages = torch.stack([host.allocator.alloc_for_request(r, 4) for r in lengths])  # [request slot, page]
+    host_pages = torch.arange(1, 1 + 4 * len(lengths)).view(
+        len(lengths), 4
+    )  # [request slot, page]: distinct ids, 0 reserved
     for r in lengths:
         cache.open_request(r)
 

@@ -1,7 +1,7 @@
 """KV memory management over the per-head GPU/host hierarchy.
 
-- :class:`HostKVPool` / :class:`HostPageAllocator`: the pinned host store holding all KV and the
-  reference-counted allocator of its page ids (the ids SGLang's allocator and radix cache see).
+- :class:`HostKVPool`: the pinned host store holding all KV, in host page ids (the ids SGLang's
+  paged allocator hands out and its radix cache shares).
 - :class:`PageSummaries`: per (layer, kv head, page) key min / max / mean on the GPU, for scoring.
 - :class:`TwoLevelPageTable`: (request slot, layer, head, logical page) -> GPU slot (SPIN §5.4).
 - :class:`GPUPageCache`: the GPU slot pool with write-allocate and LRU eviction.
@@ -11,8 +11,6 @@ from sparse_sglang.mem_cache.bounds import bound_dtype, empty_bounds
 from sparse_sglang.mem_cache.gpu_cache import GPUCacheFull, GPUPageCache, slots_for_budget
 from sparse_sglang.mem_cache.host_pool import (
     HostKVPool,
-    HostMemoryExhausted,
-    HostPageAllocator,
     host_page_bytes,
     pages_for_budget,
 )
@@ -23,8 +21,6 @@ __all__ = [
     "GPUCacheFull",
     "GPUPageCache",
     "HostKVPool",
-    "HostMemoryExhausted",
-    "HostPageAllocator",
     "PageSummaries",
     "SegmentPoolExhausted",
     "TwoLevelPageTable",
