@@ -17,6 +17,7 @@ from sparse_sglang.attention.reference import retrieve_reference
 from sparse_sglang.attention.retrieval import retrieve_pages
 from sparse_sglang.mem_cache import GPUPageCache, PageSummaries
 from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs
+from sparse_sglang.mem_cache.reference import index_runs_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -66,7 +67,7 @@ def test_save_runs_split_each_request_at_its_page_boundaries():
     (torch.bfloat16, True, True, "exact"), (torch.float16, False, False, "exact"), (torch.float8_e4m3fn, True, False, "auto"),
     (torch.bfloat16, True, False, "int8"), (torch.float16, False, True, "auto"),
 ])  # fmt: skip
-def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius, with_mean, bound_format):
+def test_index_runs_equals_its_reference(dtype, with_radius, with_mean, bound_format):
     """Prefill batches with prefixes, then decode steps: the fused kernel leaves the summaries and
     the cached blocks as the torch reference does (fp8: bounds stored in fp8, compared as floats;
     int8: the same levels and scales, bit for bit); a page started anew ends no built super-page."""
@@ -101,8 +102,7 @@ def test_index_runs_equals_summaries_update_plus_cache_store(dtype, with_radius,
                 k = k * 30
                 k[..., 0] = (300 + k[..., 0].abs() * 3).clamp(max=448)
             k, v = k.to(dtype).to(DEVICE), v.to(dtype).to(DEVICE)
-            ref_summ.update(layer, k, loc)
-            ref_cache.store(layer, req, pos, k, v)
+            index_runs_reference(ref_summ, ref_cache, layer, k, v, loc, runs)
             index_runs(summ, cache, layer, k, v, loc, runs)
         for r, n in new_tokens.items():
             reqs[r] += n

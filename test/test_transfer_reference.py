@@ -174,3 +174,22 @@ def test_native_scatter_pool_tickets_errors_and_shutdown():
     pool.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit([0, 0], -1, rows, host, 0, good, 64)
+
+
+def test_flash_d2h_reference_keeps_flash_d2h_contract():
+    """The CPU store's stand-in for FlashD2H and the direct-write kernel: a submit writes what
+    scatter_tokens_reference writes, at once (synchronize and close have nothing to do)."""
+    from sparse_sglang.transfer.reference import FlashD2HReference
+
+    k_host, v_host = alloc_host_store(2, 2, 4, 4, 16, torch.bfloat16, pin=False)
+    k_host.zero_(), v_host.zero_()
+    expect_k, expect_v = k_host.clone(), v_host.clone()
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(5, 2, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([4, 5, 6, 13, -1])
+    engine = FlashD2HReference(k_host, v_host)
+    assert engine.submit(1, k, v, slots) == 1 and engine(0, k, v, slots) == 2  # both entry points
+    scatter_tokens_reference(expect_k, expect_v, 1, k, v, slots)
+    scatter_tokens_reference(expect_k, expect_v, 0, k, v, slots)
+    engine.synchronize(), engine.close()
+    assert torch.equal(k_host, expect_k) and torch.equal(v_host, expect_v)

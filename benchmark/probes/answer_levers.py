@@ -39,6 +39,33 @@ class OracleDecoder(quality.SparseDecoder):
         return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling).unsqueeze(1)
 
 
+class RerankDecoder(quality.SparseDecoder):
+    """Quest's bounds pick ``factor`` x the budget's pages as candidates; the candidates' exact
+    attention mass (their keys against the query, the group summed) picks the budget's pages. A
+    server would read the candidates' keys (not their values) to score them; the softmax's
+    denominator is the same for every page, so ranking by the full mass equals ranking by the
+    candidates' own exp(q.k) sums."""
+
+    factor: int = 2
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer, tokens, new = module.layer_idx, key.shape[2], query.shape[2]
+        if new > 1:
+            return super().__call__(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        self.summaries.update(layer, key[0, :, tokens - new :].transpose(0, 1), torch.arange(tokens - new, tokens))
+        q, seq_len = query[:, :, 0], torch.tensor([tokens])
+        n = -(-tokens // quality.PAGE_SIZE)
+        kmin, kmax = (getattr(self.summaries, name)[layer, :, :n].unsqueeze(0) for name in ("kmin", "kmax"))
+        qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
+        scores = quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
+        candidates = scores.topk(min(n, self.factor * (self.policy.budget // quality.PAGE_SIZE)), dim=-1).indices
+        mass = quality.oracle_page_mass(q, key, seq_len, scaling)
+        ranked = torch.full_like(mass, -math.inf).scatter_(-1, candidates, mass.gather(-1, candidates))
+        pages = select_pages(ranked, -(-seq_len // quality.PAGE_SIZE), self.policy.budget // quality.PAGE_SIZE,
+                             self.policy.sink_pages, self.policy.recent_pages).page_ids  # fmt: skip
+        return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling).unsqueeze(1)
+
+
 WINDOW = 32  # the prompt's last queries whose attention picks the pages a request keeps (SnapKV's window)
 
 
@@ -144,6 +171,9 @@ def main() -> None:
         "quest-window-bounds": quality.Policy(budget=args.budget),
         "arkvale": quality.Policy(selector="arkvale", budget=args.budget),
         "mean": quality.Policy(selector="mean", budget=args.budget),
+        "quest-dense2": quality.Policy(budget=args.budget, dense_layers=2),  # Quest keeps its first two layers dense
+        "quest-rerank2": quality.Policy(budget=args.budget),
+        "quest-rerank4": quality.Policy(budget=args.budget),
     }
     if args.policies:
         policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
@@ -165,6 +195,9 @@ def main() -> None:
             hook = prefill.fork(policy)
             if name == "oracle":
                 hook.__class__ = OracleDecoder
+            if name.startswith("quest-rerank"):
+                hook.__class__ = RerankDecoder
+                hook.factor = int(name.removeprefix("quest-rerank"))
             if name in ("quest-window", "quest-window-bounds"):
                 hook.__class__ = WindowDecoder
                 hook.pinned = pins if name == "quest-window" else bound_pins

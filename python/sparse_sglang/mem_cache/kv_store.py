@@ -12,8 +12,9 @@ request slot and position (for the page cache), which the attention backend bind
 forward as :class:`~sparse_sglang.mem_cache.kernels.SaveRuns` (:meth:`bind_runs`), before the
 layers run.
 
-On a CPU device (tests) the engines are replaced by their pure-torch references, and the fused
-index kernel by ``PageSummaries.update`` + ``GPUPageCache.store``.
+On a CPU device (tests) the store is built with the engines' pure-torch references
+(``transfer/reference.py``) and the index kernel's (``mem_cache/reference.py``): the choice is
+made once, here, and the methods run whichever they were given.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import torch
 from sparse_sglang.mem_cache.gpu_cache import GPUPageCache
 from sparse_sglang.mem_cache.host_pool import HostKVPool
 from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs
+from sparse_sglang.mem_cache.reference import index_runs_reference
 from sparse_sglang.mem_cache.summaries import PageSummaries
-from sparse_sglang.transfer import gather_blocks_reference, scatter_tokens_reference
+from sparse_sglang.transfer import gather_blocks_reference
+from sparse_sglang.transfer.reference import FlashD2HReference
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +102,8 @@ class SparseKVStore:
             self.load = lambda src, dst: gather_blocks_reference(
                 self.host.k, self.host.v, self.cache.k, self.cache.v, src, dst
             )
-            self.flash_d2h = self.direct_d2h = None
-        self.fused = on_gpu if fused is None else fused
+            self.flash_d2h = self.direct_d2h = FlashD2HReference(self.host.k, self.host.v)
+        self.index_runs = index_runs if (on_gpu if fused is None else fused) else index_runs_reference
         self.runs: SaveRuns | None = None  # the current forward's tokens (bind_runs)
         # The stream the forwards run on (note_forward_stream): SGLang's overlap scheduler runs
         # them on a stream of their own, and what changes the cache between them goes there too.
@@ -133,12 +136,7 @@ class SparseKVStore:
     def index(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """The GPU side of a save (SPIN's *Index*): fold keys ``[T, Hkv, D]`` (store dtype,
         contiguous) into the page summaries and write K/V into the cached blocks of their pages."""
-        runs = self.runs
-        if self.fused:
-            index_runs(self.summaries, self.cache, layer, k, v, loc, runs)
-        else:
-            self.summaries.update(layer, k, loc)
-            self.cache.store(layer, runs.token_req_slots, runs.token_positions, k, v)
+        self.index_runs(self.summaries, self.cache, layer, k, v, loc, self.runs)
 
     def save(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, staged: bool) -> None:
         """Save one layer's new K/V ``[T, Hkv, D]`` at host token slots ``loc`` ``[T]``.
@@ -152,9 +150,7 @@ class SparseKVStore:
         if staged and layer == 0:
             self.saved_tokens += k.shape[0]
         self.index(layer, loc, k, v)
-        if self.flash_d2h is None:
-            scatter_tokens_reference(self.host.k, self.host.v, layer, k.cpu(), v.cpu(), loc.cpu())
-        elif staged:
+        if staged:
             step = self.shape.max_save_tokens
             for start in range(0, k.shape[0], step):
                 self.flash_d2h.submit(
@@ -188,9 +184,7 @@ class SparseKVStore:
 
     def wait_saves(self) -> None:
         """Block until every staged save is in the host store."""
-        if self.flash_d2h is not None:
-            self.flash_d2h.synchronize()
+        self.flash_d2h.synchronize()
 
     def close(self) -> None:
-        if self.flash_d2h is not None:
-            self.flash_d2h.close()
+        self.flash_d2h.close()

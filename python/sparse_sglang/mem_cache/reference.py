@@ -1,4 +1,5 @@
-"""Torch references of the GPU page cache's replacement order, apart from the code the server runs.
+"""Torch references apart from the code the server runs: the GPU page cache's replacement order,
+and the index kernel's (:func:`index_runs_reference`, which the CPU store runs instead).
 
 The server orders a row's slots by :meth:`GPUPageCache.recency
 <sparse_sglang.mem_cache.gpu_cache.GPUPageCache.recency>` and takes a stable sort's first victims
@@ -194,3 +195,11 @@ def split_by_length(total: int, lengths: torch.Tensor, caps: torch.Tensor | None
         if caps is not None:
             open_ &= share < caps
     return share
+
+
+def index_runs_reference(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, token_slots: torch.Tensor,
+                         runs) -> None:  # fmt: skip
+    """What :func:`~sparse_sglang.mem_cache.kernels.index_runs` does in one kernel, in torch: fold
+    the new keys into the page summaries, then write K/V into the cached blocks of their pages."""
+    summaries.update(layer, k, token_slots)
+    cache.store(layer, runs.token_req_slots, runs.token_positions, k, v)

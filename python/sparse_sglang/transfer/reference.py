@@ -120,3 +120,26 @@ def scatter_tokens_reference(
     for host, x in ((host_k, k), (host_v, v)):
         rows = as_bytes(x).cpu()[keep]  # [n, heads, head_dim * itemsize]
         as_bytes(host)[layer][:, page, offset] = rows.transpose(0, 1)
+
+
+class FlashD2HReference:
+    """FlashD2H's contract (``submit`` / ``synchronize`` / ``close``) on the CPU: each submit
+    scatters at once with :func:`scatter_tokens_reference`, so there is nothing to wait for. Also
+    serves as the direct-write kernel's reference (``submit`` has its call signature)."""
+
+    def __init__(self, host_k: torch.Tensor, host_v: torch.Tensor):
+        self.host_k, self.host_v = host_k, host_v
+        self.tickets = 0
+
+    def submit(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_slots: torch.Tensor) -> int:
+        scatter_tokens_reference(self.host_k, self.host_v, layer, k.cpu(), v.cpu(), token_slots.cpu())
+        self.tickets += 1
+        return self.tickets
+
+    __call__ = submit
+
+    def synchronize(self) -> None:
+        """Nothing is in flight: every submit has finished."""
+
+    def close(self) -> None:
+        """Nothing to release."""
