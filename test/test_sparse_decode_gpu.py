@@ -101,6 +101,32 @@ def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_con
         Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], "q1.json").write_text(json.dumps({"q1_max_abs_err": worst}))
 
 
+def test_the_planned_softmax_scale_and_soft_cap_are_the_ones_attended_with():
+    """A decoder built with a model's own scale and logits soft cap (Gemma-2-like) attends with them
+    (dense FlashInfer given the same, budget covering the context), and refuses a layer whose own
+    differ."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    config = SparseConfig(token_budget=2048 + 32, exact_shortcut=False, host_cache_gb=1.0)
+    scale, cap = 0.07, 30.0
+    b = bench(config, batch=2, context=2048, sm_scale=scale, logits_soft_cap=cap)
+    kv = [random_kv(2, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
+    for layer, (k, v) in enumerate(kv):
+        b.write_kv(layer, k, v)
+    b.plan()
+    import flashinfer
+
+    for layer, (k, v) in enumerate(kv):
+        q = torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16) * 4
+        out = b.decoder.run(layer, q, scale, cap)
+        want = torch.stack([flashinfer.single_decode_with_kv_cache(q[i], k[i], v[i], sm_scale=scale, logits_soft_cap=cap)
+                            for i in range(2)])  # fmt: skip
+        torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2, msg=f"layer {layer}")
+    with pytest.raises(ValueError, match="softmax scale"):
+        b.decoder.run(0, q, 0.1, cap)
+    with pytest.raises(ValueError, match="soft cap"):
+        b.decoder.run(0, q, scale, None)
+
+
 def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
     """Keys and values as small as a dummy-weight model's (~1e-5, all 0 in e4m3 at scale 1) are
     stored as value / scale (what the KV pool saves) and attended with the scales: the output is

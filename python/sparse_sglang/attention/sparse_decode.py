@@ -120,6 +120,10 @@ class SparseDecoder:
         FlashInfer's tensor-core decode (prefill kernels), better for ``G >= 4``.
     topk : str
         ``"flashinfer"`` (radix top-k) or ``"torch"``.
+    sm_scale, logits_soft_cap : float, optional
+        The model's softmax scale (default ``head_dim ** -0.5``) and logits soft cap (default
+        none), planned once per step as FlashInfer's ``run`` takes them: every layer's must be
+        these (:meth:`run` refuses another, rather than attend with the wrong one).
 
     Each layer runs the fused kernels: the score kernel writes selection priorities, a top-k
     selects, :func:`~sparse_sglang.attention.retrieval.retrieve_pages` does the cache bookkeeping
@@ -128,12 +132,15 @@ class SparseDecoder:
     """
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
-                 max_batch: int, use_tensor_cores: bool | None = None, topk: str = "flashinfer"):  # fmt: skip
+                 max_batch: int, use_tensor_cores: bool | None = None, topk: str = "flashinfer",
+                 sm_scale: float | None = None, logits_soft_cap: float | None = None):  # fmt: skip
         import flashinfer
 
         shape = store.shape
         self.store, self.config = store, config
         self.num_kv_heads, self.head_dim, self.page_size = shape.num_kv_heads, shape.head_dim, shape.page_size
+        self.sm_scale = shape.head_dim**-0.5 if sm_scale is None else float(sm_scale)
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)  # 0: none (FlashInfer's convention)
         self.group = num_q_heads // shape.num_kv_heads
         self.width = min(config.budget_pages, shape.row_width)  # K: pages per (request, kv head)
         if use_tensor_cores is None:
@@ -257,6 +264,7 @@ class SparseDecoder:
             indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
             q_data_type=kv_compute_dtype(self.store.shape.dtype),
             kv_data_type=self.store.shape.dtype,
+            sm_scale=self.sm_scale, logits_soft_cap=self.logits_soft_cap,
         )  # fmt: skip
         self.req_slots, self.batch = req_slots, batch
         reselect = (
@@ -370,6 +378,8 @@ class SparseDecoder:
         layer : int
         q : torch.Tensor
             ``[B, Hq, D]`` decode queries (post-RoPE).
+        sm_scale, logits_soft_cap : float, optional
+            The layer's; ``None``, or equal to the decoder's (a mismatch raises ``ValueError``).
         k_scale, v_scale : float, optional
             Per-tensor scales of fp8 KV (stored = value / scale), as FlashInfer takes them.
 
@@ -378,6 +388,7 @@ class SparseDecoder:
         torch.Tensor
             ``[B, Hq, D]``.
         """
+        self.check_layer_constants(sm_scale, logits_soft_cap)
         page_ids = self.select_raw(layer, q)
         if self.selection_log is not None:  # -1 for none (the top-k's picks past a request's end)
             self.selection_log[: self.batch, layer] = torch.where(
@@ -385,10 +396,17 @@ class SparseDecoder:
             )
         self._retrieve(layer, page_ids)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
-        scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
-        out = self.wrapper.forward(qs, self.kv, sm_scale=scale, logits_soft_cap=logits_soft_cap or None,
-                                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
-        return out.view(q.shape)
+        return self.wrapper.run(qs, self.kv, k_scale=k_scale, v_scale=v_scale).view(q.shape)
+
+    def check_layer_constants(self, sm_scale: float | None, logits_soft_cap: float | None) -> None:
+        """A layer's softmax scale and soft cap must be the ones planned (host floats: no sync,
+        fine inside CUDA-graph capture)."""
+        if sm_scale is not None and not math.isclose(sm_scale, self.sm_scale, rel_tol=1e-6):
+            raise ValueError(f"a layer's softmax scale {sm_scale} is not the decoder's {self.sm_scale}: "
+                             "sparse decode plans one scale for every layer")  # fmt: skip
+        if float(logits_soft_cap or 0.0) != self.logits_soft_cap:
+            raise ValueError(f"a layer's logits soft cap {logits_soft_cap} is not the decoder's "
+                             f"{self.logits_soft_cap or None}: sparse decode plans one for every layer")  # fmt: skip
 
     def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
         """Hits and misses of one layer's selection, the misses loaded, FlashInfer's indices

@@ -58,7 +58,9 @@ class SparseAttnBackend(FlashInferAttnBackend):
         self.row_generation: dict[int, int] = {}  # request slot -> generation its cache row belongs to
         self.num_q_heads = self.num_qo_heads_per_rank(model_runner)
         max_batch = model_runner.req_to_token_pool.size + 1
-        self.decoder = make_decoder(self.store, self.sparse_config, self.num_q_heads, self.workspace_buffer, max_batch)
+        sm_scale, soft_cap = self.attention_constants(model_runner)
+        self.decoder = make_decoder(self.store, self.sparse_config, self.num_q_heads, self.workspace_buffer, max_batch,
+                                    sm_scale=sm_scale, logits_soft_cap=soft_cap)  # fmt: skip
         self.extend_runs: SaveRuns | None = None  # the tokens the current prefill saves
         # The next forward's request slots on the host (``ForwardBatch.init_new`` hands them over):
         # reading the GPU copy back would wait for the forward before it (overlap scheduling).
@@ -78,6 +80,18 @@ class SparseAttnBackend(FlashInferAttnBackend):
             WorkingSetGate(self.store.cache, self.tracker) if config.working_set_admission else None
         )
         logger.info("sparse attention backend: %s", self.sparse_config)
+
+    @staticmethod
+    @relies_on("sglang.srt.layers.radix_attention:RadixAttention", at="sglang/srt/layers/radix_attention.py:91")
+    def attention_constants(model_runner: ModelRunner) -> tuple[float | None, float | None]:
+        """The model's softmax scale and logits soft cap, from its first ``RadixAttention`` (the
+        decoder plans them once per step; it refuses a layer whose own differ). ``(None, None)``
+        when the model has none to read (the decoder's defaults)."""
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        model = getattr(model_runner, "model", None)
+        layer = next((m for m in model.modules() if isinstance(m, RadixAttention)), None) if model is not None else None
+        return (None, None) if layer is None else (layer.scaling, layer.logit_cap or None)
 
     @staticmethod
     def num_qo_heads_per_rank(model_runner: ModelRunner) -> int:
