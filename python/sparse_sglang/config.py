@@ -134,23 +134,23 @@ class SparseConfig:
     selector: str = knob("quest", help=f"Page scorer: {' | '.join(SELECTORS)}.")
     group_reduce: str = knob(
         "sum",
-        help=f"How the query heads sharing a kv head (GQA) combine their page scores into its one selection: {' | '.join(GROUP_REDUCES)}. sum ranks by the group's total; max keeps a page any head of the group scores high.",
+        help=f"How the query heads sharing a kv head combine their page scores: {' | '.join(GROUP_REDUCES)}. sum = the group's total; max = a page any head of the group scores high.",
     )
     bound_format: str = knob(
         "auto",
-        help=f"How the GPU keeps each page's key bounds (Quest's min/max, which scoring reads for every page every step): {' | '.join(BOUND_FORMATS)}. exact = in the KV dtype; int8 = int8 levels times a power-of-two scale per (page, kv head), the min rounded down and the max up, so they still bound every key: half the bytes of bf16 bounds (docs/decisions/0003-int8-page-bounds.md); auto = int8 for 16-bit KV, exact for fp8 (one byte already).",
+        help=f"How the GPU keeps each page's key bounds: {' | '.join(BOUND_FORMATS)}. exact = in the KV dtype; int8 = half the bytes of bf16 bounds, rounded outward so they still bound every key; auto = int8 for 16-bit KV, exact for fp8.",
     )
     coarse_pages: int = knob(
         0,
-        help="Coarse-first selection: S > 0 scores super-pages of S consecutive pages (a request's, whole, before its recent pages) from their joint key bounds first, keeps the best --sparse-coarse-candidates x budget pages' worth of them, and scores only their pages (plus the newest ones) page by page; the bounds of a super-page bound its pages', so a page scoring high keeps its super-page near the top. Reads ~1/S of the bounds instead of all; costs a second set of bounds in GPU memory (the summaries' bounds twice). 0 = score every page.",
+        help="Coarse-first selection: S > 0 scores super-pages of S pages from their joint key bounds, then page by page only within the best ones (reads ~1/S of the bounds, keeps a second set of them); 0 = score every page.",
     )
     coarse_candidates: float = knob(
         4.0,
-        help="Coarse-first selection (--sparse-coarse-pages > 0): pages the coarse pass keeps for the fine one, as a multiple of the budget's pages (rounded up to whole super-pages).",
+        help="Coarse-first selection: pages the coarse pass keeps for the fine one, as a multiple of the budget's pages (rounded up to whole super-pages).",
     )
     coarse_min_pages: int = knob(
         24576,
-        help="Coarse-first selection runs on decode steps (CUDA graphs: batch sizes, at the longest context) where it spares the page-by-page score at least this many pages (batch x pages past the candidates); below, its two extra launches cost more than the bytes it saves (docs/decisions/0005-coarse-first-selection-is-opt-in.md).",
+        help="Coarse-first selection runs on decode steps where it spares the page-by-page score at least this many pages (batch x pages past the candidates).",
     )
     sink_pages: int = knob(1, help="Leading pages every decode step keeps (attention sinks).")
     recent_pages: int = knob(2, help="Newest pages every decode step keeps, the partial newest page included (>= 1).")
@@ -160,26 +160,26 @@ class SparseConfig:
     )
     decode_cuda_graph: bool = knob(
         True,
-        help="Capture decode steps in SGLang's CUDA graphs (each step's page rows are sized for the longest context, and top-k reads them whole; budgets too wide for the fused kernels, above ~4K tokens, decode eagerly); false = eager decode.",
+        help="Capture decode steps in SGLang's CUDA graphs (budgets too wide for the fused kernels, above ~4K tokens, decode eagerly); false = eager decode.",
     )
     reselect_interval: int = knob(
         1,
-        help="Decode steps a request's page selection serves (LServe's reuse): on the steps between two full selections each kv head picks its top pages among those its GPU cache row already holds, plus the sink and recent pages, so little crosses PCIe; 1 = a full selection every step.",
+        help="Decode steps one page selection serves (LServe's reuse): in between, each kv head picks its top pages among those its GPU cache row holds, plus the sink and recent pages; 1 = select every step.",
     )
     cache_row_ratio: float = knob(
         1.25,
-        help="Fewest GPU page-cache slots a running request keeps per (layer, kv head), as a multiple of the pages one step selects: room for recently selected pages to stay cached (SPIN's buffer pages). It sets how many requests fit in the cache; while fewer run, rows grow into the free slots (up to 4x the selection), and give them back when new requests need room.",
+        help="Fewest GPU page-cache slots a running request keeps per (layer, kv head), as a multiple of one step's selection: it sets how many requests fit; rows grow into free slots (up to 4x) while fewer run.",
     )
     cache_lru_buckets: int = knob(
         0,
-        help="GPU page-cache replacement order: 0 = exact LRU (each slot's last-use step); N > 0 = SPIN's bucketed LRU: last uses counted in buckets of --sparse-cache-lru-steps-per-bucket decode steps, the newest N buckets in order and every older use tied with the oldest, ties broken by row position (SPIN uses 64).",
+        help="GPU page-cache replacement order: 0 = exact LRU; N > 0 = SPIN's bucketed LRU, last uses counted in N buckets of --sparse-cache-lru-steps-per-bucket decode steps.",
     )
     cache_lru_steps_per_bucket: int = knob(
         1, help="Bucketed LRU (--sparse-cache-lru-buckets > 0): decode steps one bucket spans."
     )
     working_set_admission: bool = knob(
         False,
-        help="SparseServe's Algorithm 1: admit a waiting request only while the running requests' working sets (the distinct pages each selected in the last --sparse-working-set-window steps, per layer and kv head) plus a narrowest cache row for it fit the GPU page cache, and retract running requests (SGLang's retraction; their host KV stays as a radix-cached prefix) while those working sets outgrow it; off by default: on the long-generation serving trace it cost 5% throughput (fp8 KV, reused selections), where the page cache holds the working sets anyway.",
+        help="SparseServe's Algorithm 1: admit a waiting request only while the running requests' working sets plus a row for it fit the GPU page cache, and retract running requests when their working sets outgrow it.",
     )
     working_set_window: int = knob(
         12, help="Decode steps over which a request's selected pages form its working set (SparseServe's w)."
@@ -193,7 +193,7 @@ class SparseConfig:
     )
     segmented_prefill: bool = knob(
         False,
-        help="Layer-segmented prefill (SparseServe): while requests decode, a prefill batch runs a few layers per scheduler iteration, each iteration also running one decode step, so decodes never wait for a whole long prompt.",
+        help="Layer-segmented prefill (SparseServe): a prefill batch runs a few layers per scheduler iteration beside one decode step, so decodes never wait for a whole long prompt.",
     )
     max_inject_tokens: int | None = knob(
         None,
@@ -201,7 +201,7 @@ class SparseConfig:
     )
     prefix_staging_tokens: int = knob(
         16384,
-        help="Cached-prefix tokens a prefill stages from the host into GPU memory at once, per layer (fixed buffers): a longer prefix, or a batch of them, is attended in pieces of half this size whose results are merged, so a prefill's KV in HBM stays bounded however long its prompt; the two halves take turns, one loading while the other is attended.",
+        help="Cached-prefix tokens a prefill stages from the host into GPU memory at once, per layer: a longer prefix is attended in pieces of half this size, one loading while the other is attended.",
     )
 
     def __post_init__(self) -> None:
