@@ -39,14 +39,9 @@ class OracleDecoder(quality.SparseDecoder):
         return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling).unsqueeze(1)
 
 
-class RerankDecoder(quality.SparseDecoder):
-    """Quest's bounds pick ``factor`` x the budget's pages as candidates; the candidates' exact
-    attention mass (their keys against the query, the group summed) picks the budget's pages. A
-    server would read the candidates' keys (not their values) to score them; the softmax's
-    denominator is the same for every page, so ranking by the full mass equals ranking by the
-    candidates' own exp(q.k) sums."""
-
-    factor: int = 2
+class QuestStepDecoder(quality.SparseDecoder):
+    """A decode step that scores pages with Quest's bounds, lets :meth:`rank` turn those scores into
+    the ranking selection takes (as they are, here), and attends over the pages selected."""
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         layer, tokens, new = module.layer_idx, key.shape[2], query.shape[2]
@@ -58,41 +53,44 @@ class RerankDecoder(quality.SparseDecoder):
         kmin, kmax = (getattr(self.summaries, name)[layer, :, :n].unsqueeze(0) for name in ("kmin", "kmax"))
         qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
         scores = quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
-        candidates = scores.topk(min(n, self.factor * (self.policy.budget // quality.PAGE_SIZE)), dim=-1).indices
-        mass = quality.oracle_page_mass(q, key, seq_len, scaling)
-        ranked = torch.full_like(mass, -math.inf).scatter_(-1, candidates, mass.gather(-1, candidates))
+        ranked = self.rank(layer, scores, q, key, seq_len, scaling)
         pages = select_pages(ranked, -(-seq_len // quality.PAGE_SIZE), self.policy.budget // quality.PAGE_SIZE,
                              self.policy.sink_pages, self.policy.recent_pages).page_ids  # fmt: skip
         return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling).unsqueeze(1)
+
+    def rank(self, layer, scores, q, key, seq_len, scaling):
+        return scores
+
+
+class RerankDecoder(QuestStepDecoder):
+    """Quest's bounds pick ``factor`` x the budget's pages as candidates; the candidates' exact
+    attention mass (their keys against the query, the group summed) picks the budget's pages. A
+    server would read the candidates' keys (not their values) to score them; the softmax's
+    denominator is the same for every page, so ranking by the full mass equals ranking by the
+    candidates' own exp(q.k) sums."""
+
+    factor: int = 2
+
+    def rank(self, layer, scores, q, key, seq_len, scaling):
+        n = scores.shape[-1]
+        candidates = scores.topk(min(n, self.factor * (self.policy.budget // quality.PAGE_SIZE)), dim=-1).indices
+        mass = quality.oracle_page_mass(q, key, seq_len, scaling)
+        return torch.full_like(mass, -math.inf).scatter_(-1, candidates, mass.gather(-1, candidates))
 
 
 WINDOW = 32  # the prompt's last queries whose attention picks the pages a request keeps (SnapKV's window)
 
 
-class WindowDecoder(quality.SparseDecoder):
+class WindowDecoder(QuestStepDecoder):
     """Quest, plus pages the prompt's last ``WINDOW`` queries attend to most (per layer and kv head,
     their softmax mass summed over the window and the group): a quarter of the budget, kept every
     step (SnapKV's observation window, used to pin pages rather than to drop tokens)."""
 
     pinned: dict
 
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        layer, tokens, new = module.layer_idx, key.shape[2], query.shape[2]
-        if new > 1:
-            return super().__call__(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        self.summaries.update(layer, key[0, :, tokens - new :].transpose(0, 1), torch.arange(tokens - new, tokens))
-        q, seq_len = query[:, :, 0], torch.tensor([tokens])
-        selector = quality.get_selector("quest")
-        n = -(-tokens // quality.PAGE_SIZE)
-        kmin, kmax = (getattr(self.summaries, name)[layer, :, :n].unsqueeze(0) for name in ("kmin", "kmax"))
-        heads = kmin.shape[1]
-        qg = q.view(1, heads, -1, q.shape[-1])
-        scores = selector.score(qg, kmin, kmax, None, self.policy.group_reduce)
-        pinned = self.pinned[layer]
-        scores[0].scatter_(-1, pinned.clamp(max=n - 1), math.inf)
-        pages = select_pages(scores, -(-seq_len // quality.PAGE_SIZE), self.policy.budget // quality.PAGE_SIZE,
-                             self.policy.sink_pages, self.policy.recent_pages).page_ids  # fmt: skip
-        return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling).unsqueeze(1)
+    def rank(self, layer, scores, q, key, seq_len, scaling):
+        scores[0].scatter_(-1, self.pinned[layer].clamp(max=scores.shape[-1] - 1), math.inf)
+        return scores
 
 
 def window_pins(model, tokenizer, ids, budget) -> dict:
