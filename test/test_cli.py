@@ -216,8 +216,13 @@ def test_server_args_built_in_code_route_the_same_way(model_dir):
     args = SparseServerArgs(model_path=model_dir, device="cpu", sparse={"token_budget": 1024})
     assert args.sparse == SparseConfig(token_budget=1024, host_cache_gb=args.sparse.host_cache_gb)
     assert args.attention_backend == "sparse"
-    with pytest.raises(ValueError, match="--attention-backend: sparse decode needs 'sparse'"):
+    # in code, a refused SGLang argument is named as the keyword it is (the CLI names the flag)
+    with pytest.raises(ValueError, match=r"^attention_backend='fa3': sparse decode needs 'sparse' .*sparse\.enabled"):
         SparseServerArgs(model_path=model_dir, device="cpu", attention_backend="fa3")
+    with pytest.raises(ValueError, match=r"^tp_size=2: sparse decode serves one GPU per server"):
+        SparseServerArgs(model_path=model_dir, device="cpu", tp_size=2)
+    with pytest.raises(ValueError, match=r"^page_size=64: .*set sparse\.page_size 64"):
+        SparseServerArgs(model_path=model_dir, device="cpu", page_size=64)
 
 
 def test_engine_is_sglangs_engine_with_our_args_and_scheduler():

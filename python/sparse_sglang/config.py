@@ -62,8 +62,7 @@ class SparseConfigError(ValueError):
 
     def render(self, name_of) -> str:
         """The message with every knob (this one first) named by ``name_of(field)``."""
-        reason = _MENTION.sub(lambda m: name_of(m[1]), self.reason)
-        return f"{name_of(self.field)}: {reason}"
+        return f"{name_of(self.field)}: {render_mentions(self.reason, name_of)}"
 
     def cli_message(self) -> str:
         return self.render(flag_name)
@@ -81,6 +80,11 @@ _MENTION = re.compile("\x1f(\\w+)\x1f")
 def mention(field: str) -> str:
     """Another knob, inside a :class:`SparseConfigError` reason."""
     return f"\x1f{field}\x1f"
+
+
+def render_mentions(reason: str, name_of) -> str:
+    """``reason`` with each :func:`mention` of a knob replaced by ``name_of(field)``."""
+    return _MENTION.sub(lambda m: name_of(m[1]), reason)
 
 
 def flag_name(name: str) -> str:

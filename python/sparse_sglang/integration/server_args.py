@@ -29,6 +29,8 @@ from sparse_sglang.config import (
     SparseConfigError,
     field_type,
     flag_name,
+    mention,
+    render_mentions,
 )
 from sparse_sglang.integration.attention_backend import BACKEND_NAME, add_sparse_backend_choice
 from sparse_sglang.integration.registry import relies_on
@@ -38,6 +40,21 @@ PROG = "python -m sparse_sglang.launch_server"
 
 class CLIError(Exception):
     """A start-up error the user must fix: printed as one line, exit status 2."""
+
+
+class ServerArgRefused(ValueError):
+    """An SGLang argument sparse decode cannot run with, named as the caller spelled it: ``str()``
+    names fields as ``sparse_sglang.Engine`` takes them (``tp_size=2``, ``sparse.enabled``),
+    :meth:`cli_message` by their flags (``--tp-size 2``, ``--sparse-enabled``). Sparse knobs inside
+    ``reason`` are :func:`~sparse_sglang.config.mention` s."""
+
+    def __init__(self, field: str, value, reason: str):
+        self.field, self.value, self.reason = field, value, reason
+        super().__init__(f"{field}={value!r}: {render_mentions(reason, lambda name: 'sparse.' + name)}")
+
+    def cli_message(self) -> str:
+        shown = "" if self.value is True else f" {self.value}"
+        return f"--{self.field.replace('_', '-')}{shown}: {render_mentions(self.reason, flag_name)}"
 
 
 @relies_on("sglang.srt.server_args:ServerArgs", at="sglang/srt/server_args.py:438")
@@ -60,10 +77,8 @@ class SparseServerArgs(ServerArgs):
             for name in ("attention_backend", "decode_attention_backend"):
                 chosen = getattr(self, name)
                 if chosen not in (None, BACKEND_NAME):
-                    raise ValueError(
-                        f"--{name.replace('_', '-')}: sparse decode needs '{BACKEND_NAME}', got {chosen!r} "
-                        f"(add --sparse-enabled false to run plain SGLang with {chosen})"
-                    )
+                    raise ServerArgRefused(name, chosen, f"sparse decode needs '{BACKEND_NAME}' (set "
+                                           f"{mention('enabled')} false to run plain SGLang with {chosen})")  # fmt: skip
             if self.attention_backend is None:
                 self.attention_backend = BACKEND_NAME
             self._sparse_overrides()
@@ -85,17 +100,17 @@ class SparseServerArgs(ServerArgs):
         """SGLang settings the sparse path needs, set before SGLang resolves its own defaults."""
         page = self.sparse.page_size
         if self.page_size not in (None, page):
-            raise ValueError(f"--page-size {self.page_size}: with sparse decode SGLang's page is the KV page; "
-                             f"set --sparse-page-size {self.page_size} instead (or leave --page-size out)")  # fmt: skip
-        for flag, on in (("--enable-mixed-chunk", self.enable_mixed_chunk),
-                         ("--speculative-algorithm", self.speculative_algorithm is not None)):  # fmt: skip
-            if on:
-                raise ValueError(f"{flag} is not supported with sparse decode (add --sparse-enabled false)")
-        for flag, size in (("--tp-size", self.tp_size), ("--dp-size", self.dp_size), ("--pp-size", self.pp_size)):
-            if size > 1:  # each rank would build a whole host store and decide admission on its own state
-                raise ValueError(f"{flag} {size}: sparse decode serves one GPU per server so far (its host store "
-                                 "and working-set decisions are not split across ranks); run one server per GPU, "
-                                 "or add --sparse-enabled false")  # fmt: skip
+            raise ServerArgRefused("page_size", self.page_size, "with sparse decode SGLang's page is the KV page; "
+                                   f"set {mention('page_size')} {self.page_size} instead (or leave it out)")  # fmt: skip
+        for name in ("enable_mixed_chunk", "speculative_algorithm"):
+            if getattr(self, name) not in (None, False):
+                raise ServerArgRefused(name, getattr(self, name), "not supported with sparse decode "
+                                       f"(set {mention('enabled')} false for plain SGLang)")  # fmt: skip
+        for name in ("tp_size", "dp_size", "pp_size"):
+            if getattr(self, name) > 1:  # each rank would build a whole host store and decide admission alone
+                raise ServerArgRefused(name, getattr(self, name), "sparse decode serves one GPU per server so far "
+                                       "(its host store and working-set decisions are not split across ranks); run "
+                                       f"one server per GPU, or set {mention('enabled')} false")  # fmt: skip
         self.page_size = page
         # SGLang's overlap scheduler plans step N+1 while step N runs: the backend reads request
         # slots from the host mirror, queues row changes behind the forwards, and waits for saved
@@ -279,6 +294,8 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
     )
     try:
         return SparseServerArgs.from_cli_args(args)
+    except ServerArgRefused as err:
+        raise CLIError(err.cli_message()) from None
     except (ValueError, AssertionError, TypeError, RuntimeError, OSError) as err:
         # Validation of the flags (SGLang's and our backend routing) and the
         # reading of the model's config (OSError); keep the one-line contract.
