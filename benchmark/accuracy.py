@@ -781,6 +781,9 @@ GRID_SERVER_ARGS = "--mem-fraction-static 0.1 --cuda-graph-max-bs-decode 64 --ma
 # Plain SGLang's attention backend: FlashInfer, which the sparse server's prefill and decode use too.
 GRID_VANILLA_ARGS = "--attention-backend flashinfer"
 GRID_SPARSE_ARGS = "--sparse-host-cache-gb 6"
+# One-at-a-time runs measure agreement: every request prefills cold, so the dense server's repeat
+# pass measures its own floor, not a cold prefill against one from a cached prefix.
+GRID_ALONE_ARGS = "--disable-radix-cache"
 
 
 def grid(args) -> None:
@@ -794,7 +797,8 @@ def grid(args) -> None:
     while pending or running:
         while pending and len(running) < args.parallel:
             run = pending.pop(0)
-            flags = " ".join([GRID_SERVER_ARGS, run.flags, GRID_VANILLA_ARGS if run.vanilla else GRID_SPARSE_ARGS])
+            flags = " ".join([GRID_SERVER_ARGS, run.flags, GRID_VANILLA_ARGS if run.vanilla else GRID_SPARSE_ARGS,
+                              GRID_ALONE_ARGS if run.alone else ""])  # fmt: skip
             cmd = [sys.executable, __file__, "serve", "--items", args.items, "--name", run.name,
                    "--out", str(out / f"{run.name}.json"), "--server-args", flags,
                    "--log", str(out / f"{run.name}.server.log"), "--concurrency", "1" if run.alone else "64"]  # fmt: skip

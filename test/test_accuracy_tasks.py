@@ -181,3 +181,31 @@ def test_summary_bars_from_runs(tmp_path):
     assert summary["agreement_4x"] == pytest.approx(5 / 6, abs=1e-4)
     assert summary["accuracy_gap_16x"] == pytest.approx((0.5 + 0.0) / 2)
     assert result["by_family_batched"]["niah_single"]["16"]["sparse"] == 0.5
+
+
+def test_grid_runs_agreement_cold_and_accuracy_batched(tmp_path, monkeypatch):
+    """The grid's one-at-a-time runs (agreement) prefill every request cold; its batched runs
+    (accuracy) keep SGLang's defaults. Commands are captured, no server starts."""
+    import argparse
+    import subprocess
+
+    started = []
+
+    class Done:
+        returncode = 0
+
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Done)
+    monkeypatch.setattr(accuracy.time, "sleep", lambda s: None)
+    args = argparse.Namespace(out_dir=str(tmp_path), grid="final", only="dense,dense-alone-2048,sparse-alone-512",
+                              items="items.json.gz", parallel=8, stagger=0)  # fmt: skip
+    accuracy.grid(args)
+    flags = {cmd[cmd.index("--name") + 1]: cmd[cmd.index("--server-args") + 1] for cmd in started}
+    assert set(flags) == {"dense", "dense-alone-2048", "sparse-alone-512"}
+    assert "--disable-radix-cache" in flags["dense-alone-2048"] and "--disable-radix-cache" in flags["sparse-alone-512"]
+    assert "--disable-radix-cache" not in flags["dense"]
