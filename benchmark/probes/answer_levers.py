@@ -149,6 +149,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--limit", type=int, default=15)
+    p.add_argument("--family", default="niah", help="items whose family starts with this")
     p.add_argument("--out", required=True)
     p.add_argument("--policies", default="", help="comma-separated subset of the policies")
     p.add_argument("--ids", default="", help="comma-separated item ids instead of dense's right answers")
@@ -157,7 +158,7 @@ def main() -> None:
     by_id = {i.id: i for i in items}
     dense_run = {o["id"]: o for o in json.loads(Path(args.runs).read_text())["outputs"]}
     chosen = [by_id[i] for i, o in dense_run.items() if o.get("score") == 1 and i in by_id and by_id[i].length == args.length
-              and by_id[i].family.startswith("niah")][: args.limit]  # fmt: skip
+              and by_id[i].family.startswith(args.family)][: args.limit]  # fmt: skip
     if args.ids:
         chosen = [by_id[i] for i in args.ids.split(",")]
     tokenizer, model = quality.load_model()
