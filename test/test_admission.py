@@ -271,7 +271,6 @@ def test_prefill_adder_defers_a_request_the_gate_does_not_admit():
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
     from sparse_sglang.integration.admission import patch_prefill_adder
-    from sparse_sglang.scheduler import WorkingSetGate
 
     class Refusing:
         def admits(self, running_slots, starting, rid=None):
@@ -279,16 +278,33 @@ def test_prefill_adder_defers_a_request_the_gate_does_not_admit():
             return False
 
     patch_prefill_adder()
-    gate, saved = Refusing(), WorkingSetGate.current
-    WorkingSetGate.current = gate
-    try:
-        adder = SimpleNamespace(
-            running_batch=SimpleNamespace(reqs=[SimpleNamespace(req_pool_idx=3)]), can_run_list=[object()]
-        )
-        assert PrefillAdder.add_one_req(adder, SimpleNamespace(rid="r7"), False, None) == AddReqResult.OTHER
-        assert gate.asked == ([3], 1, "r7")
-    finally:
-        WorkingSetGate.current = saved
+    gate = Refusing()
+    adder = SimpleNamespace(
+        running_batch=SimpleNamespace(reqs=[SimpleNamespace(req_pool_idx=3)]), can_run_list=[object()],
+        token_to_kv_pool_allocator=allocator_of_pool_with(gate),
+    )  # fmt: skip
+    assert PrefillAdder.add_one_req(adder, SimpleNamespace(rid="r7"), False, None) == AddReqResult.OTHER
+    assert gate.asked == ([3], 1, "r7")
+
+
+def allocator_of_pool_with(gate):
+    """A stand-in of SGLang's token allocator handing out a KV pool that owns ``gate``."""
+    from types import SimpleNamespace
+
+    pool = SimpleNamespace(gate=gate)
+    return SimpleNamespace(get_kvcache=lambda: pool)
+
+
+def test_the_gate_is_the_one_the_kv_pool_owns():
+    from types import SimpleNamespace
+
+    from sparse_sglang.integration.admission import gate_of
+
+    gate = object()
+    assert gate_of(allocator_of_pool_with(gate)) is gate
+    assert gate_of(allocator_of_pool_with(None)) is None  # admission by working sets off
+    assert gate_of(SimpleNamespace(get_kvcache=lambda: SimpleNamespace())) is None  # SGLang's own pool
+    assert gate_of(None) is None
 
 
 def test_record_step_is_the_per_layer_record_of_a_whole_step():
@@ -341,7 +357,6 @@ def test_sglangs_retraction_loop_retracts_until_the_working_sets_fit():
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
     from sparse_sglang.integration.admission import patch_check_decode_mem
-    from sparse_sglang.scheduler import WorkingSetGate
 
     patch_check_decode_mem()
     cache, tracker, gate = _gate_with_tracker(num_slots=40)
@@ -352,7 +367,8 @@ def test_sglangs_retraction_loop_retracts_until_the_working_sets_fit():
     released = []
     batch = SimpleNamespace(
         reqs=reqs, tree_cache=None, spec_algorithm=SimpleNamespace(is_none=lambda: True),
-        token_to_kv_pool_allocator=SimpleNamespace(page_size=32, available_size=lambda: 10_000),
+        token_to_kv_pool_allocator=SimpleNamespace(page_size=32, available_size=lambda: 10_000,
+                                                   get_kvcache=lambda: SimpleNamespace(gate=gate)),
         _get_decode_retraction_order=ScheduleBatch._get_decode_retraction_order,
         release_req=lambda idx, remaining, args: released.append(reqs[idx].rid),
         filter_batch=lambda keep_indices: batch.__setattr__("reqs", [reqs[i] for i in keep_indices]),
@@ -361,12 +377,8 @@ def test_sglangs_retraction_loop_retracts_until_the_working_sets_fit():
         batch, selected_indices
     )
     batch.check_decode_mem = lambda selected_indices=None: ScheduleBatch.check_decode_mem(batch, selected_indices)
-    saved, WorkingSetGate.current = WorkingSetGate.current, gate
-    try:
-        assert not batch.check_decode_mem()  # what makes update_running_batch retract
-        retracted, _, aborted = ScheduleBatch.retract_decode(batch, SimpleNamespace(retraction_policy="length"))
-    finally:
-        WorkingSetGate.current = saved
+    assert not batch.check_decode_mem()  # what makes update_running_batch retract
+    retracted, _, aborted = ScheduleBatch.retract_decode(batch, SimpleNamespace(retraction_policy="length"))
     # SGLang retracts the request with the fewest output tokens first: r4 (8 slots), then r3 (16).
     assert [r.rid for r in retracted] == released == ["r4", "r3"] and aborted == []
     assert [r.rid for r in batch.reqs] == ["r1", "r2"] and gate.retracted == 2

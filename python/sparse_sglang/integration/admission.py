@@ -20,16 +20,23 @@ from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.scheduler import WorkingSetGate
 
 
+def gate_of(token_to_kv_pool_allocator) -> WorkingSetGate | None:
+    """The working-set gate of the KV pool ``token_to_kv_pool_allocator`` hands out (the sparse
+    pool's ``gate``; ``None`` for another pool, or with admission by working sets off)."""
+    get_kvcache = getattr(token_to_kv_pool_allocator, "get_kvcache", None)
+    return None if get_kvcache is None else getattr(get_kvcache(), "gate", None)
+
+
 @relies_on(
     "sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req", at="sglang/srt/managers/schedule_policy.py:1059"
 )
 def patch_prefill_adder() -> None:
-    """Make ``PrefillAdder.add_one_req`` defer a request :data:`WorkingSetGate.current` does not admit."""
+    """Make ``PrefillAdder.add_one_req`` defer a request the KV pool's working-set gate does not admit."""
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
     def wrap(original):
         def add_one_req(self, req, has_chunked_req, truncation_align_size):
-            gate = WorkingSetGate.current
+            gate = gate_of(self.token_to_kv_pool_allocator)
             if gate is not None:
                 running = [r.req_pool_idx for r in self.running_batch.reqs if r.req_pool_idx is not None]
                 if not gate.admits(running, starting=len(self.can_run_list), rid=req.rid):
@@ -52,7 +59,7 @@ def patch_check_decode_mem() -> None:
     def wrap(original):
         def check_decode_mem(self, selected_indices=None):
             fits = original(self, selected_indices=selected_indices)
-            gate = WorkingSetGate.current
+            gate = gate_of(self.token_to_kv_pool_allocator)
             if not fits or gate is None:
                 return fits
             reqs = self.reqs if selected_indices is None else [self.reqs[i] for i in selected_indices]
@@ -71,13 +78,13 @@ def queued_aborts(waiting_queue, abort) -> list:
 
 @relies_on("sglang.srt.managers.scheduler:Scheduler.abort_request", at="sglang/srt/managers/scheduler.py:4326")
 def patch_abort_request() -> None:
-    """Make ``Scheduler.abort_request`` tell :data:`WorkingSetGate.current` which waiting requests
+    """Make ``Scheduler.abort_request`` tell the KV pool's working-set gate which waiting requests
     it aborts (SGLang pops those whose rid starts with the abort's rid, or all of them)."""
     from sglang.srt.managers.scheduler import Scheduler
 
     def wrap(original):
         def abort_request(self, recv_req):
-            gate = WorkingSetGate.current
+            gate = gate_of(self.token_to_kv_pool_allocator)
             if gate is not None:
                 gate.note_queued_aborts(queued_aborts(self.waiting_queue, recv_req))
             return original(self, recv_req)

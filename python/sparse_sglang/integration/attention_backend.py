@@ -76,9 +76,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
             self.tracker = WorkingSetTracker(max_batch, shape.num_layers, shape.num_kv_heads, self.decoder.width,
                                              config.working_set_window, self.store.device)  # fmt: skip
             self.decoder.log_selections(max_batch)
-        WorkingSetGate.current = (
-            WorkingSetGate(self.store.cache, self.tracker) if config.working_set_admission else None
-        )
+        self.kv_pool.gate = WorkingSetGate(self.store.cache, self.tracker) if config.working_set_admission else None
         logger.info("sparse attention backend: %s", self.sparse_config)
 
     @staticmethod

@@ -41,6 +41,11 @@ class SparseTokenToKVPool(KVCache):
     ``set_kv_buffer`` saves to the host store (plus summaries and cached pages). There are no
     per-layer GPU KV buffers to hand out: the ``sparse`` attention backend reads the page cache and
     stages prefixes itself, so ``get_key_buffer`` and friends fail loudly on any other path.
+
+    The model runner holds this pool, and the scheduler's token allocator hands it out
+    (``get_kvcache()``): it owns what both sides read, the store and the working-set ``gate``
+    (:class:`~sparse_sglang.scheduler.WorkingSetGate`, set by the attention backend when
+    ``--sparse-working-set-admission`` is on; ``None``: admission is SGLang's alone).
     """
 
     def __init__(self, store: SparseKVStore, size: int, device: str, start_layer: int | None = None,
@@ -50,6 +55,7 @@ class SparseTokenToKVPool(KVCache):
         s = store.shape
         super().__init__(size, s.page_size, s.dtype, s.num_layers, device, False, start_layer, end_layer)
         self.store = store
+        self.gate = None  # the working-set gate (WorkingSetGate), when admission by working sets is on
         self.head_num, self.head_dim, self.v_head_dim = s.num_kv_heads, s.head_dim, s.head_dim
         self.quant_method = UnquantizedKVCacheMethod()
         self.mem_usage = store.gpu_bytes / GIB

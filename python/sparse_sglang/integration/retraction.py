@@ -14,8 +14,8 @@ retracted request's working set, which it asks for again when it comes back.
 
 from __future__ import annotations
 
+from sparse_sglang.integration.admission import gate_of
 from sparse_sglang.integration.registry import relies_on, wrap_once
-from sparse_sglang.scheduler import WorkingSetGate
 
 
 @relies_on("sglang.srt.managers.schedule_batch:release_req", at="sglang/srt/managers/schedule_batch.py:1834")
@@ -35,7 +35,7 @@ def patch_release_req() -> None:
                 return original(req=req, remaing_req_count=remaing_req_count, server_args=server_args,
                                 req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
                                 tree_cache=tree_cache, hisparse_coordinator=hisparse_coordinator, offload_kv=offload_kv)  # fmt: skip
-            gate = WorkingSetGate.current
+            gate = gate_of(token_to_kv_pool_allocator)
             if gate is not None and req.req_pool_idx is not None:
                 gate.note_retracted(req.rid, req.req_pool_idx)
             release_kv_cache(req, tree_cache, is_insert=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 from sparse_sglang.integration.registry import relies_on, wrap_once
-from sparse_sglang.scheduler import WorkingSetGate
 
 
 def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
@@ -23,7 +22,7 @@ def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
     if store is None:
         return None
     allocator, tree = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
-    gate = WorkingSetGate.current
+    gate = pool.gate
     return {
         "working_set_admissions": None if gate is None else gate.admitted,
         "working_set_deferrals": None if gate is None else gate.deferred,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
@@ -315,10 +314,9 @@ class WorkingSetGate:
       the cache, so SGLang retracts one more (its retraction order; the request keeps its host KV
       as a radix-cached prefix, ``integration/retraction.py``); the last request always stays.
 
-    ``current`` is the gate of this process's sparse backend (``None``: admission is SGLang's alone).
+    The sparse KV pool owns the gate (``integration/memory_pool.py``); SGLang's scheduler reaches
+    it through its token allocator.
     """
-
-    current: ClassVar[WorkingSetGate | None] = None
 
     def __init__(self, cache, tracker: WorkingSetTracker):
         self.cache, self.tracker = cache, tracker  # the tracker's window is the rule's w
