@@ -27,8 +27,8 @@ def next_pow2(n: int) -> int:
 
 
 # The retrieve kernel (attention/retrieval.py) compares a row's slots with its selected pages in
-# one program: (K x row) pairs, rounded to powers of two. 256 x 256 ran on an H100 (budget 4096 covering a 4K context); wider
-# rows take the torch path (and decode outside CUDA graphs).
+# one program: (K x row) pairs, rounded to powers of two. This is the largest tile it has run at
+# (docs/results.md, "Decode step"); wider rows take the torch path (and decode outside CUDA graphs).
 MAX_RETRIEVE_CELLS = 256 * 256
 
 
