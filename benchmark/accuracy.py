@@ -797,7 +797,8 @@ def grid(args) -> None:
     while pending or running:
         while pending and len(running) < args.parallel:
             run = pending.pop(0)
-            flags = " ".join([GRID_SERVER_ARGS, run.flags, GRID_VANILLA_ARGS if run.vanilla else GRID_SPARSE_ARGS,
+            sparse_flags = f"{GRID_SPARSE_ARGS} {args.sparse_args}"
+            flags = " ".join([GRID_SERVER_ARGS, run.flags, GRID_VANILLA_ARGS if run.vanilla else sparse_flags,
                               GRID_ALONE_ARGS if run.alone else ""])  # fmt: skip
             cmd = [sys.executable, __file__, "serve", "--items", args.items, "--name", run.name,
                    "--out", str(out / f"{run.name}.json"), "--server-args", flags,
@@ -868,6 +869,8 @@ def main(argv: list[str] | None = None) -> None:
     gr.add_argument("--only", default="", help="comma-separated run names")
     gr.add_argument("--out-dir", required=True)
     gr.add_argument("--parallel", type=int, default=6)
+    gr.add_argument("--sparse-args", default="",
+                    help="flags every sparse server of the grid gets too: a candidate default, measured as the default is")  # fmt: skip
     gr.add_argument("--stagger", type=float, default=5.0, help="seconds between server starts")
     args = parser.parse_args(argv)
     if args.cmd == "grid":

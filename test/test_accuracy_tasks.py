@@ -203,9 +203,14 @@ def test_grid_runs_agreement_cold_and_accuracy_batched(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", Done)
     monkeypatch.setattr(accuracy.time, "sleep", lambda s: None)
     args = argparse.Namespace(out_dir=str(tmp_path), grid="final", only="dense,dense-alone-2048,sparse-alone-512",
-                              items="items.json.gz", parallel=8, stagger=0)  # fmt: skip
+                              items="items.json.gz", parallel=8, stagger=0,
+                              sparse_args="--sparse-selector sketch")  # fmt: skip
     accuracy.grid(args)
     flags = {cmd[cmd.index("--name") + 1]: cmd[cmd.index("--server-args") + 1] for cmd in started}
     assert set(flags) == {"dense", "dense-alone-2048", "sparse-alone-512"}
     assert "--disable-radix-cache" in flags["dense-alone-2048"] and "--disable-radix-cache" in flags["sparse-alone-512"]
     assert "--disable-radix-cache" not in flags["dense"]
+    # a candidate default (--sparse-args) reaches the sparse servers only
+    assert (
+        "--sparse-selector sketch" in flags["sparse-alone-512"] and "--sparse-selector" not in flags["dense-alone-2048"]
+    )

@@ -294,5 +294,5 @@ def test_help_prints_the_sparse_flags_first_with_their_choices():
     text = build_parser().format_help()
     sparse_at, sglang_at = text.index("sparse-sglang:"), text.index("--tokenizer-path")
     assert sparse_at < sglang_at and text.index("--sparse-enabled") < sglang_at
-    assert "--sparse-selector {quest,arkvale,mean}" in text and "--sparse-group-reduce {sum,max}" in text
+    assert "--sparse-selector {quest,arkvale,mean,sketch}" in text and "--sparse-group-reduce {sum,max}" in text
     assert len(text[:sparse_at].splitlines()) < 10  # the usage line does not list SGLang's 400 flags

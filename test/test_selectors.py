@@ -62,7 +62,7 @@ def test_registry_matches_config():
         get_selector("nope")
 
 
-@pytest.mark.parametrize("name", config.SELECTORS)
+@pytest.mark.parametrize("name", [s for s in config.SELECTORS if s != "sketch"])  # sketch: test_key_sketch.py
 @pytest.mark.parametrize("group_reduce", ["sum", "max"])
 def test_selector_matches_brute_force(name, group_reduce):
     q, k, s, radius = random_pages(seed=1)

@@ -164,7 +164,7 @@ def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
     store.close()
 
 
-@pytest.mark.parametrize("selector", ["quest", "arkvale", "mean"])
+@pytest.mark.parametrize("selector", ["quest", "arkvale", "mean", "sketch"])
 @pytest.mark.parametrize("path", ["fused", "reference"])
 def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector, path):
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -186,17 +186,18 @@ def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector
             torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("coarse", [0, 4], ids=["page-by-page", "coarse-first"])
+@pytest.mark.parametrize(
+    "coarse,selector", [(0, "quest"), (4, "quest"), (0, "sketch")], ids=["page-by-page", "coarse-first", "sketch"]
+)
 @pytest.mark.parametrize("interval", [1, 3])
-def test_fused_and_reference_paths_give_the_same_steps(interval, coarse):
+def test_fused_and_reference_paths_give_the_same_steps(interval, coarse, selector):
     """Mixed lengths (one request holds fewer pages than the budget), misses every step: each path
     attends to exactly the pages it selected, and both select the same pages (up to exact score
     ties); with ``reselect_interval`` 3 the steps between full selections choose among cached pages;
     with ``coarse_pages`` 4 both score 4-page super-pages first (11 built, 8 kept)."""
     gen = torch.Generator(device="cuda").manual_seed(4)
-    config = SparseConfig(
-        token_budget=256, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse, coarse_min_pages=0
-    )
+    config = SparseConfig(token_budget=256, host_cache_gb=1.0, reselect_interval=interval, coarse_pages=coarse,
+                          coarse_min_pages=0, selector=selector)  # fmt: skip
     runs = {path: bench(config, batch=2, context=1500, fused=path == "fused") for path in ("fused", "reference")}
     kv = [random_kv(2, 1501, gen) for _ in range(SHAPE.num_layers)]
     for b in runs.values():
@@ -231,8 +232,9 @@ def test_fused_and_reference_paths_give_the_same_steps(interval, coarse):
                 )
         for layer in range(SHAPE.num_layers):  # both paths selected the same pages (up to exact ties)
             b = runs["reference"]
-            priority = score_pages(b.decoder.selector, qs[layer].view(2, SHAPE.num_kv_heads, -1, SHAPE.head_dim),
-                                   b.store.summaries.layer(layer), host_pages, b.decoder.num_pages)  # fmt: skip
+            qg = b.decoder.scoring_query(layer, qs[layer].view(2, SHAPE.num_kv_heads, -1, SHAPE.head_dim))
+            priority = score_pages(b.decoder.selector, qg, b.store.summaries.layer(layer), host_pages,
+                                   b.decoder.num_pages)  # fmt: skip
             assert_same_pages_up_to_ties(selected["fused", layer], selected["reference", layer], priority,
                                          b.decoder.num_pages, f"step {step} layer {layer}")  # fmt: skip
         loaded.append(runs["fused"].store.cache.stats()["pages_loaded"])

@@ -23,6 +23,7 @@ import accuracy  # noqa: E402
 import quality  # noqa: E402
 
 from sparse_sglang.attention import select_pages, sparse_attention_reference  # noqa: E402
+from sparse_sglang.mem_cache.key_sketch import KeyBasis  # noqa: E402
 
 
 class OracleDecoder(quality.SparseDecoder):
@@ -78,6 +79,60 @@ class RerankDecoder(QuestStepDecoder):
         return torch.full_like(mass, -math.inf).scatter_(-1, candidates, mass.gather(-1, candidates))
 
 
+class SketchDecoder(QuestStepDecoder):
+    """Pages ranked by their attention mass computed from rank-``rank`` key sketches: each key
+    projected on the top ``sketch_rank`` right singular vectors of its (layer, kv head)'s keys (ShadowKV's low-rank
+    keys; a per-token sketch of ``rank`` numbers costs what a page's min/max bounds cost when
+    ``sketch_rank = 2 * head_dim / page_size``). ``basis`` maps layer -> ``[Hkv, D, rank]``; missing
+    layers take it from the prompt's own keys (set at the first decode step)."""
+
+    sketch_rank: int = 8
+    reduce: str = "mass"  # "mass" (softmax per query head, summed), "max", "lse"
+    fp8: bool = False
+    basis: dict
+
+    def rank_pages(self, layer, q, key, seq_len, scaling):
+        if layer not in self.basis:
+            self.basis[layer] = key_basis(key[0], self.sketch_rank)
+        b = self.basis[layer]  # [Hkv, D, r]
+        qb = self.query_basis[layer] if getattr(self, "query_basis", None) else b
+        if qb is not b:  # separate projections: scores (q Wq) . (k Wk), max over a page's tokens
+            heads, tokens = key.shape[1], key.shape[2]
+            qp = (q.float().view(heads, -1, q.shape[-1]).sum(1).unsqueeze(1) @ qb).squeeze(1)  # [Hkv, r]
+            sk = key[0].float() @ b  # [Hkv, T, r]
+            logits = (sk @ qp.unsqueeze(-1)).squeeze(-1)  # [Hkv, T]
+            pad = -tokens % quality.PAGE_SIZE
+            return (
+                torch.nn.functional.pad(logits, (0, pad), value=-math.inf)
+                .view(heads, -1, quality.PAGE_SIZE)
+                .amax(-1)
+                .unsqueeze(0)
+            )
+        sketch = key[0].float() @ b  # [Hkv, T, r]
+        if self.fp8:  # stored as e4m3, as a server could keep them
+            sketch = sketch.to(torch.float8_e4m3fn).float()
+        sketch = sketch @ b.transpose(-1, -2)  # [Hkv, T, D]: q . sketch = (q B) . (k B)
+        if self.reduce == "mass":
+            return quality.oracle_page_mass(q.float(), sketch.unsqueeze(0), seq_len, scaling)
+        heads, tokens = sketch.shape[0], sketch.shape[1]
+        logits = q.float().view(heads, -1, q.shape[-1]) @ sketch.transpose(-1, -2) * scaling  # [Hkv, G, T]
+        pad = -tokens % quality.PAGE_SIZE
+        paged = torch.nn.functional.pad(logits, (0, pad), value=-math.inf).view(
+            heads, logits.shape[1], -1, quality.PAGE_SIZE
+        )
+        if self.reduce == "max":  # the page's best token for the group's summed logits
+            return paged.sum(1).amax(-1).unsqueeze(0)
+        return paged.logsumexp(-1).sum(1).unsqueeze(0)  # "lse": the group's summed log page masses
+
+    def rank(self, layer, scores, q, key, seq_len, scaling):
+        return self.rank_pages(layer, q, key, seq_len, scaling)
+
+
+def key_basis(keys: torch.Tensor, rank: int) -> torch.Tensor:
+    """``[Hkv, D, rank]`` top right singular vectors of each kv head's keys ``[Hkv, T, D]``."""
+    return torch.linalg.svd(keys.float(), full_matrices=False).Vh[:, :rank].transpose(-1, -2).contiguous()
+
+
 WINDOW = 32  # the prompt's last queries whose attention picks the pages a request keeps (SnapKV's window)
 
 
@@ -131,6 +186,61 @@ def window_bound_pins(summaries, queries: dict, budget: int, group_reduce: str =
     return pins
 
 
+def fit_text_bases(model, tokenizer, text_path, rank) -> dict:
+    """Three ways to fit per-(layer, kv head) projections on one text's keys (and queries):
+    ``svd`` (top right singular vectors of the keys), ``centred`` (of the keys less their mean:
+    a constant key part adds the same to every token's score), ``bilinear`` (the rank-r
+    approximation of q . k under the text's query and centred key second moments: key projection
+    S_k^-1/2 V, query projection S_q^-1/2 U S, with U S V' the SVD of S_q^1/2 S_k^1/2).
+    Returns kind -> (key bases, query bases or None), layer -> [Hkv, D, r]."""
+    from sparse_sglang.calibrate import calibration_text
+
+    text = Path(text_path).read_text() if text_path else calibration_text()
+    ids = tokenizer(text, add_special_tokens=False).input_ids[:4096]
+    qs, ks = {}, {}
+
+    def hook(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        heads = key.shape[1]
+        qs[module.layer_idx] = query[0].view(heads, -1, *query.shape[2:]).sum(1).float()  # [Hkv, T, D] group sums
+        ks[module.layer_idx] = key[0].float()
+        return quality.dense(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    quality.run_with(hook, model, input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
+
+    def sqrt_and_inv(m):
+        w, v = torch.linalg.eigh(m)
+        w = w.clamp_min(w.max() * 1e-6)
+        return v @ torch.diag_embed(w.sqrt()) @ v.transpose(-1, -2), v @ torch.diag_embed(w.rsqrt()) @ v.transpose(
+            -1, -2
+        )
+
+    out = {"svd": ({}, None), "centred": ({}, None), "bilinear": ({}, {})}
+    for layer, k in ks.items():
+        out["svd"][0][layer] = key_basis(k, rank)
+        kc = k - k.mean(1, keepdim=True)
+        out["centred"][0][layer] = key_basis(kc, rank)
+        t = k.shape[1]
+        sq = qs[layer].transpose(-1, -2) @ qs[layer] / t
+        sk = kc.transpose(-1, -2) @ kc / t
+        (q_half, q_inv), (k_half, k_inv) = sqrt_and_inv(sq), sqrt_and_inv(sk)
+        u, sv, vh = torch.linalg.svd(q_half @ k_half)
+        out["bilinear"][0][layer] = k_inv @ vh[:, :rank].transpose(-1, -2)
+        out["bilinear"][1][layer] = q_inv @ u[:, :, :rank] * sv[:, None, :rank]
+    return out
+
+
+def calibration_keys(model, ids) -> dict:
+    """Per layer, ``[Hkv, T, D]`` post-RoPE keys of one prompt."""
+    keys = {}
+
+    def hook(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        keys[module.layer_idx] = key[0].clone()
+        return quality.dense(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    quality.run_with(hook, model, input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
+    return keys
+
+
 def window_queries(model, ids) -> dict:
     qs = {}
 
@@ -152,6 +262,10 @@ def main() -> None:
     p.add_argument("--family", default="niah", help="items whose family starts with this")
     p.add_argument("--out", required=True)
     p.add_argument("--policies", default="", help="comma-separated subset of the policies")
+    p.add_argument(
+        "--calibration-text", default=None, help="sketchtext-* policies: the text (default torch.nn's docstrings)"
+    )
+    p.add_argument("--basis", default=None, help="a key basis file (python -m sparse_sglang.calibrate)")
     p.add_argument("--ids", default="", help="comma-separated item ids instead of dense's right answers")
     args = p.parse_args()
     _, items = accuracy.load_items(Path(args.items))
@@ -162,6 +276,16 @@ def main() -> None:
     if args.ids:
         chosen = [by_id[i] for i in args.ids.split(",")]
     tokenizer, model = quality.load_model()
+    calibration = {}
+    text_bases = {}
+    if "sketchtext" in args.policies:
+        text_bases = fit_text_bases(model, tokenizer, args.calibration_text, 16)
+    if any(name.startswith("sketchcal") for name in (args.policies.split(",") if args.policies else ["sketchcal"])):
+        # A fixed basis per (layer, kv head), from the keys of one item outside the chosen ones.
+        other = next(i for i in items if i.length == args.length and i.id not in {c.id for c in chosen}
+                     and not i.family.startswith(args.family))  # fmt: skip
+        keys = calibration_keys(model, tokenizer(other.prompt, add_special_tokens=False).input_ids)
+        calibration = {r: {layer: key_basis(k, r) for layer, k in keys.items()} for r in (4, 8, 16)}
     policies = {
         "quest": quality.Policy(budget=args.budget),
         "quest-gmax": quality.Policy(budget=args.budget, group_reduce="max"),
@@ -173,6 +297,12 @@ def main() -> None:
         "quest-dense2": quality.Policy(budget=args.budget, dense_layers=2),  # Quest keeps its first two layers dense
         "quest-rerank2": quality.Policy(budget=args.budget),
         "quest-rerank4": quality.Policy(budget=args.budget),
+        **{f"sketch{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
+        **{f"sketchcal{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
+        **{f"sketchcal{r}-{red}": quality.Policy(budget=args.budget) for r in (8, 16) for red in ("max", "lse")},
+        **{f"sketchtext-{k}": quality.Policy(budget=args.budget) for k in ("svd", "centred", "bilinear")},
+        "sketchfile-max": quality.Policy(budget=args.budget),  # --basis: sparse_sglang.calibrate's file
+        "sketchfile-max8": quality.Policy(budget=args.budget),  # the same, sketches in fp8
     }
     if args.policies:
         policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
@@ -197,6 +327,21 @@ def main() -> None:
             if name.startswith("quest-rerank"):
                 hook.__class__ = RerankDecoder
                 hook.factor = int(name.removeprefix("quest-rerank"))
+            if name.startswith("sketchtext"):  # bases fitted on --calibration-text: svd, centred svd, bilinear
+                hook.__class__ = SketchDecoder
+                hook.reduce, hook.fp8 = "max", False
+                kind = name.removeprefix("sketchtext-")
+                hook.basis, hook.query_basis = text_bases[kind]
+            elif name.startswith("sketchfile"):
+                hook.__class__ = SketchDecoder
+                hook.reduce, hook.fp8 = "max", name.endswith("8")
+                loaded = KeyBasis.load(args.basis)
+                hook.basis, hook.query_basis = dict(enumerate(loaded.keys)), dict(enumerate(loaded.queries))
+            elif name.startswith("sketch"):
+                hook.__class__ = SketchDecoder
+                rank, _, hook.reduce = name.removeprefix("sketchcal").removeprefix("sketch").partition("-")
+                hook.sketch_rank, hook.reduce = int(rank), hook.reduce or "mass"
+                hook.basis = dict(calibration[hook.sketch_rank]) if name.startswith("sketchcal") else {}
             if name in ("quest-window", "quest-window-bounds"):
                 hook.__class__ = WindowDecoder
                 hook.pinned = pins if name == "quest-window" else bound_pins

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Page scorers the sparse decode path knows (see the papers in shared/papers).
-SELECTORS = ("quest", "arkvale", "mean")
+SELECTORS = ("quest", "arkvale", "mean", "sketch")
 # How a kv head's query heads' page scores become its one choice (sparse_sglang.attention.selectors).
 GROUP_REDUCES = ("sum", "max")
 # Storage of the page key bounds (sparse_sglang.mem_cache.summaries; kept here so the config
@@ -156,6 +156,14 @@ class SparseConfig:
         24576,
         help="Coarse-first selection runs on decode steps where it spares the page-by-page score at least this many pages (batch x pages past the candidates).",
     )
+    sketch_rank: int | None = knob(
+        None,
+        help="sketch selector: directions each key is projected onto for scoring (kept on the GPU for every token); auto = the key basis's, head_dim / 4 when fitted here.",
+    )
+    key_basis: str | None = knob(
+        None,
+        help="sketch selector: the key basis file (python -m sparse_sglang.calibrate); auto = MODEL/sparse_key_basis.safetensors (fitted on first start for the default model; random for dummy weights).",
+    )
     sink_pages: int = knob(1, help="Leading pages every decode step keeps (attention sinks).")
     recent_pages: int = knob(2, help="Newest pages every decode step keeps, the partial newest page included (>= 1).")
     exact_shortcut: bool = knob(
@@ -230,6 +238,19 @@ class SparseConfig:
             )
         if self.selector not in SELECTORS:
             raise SparseConfigError("selector", f"must be one of {', '.join(SELECTORS)}; got {self.selector!r}")
+        if self.sketch_rank is not None and self.sketch_rank < 1:
+            raise SparseConfigError("sketch_rank", f"must be >= 1, got {self.sketch_rank}")
+        if self.selector == "sketch" and self.group_reduce != "sum":
+            raise SparseConfigError(
+                "group_reduce",
+                f"the sketch selector scores the group's summed query: use sum with {mention('selector')} sketch",
+            )
+        if self.selector == "sketch" and self.coarse_pages:
+            raise SparseConfigError(
+                "coarse_pages", f"coarse-first selection scores from key bounds: not with {mention('selector')} sketch"
+            )
+        if self.key_basis is not None and not os.path.isfile(self.key_basis):
+            raise SparseConfigError("key_basis", f"no such file: {self.key_basis}")
         if self.sink_pages < 0:
             raise SparseConfigError("sink_pages", f"must be >= 0, got {self.sink_pages}")
         if self.recent_pages < 1:

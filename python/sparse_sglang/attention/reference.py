@@ -73,7 +73,7 @@ def score_pages_reference(
         for name in ("kmin", "kmax"):
             gathered[name] = dequantize_bounds(gathered[name], e)
     scores = sel.score(q, gathered.get("kmin"), gathered.get("kmax"), gathered.get("mean"), group_reduce,
-                       radius=gathered.get("radius"))  # fmt: skip
+                       radius=gathered.get("radius"), sketch=gathered.get("sketch"))  # fmt: skip
     held = torch.arange(host_pages.shape[1], device=q.device) < num_pages.to(q.device).view(-1, 1)
     scores = scores.masked_fill(~held.unsqueeze(1), -math.inf)
     scores = scores if forced is None else force_pages(scores, num_pages, *forced)

@@ -29,7 +29,7 @@ try:  # Triton comes with CUDA builds of torch (and runs on the CPU in its inter
 except ImportError:  # pragma: no cover
     triton = None
 
-KERNEL_SELECTORS = ("quest", "arkvale", "mean")
+KERNEL_SELECTORS = ("quest", "arkvale", "mean", "sketch")
 
 
 if triton is not None:
@@ -39,13 +39,15 @@ if triton is not None:
 
     @triton.jit
     def _bound_scores(
-        q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows, exp_rows, held,
+        q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, sketch_ptr, rows, exp_rows, held,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
-        INT8_BOUNDS: tl.constexpr,
+        INT8_BOUNDS: tl.constexpr, R: tl.constexpr,
     ):  # fmt: skip
         # Group-reduced scores of BLOCK_N pages whose summary rows start at ``rows`` ([BLOCK_N, D]
         # offsets; ``exp_rows`` [BLOCK_N]: their int8 bounds' scale exponents). KIND 0 quest,
-        # 1 arkvale, 2 mean. Pages not ``held`` score anything: callers mask them.
+        # 1 arkvale, 2 mean, 3 sketch (a row is a page's D // R token sketches of R numbers, the
+        # query the projected one tiled over them, G = 1). Pages not ``held`` score anything:
+        # callers mask them.
         offs_d = tl.arange(0, D)
         mask = held[:, None]
         if not GROUP_MAX:
@@ -74,6 +76,9 @@ if triton is not None:
                     half = half * pow2(tl.load(exp_ptr + exp_rows, mask=held, other=0).to(tl.int32))
                 radius = tl.load(radius_ptr + rows, mask=mask, other=0.0).to(tl.float32)
                 acc = tl.sum((hi + lo) * qs[None, :], axis=1) * half + tl.sum(radius * qa[None, :], axis=1)
+            elif KIND == 3:  # the page's best token: max over its tokens of the R-term dot products
+                sk = tl.load(sketch_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+                acc = tl.max(tl.sum(tl.reshape(sk * qs[None, :], (BLOCK_N, D // R, R)), axis=2), axis=1)
             else:
                 centre = tl.load(mean_ptr + rows, mask=mask, other=0.0).to(tl.float32)
                 acc = tl.sum(centre * qs[None, :], axis=1)
@@ -114,11 +119,11 @@ if triton is not None:
 
     @triton.jit
     def _score_kernel(
-        q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
+        q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, sketch_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
         num_kv_heads, max_pages, pages_stride, page_step, head_stride, exp_head_stride, sink_pages, recent_pages,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
         INT8_BOUNDS: tl.constexpr, FORCE: tl.constexpr, REUSE: tl.constexpr, FILL_TAIL: tl.constexpr,
-        ONLY_REUSED: tl.constexpr = False,
+        ONLY_REUSED: tl.constexpr = False, R: tl.constexpr = 1,
     ):  # fmt: skip
         # One (request, kv head) per grid row, its pages split among the grid's columns: column c
         # scores blocks c, c + columns, ... of BLOCK_N pages up to the request's own page count,
@@ -150,9 +155,9 @@ if triton is not None:
             if scored:
                 page = tl.load(pages_ptr + b * pages_stride + offs_n * page_step, mask=held, other=0).to(tl.int64)
                 rows = h.to(tl.int64) * head_stride + page[:, None] * D + offs_d[None, :]
-                acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows,
+                acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, sketch_ptr, rows,
                                     h.to(tl.int64) * exp_head_stride + page, held,
-                                    D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS)  # fmt: skip
+                                    D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS, R)  # fmt: skip
             else:
                 acc = tl.full([BLOCK_N], _NOT_CACHED, dtype=tl.float32)
             if FORCE:  # selection priority: sink and recent pages above every score
@@ -166,11 +171,11 @@ if triton is not None:
 
     @triton.jit
     def _score_cached_kernel(
-        q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
+        q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, sketch_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
         rows_ptr, req_slots_ptr, slot_page_ptr, row_stride, row_width,
         num_kv_heads, max_pages, head_stride, exp_head_stride, sink_pages, recent_pages,
         D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP_MAX: tl.constexpr,
-        INT8_BOUNDS: tl.constexpr, FORCE: tl.constexpr,
+        INT8_BOUNDS: tl.constexpr, FORCE: tl.constexpr, R: tl.constexpr = 1,
     ):  # fmt: skip
         # After _score_kernel, one (request, kv head) per grid row and BLOCK_N slots of its cache
         # row per column: a request not due for a full selection gets the scores of the pages its
@@ -191,20 +196,20 @@ if triton is not None:
             held = (page >= 0) & (page < n)
             host = tl.load(pages_ptr + b * max_pages + page, mask=held, other=0).to(tl.int64)
             rows = h.to(tl.int64) * head_stride + host[:, None] * D + tl.arange(0, D)[None, :]
-            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows,
+            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, sketch_ptr, rows,
                                 h.to(tl.int64) * exp_head_stride + host, held,
-                                D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS)  # fmt: skip
+                                D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS, R)  # fmt: skip
             if FORCE:
                 acc = tl.where((page < sink_pages) | (page >= n - recent_pages), float("inf"), acc)
             tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
 
     @triton.jit
     def _score_candidates_kernel(
-        q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
+        q_ptr, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, sketch_ptr, pages_ptr, num_pages_ptr, out_ptr, reselect_ptr,
         supers_ptr, built_ptr, num_kv_heads, max_pages, pages_stride, head_stride, exp_head_stride,
         sink_pages, recent_pages, num_supers, tail,
         S: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr,
-        GROUP_MAX: tl.constexpr, INT8_BOUNDS: tl.constexpr, REUSE: tl.constexpr,
+        GROUP_MAX: tl.constexpr, INT8_BOUNDS: tl.constexpr, REUSE: tl.constexpr, R: tl.constexpr = 1,
     ):  # fmt: skip
         # One (request, kv head) per grid row, BLOCK_N candidate pages per column: candidate j <
         # num_supers * S is page j % S of the row's (j // S)-th chosen super-page (supers_ptr,
@@ -229,9 +234,9 @@ if triton is not None:
             page = tl.where(held, page, 0)
             host = tl.load(pages_ptr + b * pages_stride + page, mask=held, other=0).to(tl.int64)
             rows = h.to(tl.int64) * head_stride + host[:, None] * D + tl.arange(0, D)[None, :]
-            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, rows,
+            acc = _bound_scores(q_ptr, bh, kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, sketch_ptr, rows,
                                 h.to(tl.int64) * exp_head_stride + host, held,
-                                D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS)  # fmt: skip
+                                D, G, BLOCK_N, KIND, GROUP_MAX, INT8_BOUNDS, R)  # fmt: skip
             acc = tl.where((page < sink_pages) | (page >= n - recent_pages), float("inf"), acc)
             tl.store(out_ptr + bh * max_pages + page, acc, mask=held)
 
@@ -248,11 +253,17 @@ def score_columns(pages: int, rows: int, block_n: int) -> int:
 
 
 # The score kernels' summary arguments, in order; a selector's missing ones take a placeholder.
-SUMMARY_ARGS = ("kmin", "kmax", "bound_exp", "mean", "radius")
+SUMMARY_ARGS = ("kmin", "kmax", "bound_exp", "mean", "radius", "sketch")
 
 
 def summary_args(layer_summaries: dict[str, torch.Tensor], placeholder: torch.Tensor) -> list[torch.Tensor]:
     return [layer_summaries.get(name, placeholder) for name in SUMMARY_ARGS]
+
+
+def sketch_block_pages(row: int) -> int:
+    """Pages a sketch score program takes: a ``[pages, row]`` block of about 4K numbers (a sketch
+    row is ``page_size * rank`` of them, a power of two)."""
+    return max(1, min(32, 4096 // row))
 
 
 def score_launch() -> tuple[int, int]:
@@ -292,14 +303,20 @@ def score_pages(
     sweeps them). ``only_reused`` (kernel path, with ``reuse``) writes only the rows reusing their
     selection (:func:`score_candidates` scores the others).
     """
-    batch, heads, group, dim = q.shape
+    batch, heads = q.shape[:2]
     max_pages = host_pages.shape[1]
     if out is None:
         out = torch.empty(batch, heads, max_pages, dtype=torch.float32, device=q.device)
-    ref = layer_summaries["mean" if selector == "mean" else "kmin"]
+    ref = layer_summaries["mean" if selector == "mean" else "sketch" if selector == "sketch" else "kmin"]
     dummy = ref
     kind = KERNEL_SELECTORS.index(selector)
     default_block_n, default_warps = score_launch()
+    rank = 1
+    if selector == "sketch":  # the projected query [B, Hkv, 1, r], tiled over a sketch row's tokens
+        rank = q.shape[-1]
+        q = q.repeat(1, 1, 1, ref.shape[-1] // rank)
+        default_block_n = sketch_block_pages(ref.shape[-1])
+    group, dim = q.shape[2:]
     block_n, num_warps = block_n or default_block_n, num_warps or default_warps
     grid = (batch * heads, score_columns(max_pages, batch * heads, block_n))
     q, host_pages, num_pages = q.contiguous(), host_pages.contiguous(), num_pages.to(torch.int32)
@@ -307,7 +324,8 @@ def score_pages(
     exp_head_stride = summaries[2].stride(0)
     reselect = dummy if reuse is None else reuse.reselect
     meta = dict(D=dim, G=group, BLOCK_N=block_n, KIND=kind, GROUP_MAX=group_reduce == "max",
-                INT8_BOUNDS="bound_exp" in layer_summaries and kind != 2, FORCE=forced is not None, num_warps=num_warps)  # fmt: skip
+                INT8_BOUNDS="bound_exp" in layer_summaries and kind in (0, 1), FORCE=forced is not None, R=rank,
+                num_warps=num_warps)  # fmt: skip
     _score_kernel[grid](
         q, *summaries, host_pages, num_pages, out, reselect,
         heads, max_pages, host_pages.stride(0), 1, ref.stride(0), exp_head_stride, *(forced or (0, 0)),
@@ -410,7 +428,7 @@ def score_candidates(
     kind = KERNEL_SELECTORS.index(selector)
     block_n, num_warps = score_launch()
     summaries = summary_args(layer_summaries, layer_summaries["kmin"])
-    int8 = "bound_exp" in layer_summaries and kind != 2
+    int8 = "bound_exp" in layer_summaries and kind in (0, 1)
     reselect = summaries[0] if reuse is None else reuse.reselect
     num_pages, num_supers = num_pages.to(torch.int32), supers.shape[-1]
     _score_candidates_kernel[(batch * heads, triton.cdiv(num_supers * coarse_pages + tail, block_n))](

@@ -32,6 +32,8 @@ from typing import ClassVar
 
 import torch
 
+from sparse_sglang.mem_cache.key_sketch import sketch_page_scores
+
 GROUP_REDUCES = ("sum", "max")
 DEFAULT_GROUP_REDUCE = "sum"  # why: docs/results.md, "Selection quality"
 
@@ -105,6 +107,7 @@ class Selector(ABC):
         mean: torch.Tensor | None,
         group_reduce: str = DEFAULT_GROUP_REDUCE,
         radius: torch.Tensor | None = None,
+        sketch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scores of every page for each kv head.
 
@@ -119,6 +122,9 @@ class Selector(ABC):
         radius : torch.Tensor, optional
             ``[B, Hkv, N, D]`` per-page mean ``|k - centre|`` (:func:`page_mean_abs_deviation`);
             only selectors listing ``"radius"`` in ``summaries`` read it.
+        sketch : torch.Tensor, optional
+            ``[B, Hkv, N, page_size * rank]`` key sketches (``"sketch"`` selector; its ``q`` is
+            then the projected query ``[B, Hkv, 1, rank]``, :func:`~sparse_sglang.mem_cache.key_sketch.project_query`).
 
         Returns
         -------
@@ -128,7 +134,7 @@ class Selector(ABC):
         """
         if "radius" in self.summaries and radius is None:
             raise ValueError(f"selector {self.name!r} needs the per-page key radius (page_mean_abs_deviation)")
-        scores = self.head_scores(q, kmin=kmin, kmax=kmax, mean=mean, radius=radius)
+        scores = self.head_scores(q, kmin=kmin, kmax=kmax, mean=mean, radius=radius, sketch=sketch)
         if group_reduce == "sum":
             return scores.sum(dim=2)
         if group_reduce == "max":
@@ -136,7 +142,7 @@ class Selector(ABC):
         raise ValueError(f"group_reduce must be one of {GROUP_REDUCES}, got {group_reduce!r}")
 
     @abstractmethod
-    def head_scores(self, q, *, kmin, kmax, mean, radius) -> torch.Tensor:
+    def head_scores(self, q, *, kmin, kmax, mean, radius, sketch=None) -> torch.Tensor:
         """``[B, Hkv, G, N]`` float32 scores per query head (arguments as in :meth:`score`)."""
 
 
@@ -150,7 +156,7 @@ class Quest(Selector):
     name = "quest"
     summaries = ("kmin", "kmax")
 
-    def head_scores(self, q, *, kmin, kmax, mean, radius):
+    def head_scores(self, q, *, kmin, kmax, mean, radius, sketch=None):
         kmin, kmax = kmin.float(), kmax.float()
         return cuboid_score(q, (kmax + kmin) / 2, (kmax - kmin) / 2)
 
@@ -175,7 +181,7 @@ class ArkVale(Selector):
     name = "arkvale"
     summaries = ("kmin", "kmax", "radius")
 
-    def head_scores(self, q, *, kmin, kmax, mean, radius):
+    def head_scores(self, q, *, kmin, kmax, mean, radius, sketch=None):
         return cuboid_score(q, (kmax.float() + kmin.float()) / 2, radius)
 
 
@@ -185,8 +191,22 @@ class MeanKey(Selector):
     name = "mean"
     summaries = ("mean",)
 
-    def head_scores(self, q, *, kmin, kmax, mean, radius):
+    def head_scores(self, q, *, kmin, kmax, mean, radius, sketch=None):
         return q.float() @ mean.float().transpose(-1, -2)
+
+
+class KeySketch(Selector):
+    """A page's best token under rank-``r`` key sketches: ``max_t q' . s_t`` with ``q'`` the
+    group's summed query projected by the key basis and ``s_t`` the token's projected key
+    (:mod:`sparse_sglang.mem_cache.key_sketch`). One score per kv head (``G = 1`` in ``q``)."""
+
+    name = "sketch"
+    summaries = ("sketch",)
+
+    def head_scores(self, q, *, kmin, kmax, mean, radius, sketch=None):
+        if sketch is None:
+            raise ValueError("selector 'sketch' needs the key sketches")
+        return sketch_page_scores(q, sketch)
 
 
 def get_selector(name: str) -> Selector:
@@ -199,6 +219,7 @@ def get_selector(name: str) -> Selector:
 
 def kept_summaries(name: str) -> dict[str, bool]:
     """The optional summaries selector ``name`` reads, as ``PageSummaries``/``SparseKVStore``/
-    ``plan_memory`` flags (``with_mean``, ``with_radius``); the key min/max are always kept."""
+    ``plan_memory`` flags (``with_mean``, ``with_radius``); the key min/max are always kept (the
+    ``sketch`` selector's sketches come with its key basis: ``SparseKVStore(key_basis=...)``)."""
     reads = SELECTORS[name].summaries
     return {"with_mean": "mean" in reads, "with_radius": "radius" in reads}

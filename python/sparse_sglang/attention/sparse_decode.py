@@ -36,6 +36,7 @@ from sparse_sglang.attention.scoring import candidate_pages, score_candidates, s
 from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import build_coarse
+from sparse_sglang.mem_cache.key_sketch import project_query
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.summaries import coarse_built
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
@@ -157,6 +158,8 @@ class SparseDecoder:
         self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector, self.group_reduce = config.selector, config.group_reduce
+        if self.selector == "sketch" and store.summaries.key_basis is None:
+            raise ValueError("the sketch selector needs a store that keeps key sketches (SparseKVStore(key_basis=...))")
         recent = min(config.recent_pages, self.width)
         self.forced = (min(config.sink_pages, self.width - recent), recent)  # (sink, recent) pages
         self.interval = config.reselect_interval
@@ -363,11 +366,19 @@ class SparseDecoder:
                                         self.coarse, self.coarse_tail, self.group_reduce, forced=self.forced,
                                         reuse=reuse)  # fmt: skip
             return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
-        priority = score_pages(self.selector, qg, summaries, self.host_pages[:, : self.max_pages], self.num_pages,
-                               self.group_reduce, forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
+        priority = score_pages(self.selector, self.scoring_query(layer, qg), summaries,
+                               self.host_pages[:, : self.max_pages], self.num_pages, self.group_reduce,
+                               forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
         if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
             priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
         return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
+
+    def scoring_query(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
+        """What the score kernel takes for queries ``[B, Hkv, G, D]``: themselves, or for the
+        sketch selector the group's sum projected by the layer's key basis (``[B, Hkv, 1, rank]``)."""
+        if self.selector != "sketch":
+            return qg
+        return project_query(qg, self.store.summaries.key_basis.queries[layer])
 
     def run(self, layer: int, q: torch.Tensor, sm_scale: float | None = None, logits_soft_cap: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:  # fmt: skip
@@ -455,7 +466,8 @@ class TorchPathDecoder(SparseDecoder):
             return self.all_pages
         qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
         summaries = self.store.summaries.layer(layer)
-        scores = score_pages(self.selector, qg, summaries, self.host_pages, self.num_pages, self.group_reduce)
+        scores = score_pages(self.selector, self.scoring_query(layer, qg), summaries, self.host_pages, self.num_pages,
+                             self.group_reduce)  # fmt: skip
         if self.use_coarse:  # only the candidates of requests due for a full selection
             scores = scores.masked_fill(~self._coarse_candidates_reference(layer, qg), -math.inf)
         scores = self._keep_cached(layer, scores)

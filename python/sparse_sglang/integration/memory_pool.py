@@ -146,10 +146,14 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
         raise ValueError(
             f"sparse KV store: kv cache dtype {dtype} is not supported (bf16, fp16, fp8_e4m3, fp8_e5m2 are)"
         )
+    parallel = get_parallel()
+    num_kv_heads = model.get_num_kv_heads(parallel.attn_tp_size)
+    key_basis = rank_key_basis(sparse, conf.layer_info.num_effective_layers, model.get_total_num_kv_heads(),
+                               num_kv_heads, model.head_dim, parallel.attn_tp_rank)  # fmt: skip
     plan = plan_memory(
         sparse,
         num_layers=conf.layer_info.num_effective_layers,
-        num_kv_heads=model.get_num_kv_heads(get_parallel().attn_tp_size),
+        num_kv_heads=num_kv_heads,
         head_dim=model.head_dim,
         dtype=dtype,
         context_len=model.context_len,
@@ -157,12 +161,13 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
         max_running_requests=runner.server_args.max_running_requests,
         max_total_tokens=runner.server_args.max_total_tokens,
         **kept_summaries(sparse.selector),
+        sketch_rank=0 if key_basis is None else key_basis.rank,
     )
     logger.info("sparse memory plan: %s", plan.describe())
     note_host_store(plan.max_total_tokens, sparse.host_cache_gb, model.context_len)
     store = SparseKVStore(plan.shape, runner.device, **kept_summaries(sparse.selector), lru_buckets=sparse.cache_lru_buckets,
                           lru_steps_per_bucket=sparse.cache_lru_steps_per_bucket, bound_format=sparse.bound_format,
-                          coarse_pages=sparse.coarse_pages)  # fmt: skip
+                          coarse_pages=sparse.coarse_pages, key_basis=key_basis)  # fmt: skip
     pool = SparseTokenToKVPool(store, plan.max_total_tokens, runner.device,
                                conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip
     runner.req_to_token_pool = conf._build_req_to_token_pool(max_num_reqs=plan.max_running_requests)
@@ -180,3 +185,26 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     runner._unified_memory_pool = None
     runner.sparse_plan = plan
     runner._init_post_memory_pool_components()
+
+
+def rank_key_basis(sparse, num_layers: int, total_kv_heads: int, num_kv_heads: int, head_dim: int,
+                   tp_rank: int):  # fmt: skip
+    """The sketch selector's :class:`~sparse_sglang.mem_cache.key_sketch.KeyBasis` for this rank's
+    kv heads, from ``--sparse-key-basis`` (resolved by the launcher), or random for dummy weights
+    (no file); ``--sparse-sketch-rank`` keeps its leading directions. None for other selectors."""
+    from sparse_sglang.calibrate import default_rank
+    from sparse_sglang.mem_cache.key_sketch import KeyBasis
+
+    if sparse.selector != "sketch":
+        return None
+    if sparse.key_basis is None:
+        basis = KeyBasis.random(num_layers, total_kv_heads, head_dim, sparse.sketch_rank or default_rank(head_dim))
+    else:
+        basis = KeyBasis.load(sparse.key_basis)
+    source = f"--sparse-key-basis {sparse.key_basis}"
+    basis.check_shape(num_layers, total_kv_heads, head_dim, source)
+    heads = slice(tp_rank * num_kv_heads, (tp_rank + 1) * num_kv_heads)  # tensor parallel: this rank's
+    try:
+        return basis.select(sparse.sketch_rank, heads)
+    except ValueError as err:
+        raise ValueError(f"--sparse-sketch-rank {sparse.sketch_rank}: {err}") from None

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 from sglang.srt.server_args import ServerArgs
@@ -112,6 +113,8 @@ class SparseServerArgs(ServerArgs):
                                        "(its host store and working-set decisions are not split across ranks); run "
                                        f"one server per GPU, or set {mention('enabled')} false")  # fmt: skip
         self.page_size = page
+        if self.sparse.selector == "sketch":
+            self._resolve_key_basis()
         # SGLang's overlap scheduler plans step N+1 while step N runs: the backend reads request
         # slots from the host mirror, queues row changes behind the forwards, and waits for saved
         # prefill KV before a forward that may read it. Layer-segmented prefill drives SGLang's
@@ -134,6 +137,32 @@ class SparseServerArgs(ServerArgs):
                     "--sparse-cache-row-ratio to keep graphs)",
                     self.sparse.token_budget)  # fmt: skip
                 self.disable_decode_cuda_graph = True
+
+    def _resolve_key_basis(self) -> None:
+        """The sketch selector's key basis file, resolved once here (the scheduler loads it):
+        ``--sparse-key-basis``, else the model folder's, fitted now for the default model; dummy
+        weights take a random basis (no file)."""
+        from sparse_sglang.mem_cache.key_sketch import BASIS_FILE
+
+        if self.sparse.key_basis is not None or self.load_format == "dummy":
+            return
+        found = Path(os.path.expanduser(self.model_path)) / BASIS_FILE
+        if not found.is_file() and _is_default_model(self.model_path):
+            from sparse_sglang.calibrate import calibrate
+
+            logging.getLogger(__name__).info("fitting the default model's key basis (once): %s", found)
+            calibrate(self.model_path, self.sparse.sketch_rank).save(found)
+        if not found.is_file():
+            raise ServerArgRefused("model_path", self.model_path, f"{mention('selector')} sketch needs the model's "
+                                   f"key basis: run `python -m sparse_sglang.calibrate --model-path {self.model_path}` "
+                                   f"(writes {BASIS_FILE} there), or pass {mention('key_basis')} FILE")  # fmt: skip
+        self.sparse = dataclasses.replace(self.sparse, key_basis=str(found))
+
+
+def _is_default_model(model_path: str) -> bool:
+    from sparse_sglang.default_model import MODEL_NAME, cache_dir
+
+    return Path(os.path.expanduser(model_path)).resolve() == (cache_dir() / "models" / MODEL_NAME).resolve()
 
 
 class NoUsableGPU(RuntimeError):

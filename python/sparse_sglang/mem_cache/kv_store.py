@@ -27,6 +27,7 @@ import torch
 from sparse_sglang.mem_cache.gpu_cache import GPUPageCache
 from sparse_sglang.mem_cache.host_pool import HostKVPool
 from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs
+from sparse_sglang.mem_cache.key_sketch import KeyBasis
 from sparse_sglang.mem_cache.reference import index_runs_reference
 from sparse_sglang.mem_cache.summaries import PageSummaries
 from sparse_sglang.transfer import gather_blocks_reference
@@ -71,11 +72,14 @@ class SparseKVStore:
         How the summaries store page key bounds (``--sparse-bound-format``; :class:`PageSummaries`).
     coarse_pages : int
         Also keep coarse bounds of super-pages of this many pages (``--sparse-coarse-pages``; 0 = none).
+    key_basis : KeyBasis, optional
+        Keep every token's key sketch (the ``sketch`` selector; :class:`PageSummaries`).
     """
 
     def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False,
                  with_mean: bool = True, fused: bool | None = None, lru_buckets: int = 0,
-                 lru_steps_per_bucket: int = 1, bound_format: str = "auto", coarse_pages: int = 0):  # fmt: skip
+                 lru_steps_per_bucket: int = 1, bound_format: str = "auto", coarse_pages: int = 0,
+                 key_basis: KeyBasis | None = None):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
@@ -85,7 +89,8 @@ class SparseKVStore:
         )
         self.summaries = PageSummaries(s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype,
                                        self.device, with_radius=with_radius, with_mean=with_mean,
-                                       bound_format=bound_format, coarse_pages=coarse_pages)  # fmt: skip
+                                       bound_format=bound_format, coarse_pages=coarse_pages,
+                                       key_basis=key_basis)  # fmt: skip
         self.cache = GPUPageCache(
             s.num_slots, s.num_layers, s.num_kv_heads, s.page_size, s.head_dim, s.dtype,
             max_requests=s.max_requests, row_width=s.row_width, max_pages=s.max_pages,
@@ -137,6 +142,8 @@ class SparseKVStore:
         """The GPU side of a save (SPIN's *Index*): fold keys ``[T, Hkv, D]`` (store dtype,
         contiguous) into the page summaries and write K/V into the cached blocks of their pages."""
         self.index_runs(self.summaries, self.cache, layer, k, v, loc, self.runs)
+        if self.summaries.sketch is not None:
+            self.summaries.update_sketch(layer, k, loc)
 
     def save(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, staged: bool) -> None:
         """Save one layer's new K/V ``[T, Hkv, D]`` at host token slots ``loc`` ``[T]``.

@@ -121,13 +121,15 @@ def fixed_gpu_bytes(
     with_mean: bool = True,
     bound_format: str = "exact",
     coarse_pages: int = 0,
+    sketch_row_bytes: int = 0,
 ) -> tuple[int, int, int]:
     """GPU bytes besides the page cache: ``(summaries, prefix staging, page table)`` for a host
-    store of ``host_pages`` pages (summaries of every host page stay resident)."""
+    store of ``host_pages`` pages (summaries of every host page stay resident; with the sketch
+    selector, ``sketch_row_bytes`` per (layer, kv head, page) of key sketches)."""
     bounds = bound_dtype(dtype, bound_format)
     bound_bytes = head_dim * 2 * bounds.itemsize + (1 if bounds == torch.int8 else 0)  # + int8 scale exponent
     float32_bytes = head_dim * ((4 if with_mean else 0) + (4 if with_radius else 0))
-    per_page = float32_bytes + bound_bytes * (2 if coarse_pages else 1)  # coarse: bounds twice
+    per_page = float32_bytes + bound_bytes * (2 if coarse_pages else 1) + sketch_row_bytes  # coarse: bounds twice
     summary = num_layers * num_kv_heads * (host_pages + 1) * per_page + num_layers * (host_pages + 1) * 4
     summary += (host_pages + 1) * 4 if coarse_pages else 0  # coarse_first
     attend = kv_compute_dtype(dtype)  # + the copy the prefix is attended from, when it has another dtype
@@ -151,6 +153,7 @@ def plan_memory(
     max_total_tokens: int | None = None,
     with_radius: bool = False,
     with_mean: bool = True,
+    sketch_rank: int = 0,
 ) -> MemoryPlan:
     """Split the budgets (see module doc).
 
@@ -169,6 +172,8 @@ def plan_memory(
         SGLang's caps, when the user set them.
     with_radius, with_mean : bool
         Summaries include ArkVale's radius, the mean key (see ``kept_summaries``).
+    sketch_rank : int
+        The sketch selector's key basis rank (0: no key sketches).
     """
     page = config.page_size
     try:
@@ -184,7 +189,8 @@ def plan_memory(
     staging_tokens = prefix_staging_tokens(config, context_len)
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
                                                                 staging_tokens, with_radius, with_mean,
-                                                                config.bound_format, config.coarse_pages)  # fmt: skip
+                                                                config.bound_format, config.coarse_pages,
+                                                                page * sketch_rank * 2)  # fmt: skip
     if config.gpu_cache_gb is not None:
         cache_bytes = int(config.gpu_cache_gb * GIB)
     else:

@@ -53,6 +53,7 @@ from sparse_sglang.mem_cache.bounds import (
     quantize_bounds,
     resolve_bound_format,
 )
+from sparse_sglang.mem_cache.key_sketch import KeyBasis, project_keys
 
 
 def cuboid_center(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -87,6 +88,10 @@ class PageSummaries:
     coarse_pages : int
         ``S > 0`` also keeps coarse bounds: those of ``S`` consecutive pages of a request (a
         super-page), stored in the rows of its last page (see "Coarse bounds" in the module doc).
+    key_basis : KeyBasis, optional
+        Also keep every token's key sketch under this basis (the ``sketch`` selector;
+        :mod:`~sparse_sglang.mem_cache.key_sketch`), written by :meth:`update_sketch`; kept
+        (on the device) as :attr:`key_basis` for the decoder's query projection.
 
     Attributes
     ----------
@@ -107,6 +112,10 @@ class PageSummaries:
     coarse_first : torch.Tensor or None
         ``[num_pages]`` int32: the host page that starts the super-page whose coarse bounds the
         page's rows hold, ``-1`` when they hold none.
+    sketch : torch.Tensor or None
+        ``[num_layers, num_kv_heads, num_pages, page_size * rank]`` bf16 key sketches (with
+        ``key_basis``), token ``o`` of a page at ``[o * rank, (o + 1) * rank)``; tokens a page
+        does not hold yet read 0.
     """
 
     def __init__(
@@ -123,6 +132,7 @@ class PageSummaries:
         with_mean: bool = True,
         bound_format: str = "exact",
         coarse_pages: int = 0,
+        key_basis: KeyBasis | None = None,
     ):
         # One extra page at index num_pages: padding tokens fold into it, so updates need no masks.
         shape = (num_layers, num_kv_heads, num_pages + 1, head_dim)
@@ -158,6 +168,13 @@ class PageSummaries:
         )
         if self._coarse is None:
             self.coarse_first = None
+        self.key_basis = None
+        self._sketch = None
+        if key_basis is not None:
+            self.key_basis = KeyBasis(key_basis.keys.to(device), key_basis.queries.to(device))
+            rank = key_basis.rank
+            self._sketch = torch.zeros(*shape[:-1], page_size * rank, dtype=torch.bfloat16, device=device)
+        self.sketch = None if self._sketch is None else self._sketch[:, :, :num_pages]
         # all_layers(), built once: the tensors never move, and index_runs asks on every save.
         self._all_layers = {"kmin": self._kmin, "kmax": self._kmax, "count": self._count}
         if self._exp is not None:
@@ -177,6 +194,8 @@ class PageSummaries:
             out["mean"] = self._mean[layer]
         if self._radius is not None:
             out["radius"] = self._radius[layer]
+        if self._sketch is not None:
+            out["sketch"] = self._sketch[layer]  # [num_kv_heads, num_pages + 1, page_size * rank]
         return out
 
     def coarse_layer(self, layer: int) -> dict[str, torch.Tensor]:
@@ -198,7 +217,7 @@ class PageSummaries:
 
     @property
     def nbytes(self) -> int:
-        parts = (self._kmin, self._kmax, self._exp, self._mean, self._count, self._radius)
+        parts = (self._kmin, self._kmax, self._exp, self._mean, self._count, self._radius, self._sketch)
         if self._coarse is not None:
             parts += (*self._coarse.values(), self._coarse_first)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
@@ -258,6 +277,21 @@ class PageSummaries:
             radius = self._radius[layer]
             radius.index_add_(1, page, ((kf - centre).abs() - radius[:, page]) / scale)
 
+    def update_sketch(self, layer: int, k: torch.Tensor, token_slots: torch.Tensor) -> None:
+        """Write the key sketches of new keys ``[T, num_kv_heads, head_dim]`` at host token slots
+        ``token_slots`` ``[T]`` (``-1``: padding), as :meth:`update` takes them: a token at offset 0
+        zeroes its page's sketches first (a previous owner's). Fixed shapes, no host
+        synchronization (CUDA-graph safe)."""
+        slots = token_slots.long()
+        valid = slots >= 0
+        page = torch.where(valid, slots // self.page_size, self.num_pages)  # padding -> spare page
+        offset = torch.where(valid, slots % self.page_size, 0)
+        fresh = torch.where(valid & (offset == 0), page, self.num_pages)
+        sketch = self._sketch[layer]  # [H, N + 1, P * r]
+        sketch[:, fresh] = 0
+        tokens = sketch.view(sketch.shape[0], sketch.shape[1], self.page_size, self.key_basis.rank)
+        tokens[:, page, offset] = project_keys(k, self.key_basis.keys[layer]).transpose(0, 1).to(sketch.dtype)
+
     def _stored_values(self, layer: int, page: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of ``page`` (``[T]`` ids or a slice) as stored, in float32 ``[H, T, D]``
         (int8 levels times their scales; exact either way)."""
@@ -315,6 +349,8 @@ class PageSummaries:
             self.radius[:, :, pages] = 0.0
         if self.coarse_first is not None:
             self.coarse_first[pages] = -1
+        if self.sketch is not None:
+            self.sketch[:, :, pages] = 0
 
     def bounds(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of one layer's pages as values, ``[num_kv_heads, num_pages, head_dim]``

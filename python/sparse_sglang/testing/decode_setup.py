@@ -16,6 +16,7 @@ from sparse_sglang.attention.selectors import kept_summaries
 from sparse_sglang.attention.sparse_decode import make_decoder
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import SaveRuns
+from sparse_sglang.mem_cache.key_sketch import KeyBasis
 from sparse_sglang.mem_cache.kv_store import SparseKVStore, StoreShape
 from sparse_sglang.mem_cache.plan import row_width_for
 
@@ -38,9 +39,12 @@ def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_co
         dtype=dtype, num_host_pages=max_batch * max_pages + 1, num_slots=max_batch * shape.num_layers * shape.num_kv_heads * width,
         max_requests=max_batch + 1, row_width=width, max_pages=max_pages, max_save_tokens=8192,
     )  # fmt: skip
-    return SparseKVStore(
-        s, "cuda", **kept_summaries(config.selector), bound_format=config.bound_format, coarse_pages=config.coarse_pages
-    )
+    key_basis = None
+    if config.selector == "sketch":  # random directions: the test and timing KV is random too
+        rank = config.sketch_rank or max(1, shape.head_dim // 4)
+        key_basis = KeyBasis.random(shape.num_layers, shape.num_kv_heads, shape.head_dim, rank)
+    return SparseKVStore(s, "cuda", **kept_summaries(config.selector), bound_format=config.bound_format,
+                         coarse_pages=config.coarse_pages, key_basis=key_basis)  # fmt: skip
 
 
 class DecodeBench:
@@ -96,6 +100,8 @@ class DecodeBench:
             summ.set_bounds(layer, lo, lo + torch.rand(lo.shape, device="cuda", generator=generator))
             if summ.mean is not None:
                 summ.mean[layer].copy_(summ.center(layer))
+            if summ.sketch is not None:
+                summ.sketch[layer].normal_(generator=generator)
 
     def evict(self, layer: int, page_ids: torch.Tensor, fraction: float, generator: torch.Generator) -> int:
         """Unmap ``fraction`` of the selected pages ``[B, Hkv, K]`` of ``layer`` (the next step misses
