@@ -6,7 +6,8 @@
 # the machine to itself). Results gather in /root/o; collect them with
 # `tar czf $OUT/o.tgz -C /root o` in a later call; /root/o/stage.log says which stage runs.
 #   SPARSE_SGLANG_COMMIT=<commit> JOBS="pin,startup,soak fuzz" bash tools/gpu_host_burst.sh
-# Jobs: grid (the accuracy grid; carry .accuracy, the suite's items), tests ($GPU_TESTS), fuzz,
+# Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
+# its sparse servers), decode (benchmark/decode.py, quest and sketch), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
 # its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store).
 set -x
@@ -18,8 +19,16 @@ python3 -m sgl_kernels_ext.build > /root/o/build.log 2>&1 || { tail -30 /root/o/
 python3 -c "from sparse_sglang.default_model import default_model_path; print(default_model_path())"
 
 job_grid() {
+  # the default model's key basis first, once (grid servers with --sparse-selector sketch read it)
+  python3 -m sparse_sglang.calibrate --model-path "$(python3 -c 'from sparse_sglang.default_model import default_model_path as d; print(d())')"
   python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz --out-dir /root/o/acc \
-    --parallel "${GRID_PARALLEL:-9}" --stagger 3 ${GRID_ARGS:-}
+    --parallel "${GRID_PARALLEL:-9}" --stagger 3 --sparse-args "${GRID_SPARSE_ARGS:-}" ${GRID_ARGS:-}
+}
+job_decode() {  # the decode step, 8B shape: today's default selector and the sketch selector
+  for selector in quest sketch; do
+    python3 benchmark/decode.py --contexts ${DECODE_CONTEXTS:-131072} --batches ${DECODE_BATCHES:-32} \
+      --selector "$selector" --out-dir /root/o
+  done
 }
 job_tests() { python3 -m pytest -m gpu -q -s ${GPU_TESTS:-test/test_selection_real_kv_gpu.py}; }
 job_fuzz() {
@@ -53,6 +62,7 @@ run_stages() {
 }
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages $(compgen -A function job_)
-export JOBS GPU_TESTS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS STARTUP_REPEATS
+export JOBS GPU_TESTS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
+  DECODE_CONTEXTS DECODE_BATCHES
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
