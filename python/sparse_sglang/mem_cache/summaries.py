@@ -288,7 +288,7 @@ class PageSummaries:
         offset = torch.where(valid, slots % self.page_size, 0)
         fresh = torch.where(valid & (offset == 0), page, self.num_pages)
         sketch = self._sketch[layer]  # [H, N + 1, P * r]
-        sketch[:, fresh] = 0
+        sketch.index_fill_(1, fresh, 0)  # (indexed assignment of a scalar copies from the host: no graph)
         tokens = sketch.view(sketch.shape[0], sketch.shape[1], self.page_size, self.key_basis.rank)
         tokens[:, page, offset] = project_keys(k, self.key_basis.keys[layer]).transpose(0, 1).to(sketch.dtype)
 
