@@ -4,7 +4,7 @@ status 2 and exactly one line on stderr naming that flag (property-based, hypoth
 Bad values by type: for numbers, text that is no number, NaN and infinities in every spelling
 Python's ``float()`` reads, numbers below every knob's smallest valid value (all integer knobs need
 >= 0, all float knobs > 0) and integers past int32; for integers also fractions; for booleans and
-choices, words they do not take.
+choices, words they do not take; for paths, names of no file.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 import warnings
 
 from hypothesis import HealthCheck, given, settings
@@ -55,6 +56,8 @@ def bad_values(name: str) -> st.SearchStrategy[str]:
         return st.one_of(non_numeric, non_finite, not_positive)
     if base is bool:
         return st.text(min_size=1, max_size=8).filter(lambda t: t.strip().lower() not in BOOL_WORDS and "\x00" not in t)
+    if name == "key_basis":  # a path: bad when no file is there
+        return st.text(min_size=1, max_size=12).filter(lambda t: "\x00" not in t and not os.path.isfile(t))
     return st.text(min_size=1, max_size=12).filter(lambda t: t not in CHOICES[name] and "\x00" not in t)
 
 

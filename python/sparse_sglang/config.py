@@ -201,7 +201,7 @@ class SparseConfig:
     )
     host_cache_gb: float = knob(
         default_factory=default_host_cache_gb,
-        help=f"Pinned host RAM (GiB) holding all KV; defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.",
+        help=f"Pinned host RAM (GiB) holding all KV, the server's total (--dp-size replicas split it); defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.",
     )
     segmented_prefill: bool = knob(
         False,
@@ -250,7 +250,7 @@ class SparseConfig:
                 "coarse_pages", f"coarse-first selection scores from key bounds: not with {mention('selector')} sketch"
             )
         if self.key_basis is not None and not os.path.isfile(self.key_basis):
-            raise SparseConfigError("key_basis", f"no such file: {self.key_basis}")
+            raise SparseConfigError("key_basis", f"no such file: {self.key_basis!r}")
         if self.sink_pages < 0:
             raise SparseConfigError("sink_pages", f"must be >= 0, got {self.sink_pages}")
         if self.recent_pages < 1:
