@@ -160,7 +160,7 @@ BAD_ARGV = [
     (["--sparse-working-set-window", "0"], "--sparse-working-set-window"),
     (["--sparse-max-inject-tokens", "-5"], "--sparse-max-inject-tokens"),
     (["--tp-size", "2"], "--tp-size"),
-    (["--dp-size", "2"], "--dp-size"),
+    (["--dp-size", "2", "--enable-dp-attention"], "--enable-dp-attention"),
     (["--pp-size", "2"], "--pp-size"),
     (["--sparse-enabled", "maybe"], "--sparse-enabled"),
     (["--attention-backend", "flashinfer"], "--attention-backend"),
@@ -219,8 +219,10 @@ def test_server_args_built_in_code_route_the_same_way(model_dir):
     # in code, a refused SGLang argument is named as the keyword it is (the CLI names the flag)
     with pytest.raises(ValueError, match=r"^attention_backend='fa3': sparse decode needs 'sparse' .*sparse\.enabled"):
         SparseServerArgs(model_path=model_dir, device="cpu", attention_backend="fa3")
-    with pytest.raises(ValueError, match=r"^tp_size=2: sparse decode serves one GPU per server"):
+    with pytest.raises(ValueError, match=r"^tp_size=2: sparse decode does not split a model across GPUs"):
         SparseServerArgs(model_path=model_dir, device="cpu", tp_size=2)
+    # data parallelism is SGLang's: replicas of the whole hierarchy, the host store split between them
+    assert SparseServerArgs(model_path=model_dir, device="cpu", dp_size=2).dp_size == 2
     with pytest.raises(ValueError, match=r"^page_size=64: .*set sparse\.page_size 64"):
         SparseServerArgs(model_path=model_dir, device="cpu", page_size=64)
 

@@ -15,6 +15,7 @@ builds the :class:`~sparse_sglang.mem_cache.kv_store.SparseKVStore`, and hands S
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -150,6 +151,9 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     num_kv_heads = model.get_num_kv_heads(parallel.attn_tp_size)
     key_basis = rank_key_basis(sparse, conf.layer_info.num_effective_layers, model.get_total_num_kv_heads(),
                                num_kv_heads, model.head_dim, parallel.attn_tp_rank)  # fmt: skip
+    replicas = runner.server_args.dp_size  # data parallelism: each replica takes its share of the host store
+    if replicas > 1:
+        sparse = dataclasses.replace(sparse, host_cache_gb=sparse.host_cache_gb / replicas)
     plan = plan_memory(
         sparse,
         num_layers=conf.layer_info.num_effective_layers,

@@ -107,11 +107,17 @@ class SparseServerArgs(ServerArgs):
             if getattr(self, name) not in (None, False):
                 raise ServerArgRefused(name, getattr(self, name), "not supported with sparse decode "
                                        f"(set {mention('enabled')} false for plain SGLang)")  # fmt: skip
-        for name in ("tp_size", "dp_size", "pp_size"):
-            if getattr(self, name) > 1:  # each rank would build a whole host store and decide admission alone
-                raise ServerArgRefused(name, getattr(self, name), "sparse decode serves one GPU per server so far "
-                                       "(its host store and working-set decisions are not split across ranks); run "
-                                       f"one server per GPU, or set {mention('enabled')} false")  # fmt: skip
+        for name in ("tp_size", "pp_size"):
+            if getattr(self, name) > 1:  # each rank would decide admission alone on its own heads
+                raise ServerArgRefused(name, getattr(self, name), "sparse decode does not split a model across GPUs "
+                                       "yet (its working-set decisions are not reduced across ranks); use --dp-size "
+                                       f"for several GPUs, or set {mention('enabled')} false")  # fmt: skip
+        # Data parallelism is SGLang's: a replica per GPU, each with its own KV hierarchy and a
+        # share of the host store (memory_pool splits --sparse-host-cache-gb). DP attention shards
+        # one batch's attention across replicas, which the per-head hierarchy does not.
+        if self.enable_dp_attention:
+            raise ServerArgRefused("enable_dp_attention", True, "not supported with sparse decode (each --dp-size "
+                                   f"replica serves whole requests), or set {mention('enabled')} false")  # fmt: skip
         self.page_size = page
         if self.sparse.selector == "sketch":
             self._resolve_key_basis()
