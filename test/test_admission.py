@@ -382,3 +382,58 @@ def test_sglangs_retraction_loop_retracts_until_the_working_sets_fit():
     # SGLang retracts the request with the fewest output tokens first: r4 (8 slots), then r3 (16).
     assert [r.rid for r in retracted] == released == ["r4", "r3"] and aborted == []
     assert [r.rid for r in batch.reqs] == ["r1", "r2"] and gate.retracted == 2
+
+
+# Tensor parallelism: each rank's gate sees its own kv heads' working sets and its own cache; the
+# ranks must still answer every question alike (test_tp_ranks_agree...).
+
+
+def _rank_decisions(rank: int, world: int, init_file: str, out) -> None:
+    """One TP rank: a gate whose working sets (and cache size) differ from the other rank's, asked
+    the same sequence of admission and retraction questions; its answers go to ``out``."""
+    import torch.distributed as dist
+
+    from sparse_sglang.mem_cache import GPUPageCache
+    from sparse_sglang.scheduler import WorkingSetGate, max_over_ranks
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        num_slots = 48 if rank == 0 else 40  # ranks may size their caches differently
+        cache = GPUPageCache(num_slots, 2, 2, 4, 16, torch.bfloat16, max_requests=6, row_width=4, max_pages=16,
+                             total_pages=32, min_row_width=2)  # fmt: skip
+        tracker = WorkingSetTracker(6, 2, 2, 4, window=3)
+        gate = WorkingSetGate(cache, tracker, agree=max_over_ranks(dist.group.WORLD))
+        for r in (1, 2):
+            cache.open_request(r, 16)
+        answers = [gate.admits([1, 2], starting=0), gate.admits([1, 2], starting=1), gate.admits([1, 2], starting=2)]
+        # rank 0's request 1 selects whole rows, rank 1's request 2 does: different local demand
+        _select(tracker, {1: 4, 2: 1} if rank == 0 else {1: 1, 2: 4})
+        answers += [gate.demand([1, 2]), gate.admits([1, 2], starting=0), gate.admits([1, 2], starting=1)]
+        answers += [gate.keeps([1, 2]), gate.keeps([1])]
+        out.put((rank, answers))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_ranks_with_different_local_working_sets_decide_alike(tmp_path):
+    """Two ranks (processes, a gloo group) whose gates see different working sets and cache sizes
+    give the same answers: each decides on the largest demand and the smallest cache over ranks,
+    as one gate holding those numbers would."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_decisions, args=(r, 2, str(tmp_path / "rendezvous"), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0] == results[1], results
+    # the agreed numbers: demand max(16, 8) and max(8, 16) pages, cache min(48, 40) = 40 slots
+    admits, demand, after = results[0][:3], results[0][3], results[0][4:]
+    assert admits == [True, True, True]  # 2 rows of 8 + 3 new rows = 40 slots: fits the smaller cache
+    assert after[:2] == [True, False]  # 32 + a row = 40 fits, 32 + two rows does not (alone, rank 0 admits both)
+    assert demand == [16, 16]
+    assert after[2:] == [True, True]  # 32 <= 40: both stay

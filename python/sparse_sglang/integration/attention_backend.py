@@ -76,7 +76,11 @@ class SparseAttnBackend(FlashInferAttnBackend):
             self.tracker = WorkingSetTracker(max_batch, shape.num_layers, shape.num_kv_heads, self.decoder.width,
                                              config.working_set_window, self.store.device)  # fmt: skip
             self.decoder.log_selections(max_batch)
-        self.kv_pool.gate = WorkingSetGate(self.store.cache, self.tracker) if config.working_set_admission else None
+        self.kv_pool.gate = (
+            WorkingSetGate(self.store.cache, self.tracker, agree=tp_agreement())
+            if config.working_set_admission
+            else None
+        )
         logger.info("sparse attention backend: %s", self.sparse_config)
 
     @staticmethod
@@ -318,3 +322,17 @@ def add_sparse_backend_choice() -> None:
 
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
+
+
+@relies_on("sglang.srt.runtime_context:get_parallel", at="sglang/srt/runtime_context.py:1070")
+def tp_agreement():
+    """The working-set gate's ``agree`` under tensor parallelism: the max over the TP group's ranks
+    (attention's: DP attention is refused), through its CPU (gloo) group; None on one rank."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from sparse_sglang.scheduler import max_over_ranks
+
+    parallel = get_parallel()
+    if parallel.attn_tp_size <= 1:
+        return None
+    return max_over_ranks(parallel.tp_group.cpu_group)

@@ -16,6 +16,7 @@ from sparse_sglang.scheduler.admission import (
     Waiting,
     WorkingSetGate,
     WorkingSetTracker,
+    max_over_ranks,
     prefill_pages,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "Waiting",
     "WorkingSetGate",
     "WorkingSetTracker",
+    "max_over_ranks",
     "prefill_pages",
 ]

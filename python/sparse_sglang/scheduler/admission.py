@@ -316,11 +316,17 @@ class WorkingSetGate:
 
     The sparse KV pool owns the gate (``integration/memory_pool.py``); SGLang's scheduler reaches
     it through its token allocator.
+
+    Ranks agree: under tensor parallelism every rank's scheduler asks the same questions in the same
+    order, but each answers from its own kv heads' working sets (and its own cache size). ``agree``
+    (:func:`max_over_ranks` over the TP group's CPU group) turns each rank's numbers into the same
+    numbers on every rank, the largest demand and the smallest cache, so every rank decides alike
+    (and, answering alike, asks alike next). ``None``: one rank.
     """
 
-    def __init__(self, cache, tracker: WorkingSetTracker):
+    def __init__(self, cache, tracker: WorkingSetTracker, agree=None):
         self.cache, self.tracker = cache, tracker  # the tracker's window is the rule's w
-        self.policy = AdmissionPolicy(cache.num_slots, host_total_pages=1)  # host memory is SGLang's to check
+        self.agree = agree  # list[int] -> list[int]: the elementwise max over ranks (None: one rank)
         self.admitted = self.deferred = 0  # answers since start (metrics)
         self.retracted = 0  # running requests the working-set rule retracted (metrics)
         self.holding = False  # the last answer deferred: the waiting queue waits for working-set room
@@ -328,20 +334,31 @@ class WorkingSetGate:
         self.resume_pages: dict = {}  # rid of a retracted request -> its working set then
 
     def demand(self, running_slots: list[int]) -> list[int]:
-        """Working-set pages of each running request (at least a narrowest row)."""
+        """Working-set pages of each running request (at least a narrowest row), the largest over
+        ranks (the last entry, internal: minus the smallest cache size over ranks)."""
+        return self._agreed(running_slots)[:-1]
+
+    def _agreed(self, running_slots: list[int]) -> list[int]:
         row = self.cache.row_slots
         published = self.tracker.published()
-        return [max(published.get(slot, 0), row) for slot in running_slots]
+        local = [max(published.get(slot, 0), row) for slot in running_slots] + [-self.cache.num_slots]
+        return local if self.agree is None else self.agree(local)
+
+    def _capacity_and_demand(self, running_slots: list[int]) -> tuple[int, list[int]]:
+        agreed = self._agreed(running_slots)
+        return -agreed[-1], agreed[:-1]
 
     def admits(self, running_slots: list[int], starting: int, rid=None) -> bool:
         """``running_slots``: request slots of the running batch; ``starting``: requests already
         admitted in this round (slots not yet assigned); ``rid``: the candidate's. True when one
         more fits."""
         row = self.cache.row_slots
-        running = [Running(i, i, pages) for i, pages in enumerate(self.demand(running_slots))]
+        capacity, demand = self._capacity_and_demand(running_slots)
+        running = [Running(i, i, pages) for i, pages in enumerate(demand)]
         waiting = [Waiting(("new", j), len(running) + j, row, 0) for j in range(starting)]
         waiting.append(Waiting(("new", starting), len(running) + starting, self.resume_pages.get(rid, row), 0))
-        fits = waiting[-1].rid in self.policy.decide(running, waiting, host_free_pages=0).admit
+        policy = AdmissionPolicy(capacity, host_total_pages=1)  # host memory is SGLang's to check
+        fits = waiting[-1].rid in policy.decide(running, waiting, host_free_pages=0).admit
         self.admitted += fits
         self.deferred += not fits
         self.holding = not fits
@@ -354,7 +371,8 @@ class WorkingSetGate:
         a False answer makes SGLang retract one request, so it counts a retraction."""
         if len(running_slots) <= 1:
             return True
-        fits = sum(self.demand(running_slots)) <= self.cache.num_slots
+        capacity, demand = self._capacity_and_demand(running_slots)
+        fits = sum(demand) <= capacity
         self.retracted += not fits
         return fits
 
@@ -370,3 +388,16 @@ class WorkingSetGate:
             self.aborted_while_holding += len(rids)
         for rid in rids:
             self.resume_pages.pop(rid, None)
+
+
+def max_over_ranks(group):
+    """``agree`` for :class:`WorkingSetGate`: the elementwise max of an int list over the ranks of
+    the (gloo, CPU) process group ``group``; every rank must call it with lists of one length."""
+    import torch.distributed as dist
+
+    def agree(values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.tolist()
+
+    return agree
