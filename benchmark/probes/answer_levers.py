@@ -186,7 +186,7 @@ def window_bound_pins(summaries, queries: dict, budget: int, group_reduce: str =
     return pins
 
 
-def fit_text_bases(model, tokenizer, text_path, rank) -> dict:
+def fit_text_bases(model, tokenizer, text_path, rank, tokens: int = 4096) -> dict:
     """Three ways to fit per-(layer, kv head) projections on one text's keys (and queries):
     ``svd`` (top right singular vectors of the keys), ``centred`` (of the keys less their mean:
     a constant key part adds the same to every token's score), ``bilinear`` (the rank-r
@@ -196,7 +196,7 @@ def fit_text_bases(model, tokenizer, text_path, rank) -> dict:
     from sparse_sglang.calibrate import calibration_text
 
     text = Path(text_path).read_text() if text_path else calibration_text()
-    ids = tokenizer(text, add_special_tokens=False).input_ids[:4096]
+    ids = tokenizer(text, add_special_tokens=False).input_ids[:tokens]
     qs, ks = {}, {}
 
     def hook(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -265,6 +265,7 @@ def main() -> None:
     p.add_argument(
         "--calibration-text", default=None, help="sketchtext-* policies: the text (default torch.nn's docstrings)"
     )
+    p.add_argument("--calibration-tokens", type=int, default=4096)
     p.add_argument("--basis", default=None, help="a key basis file (python -m sparse_sglang.calibrate)")
     p.add_argument("--ids", default="", help="comma-separated item ids instead of dense's right answers")
     args = p.parse_args()
@@ -279,7 +280,7 @@ def main() -> None:
     calibration = {}
     text_bases = {}
     if "sketchtext" in args.policies:
-        text_bases = fit_text_bases(model, tokenizer, args.calibration_text, 16)
+        text_bases = fit_text_bases(model, tokenizer, args.calibration_text, 16, args.calibration_tokens)
     if any(name.startswith("sketchcal") for name in (args.policies.split(",") if args.policies else ["sketchcal"])):
         # A fixed basis per (layer, kv head), from the keys of one item outside the chosen ones.
         other = next(i for i in items if i.length == args.length and i.id not in {c.id for c in chosen}
