@@ -420,6 +420,8 @@ def score_candidates(
     ``tail`` is the most pages a request holds from ``built * S`` on (``S + recent_pages - 1``
     when ``built`` is :func:`~sparse_sglang.mem_cache.summaries.coarse_built`'s). Its reference:
     :func:`~sparse_sglang.attention.reference.score_candidates_reference`."""
+    if selector == "sketch":  # (the config refuses the pair)
+        raise ValueError("coarse-first selection scores pages from key bounds, not from key sketches")
     host_pages, max_pages = host_pages.contiguous(), host_pages.shape[1]
     batch, heads, group, dim = q.shape
     if out is None:
