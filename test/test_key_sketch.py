@@ -136,3 +136,30 @@ def test_record_keys_gives_every_layers_post_rope_keys():
     keys, queries = record_keys(model, torch.randint(0, 64, (1, 20)))
     assert sorted(keys) == sorted(queries) == [0, 1] and keys[0].shape == queries[0].shape == (2, 20, 8)
     assert KeyBasis.fit(keys, queries, 2).keys.shape == (2, 2, 8, 2)
+
+
+def test_fit_basis_pools_the_windows_of_several_texts(monkeypatch):
+    """Each text gets one forward of its first ``window`` tokens; the fit sees all of them."""
+    transformers = pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from sparse_sglang import calibrate
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+
+    def tokenizer(text, add_special_tokens=False, return_tensors="pt"):
+        return SimpleNamespace(input_ids=torch.tensor([[ord(c) % 64 for c in text]]))
+
+    seen = []
+    record = calibrate.record_keys
+
+    def counting(model, ids):
+        seen.append(ids.shape[1])
+        return record(model, ids)
+
+    monkeypatch.setattr(calibrate, "record_keys", counting)
+    basis = calibrate.fit_basis(model, tokenizer, ["a" * 50, "bcd" * 7], rank=3, window=30)
+    assert seen == [30, 21] and basis.keys.shape == basis.queries.shape == (2, 2, 8, 3)

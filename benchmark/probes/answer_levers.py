@@ -193,9 +193,9 @@ def fit_text_bases(model, tokenizer, text_path, rank, tokens: int = 4096) -> dic
     approximation of q . k under the text's query and centred key second moments: key projection
     S_k^-1/2 V, query projection S_q^-1/2 U S, with U S V' the SVD of S_q^1/2 S_k^1/2).
     Returns kind -> (key bases, query bases or None), layer -> [Hkv, D, r]."""
-    from sparse_sglang.calibrate import calibration_text
+    from sparse_sglang.calibrate import calibration_texts
 
-    text = Path(text_path).read_text() if text_path else calibration_text()
+    text = Path(text_path).read_text() if text_path else calibration_texts()[0]  # torch.nn's docstrings
     ids = tokenizer(text, add_special_tokens=False).input_ids[:tokens]
     qs, ks = {}, {}
 
@@ -279,6 +279,11 @@ def main() -> None:
     tokenizer, model = quality.load_model()
     calibration = {}
     text_bases = {}
+    pkg_basis = None
+    if "sketchpkg" in args.policies:
+        from sparse_sglang.calibrate import calibration_texts, fit_basis
+
+        pkg_basis = fit_basis(model, tokenizer, calibration_texts(), 16)
     if "sketchtext" in args.policies:
         text_bases = fit_text_bases(model, tokenizer, args.calibration_text, 16, args.calibration_tokens)
     if any(name.startswith("sketchcal") for name in (args.policies.split(",") if args.policies else ["sketchcal"])):
@@ -302,6 +307,7 @@ def main() -> None:
         **{f"sketchcal{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
         **{f"sketchcal{r}-{red}": quality.Policy(budget=args.budget) for r in (8, 16) for red in ("max", "lse")},
         **{f"sketchtext-{k}": quality.Policy(budget=args.budget) for k in ("svd", "centred", "bilinear")},
+        "sketchpkg": quality.Policy(budget=args.budget),
         "sketchfile-max": quality.Policy(budget=args.budget),  # --basis: sparse_sglang.calibrate's file
         "sketchfile-max8": quality.Policy(budget=args.budget),  # the same, sketches in fp8
     }
@@ -328,7 +334,11 @@ def main() -> None:
             if name.startswith("quest-rerank"):
                 hook.__class__ = RerankDecoder
                 hook.factor = int(name.removeprefix("quest-rerank"))
-            if name.startswith("sketchtext"):  # bases fitted on --calibration-text: svd, centred svd, bilinear
+            if name == "sketchpkg":  # sparse_sglang.calibrate's default fit (what a server fits for itself)
+                hook.__class__ = SketchDecoder
+                hook.reduce, hook.fp8 = "max", False
+                hook.basis, hook.query_basis = dict(enumerate(pkg_basis.keys)), dict(enumerate(pkg_basis.queries))
+            elif name.startswith("sketchtext"):  # bases fitted on --calibration-text: svd, centred svd, bilinear
                 hook.__class__ = SketchDecoder
                 hook.reduce, hook.fp8 = "max", False
                 kind = name.removeprefix("sketchtext-")

@@ -1,13 +1,16 @@
-"""Fit the key basis the ``sketch`` selector projects keys with, from one forward over a text.
+"""Fit the key basis the ``sketch`` selector projects keys with, from forwards over calibration texts.
 
     python -m sparse_sglang.calibrate --model-path MODEL [--out FILE] [--rank R]
 
-Runs the model once (transformers, on the CPU unless ``--device`` says otherwise) over a calibration
-text, records every layer's post-RoPE keys and queries, and fits each (layer, kv head)'s rank-``rank``
-key and query projections (:class:`~sparse_sglang.mem_cache.key_sketch.KeyBasis`). By default the
-file goes into the model folder as ``sparse_key_basis.safetensors``, where the server finds it
-without ``--sparse-key-basis``. The default text is the docstrings of ``torch.nn``'s modules:
-prose every installation has, and none of the accuracy suite's texts.
+Runs the model (transformers, on the CPU unless ``--device`` says otherwise) over calibration
+texts, a window of each, records every layer's post-RoPE keys and queries, and fits each (layer,
+kv head)'s rank-``rank`` key and query projections on all of them
+(:class:`~sparse_sglang.mem_cache.key_sketch.KeyBasis`). By default the file goes into the model
+folder as ``sparse_key_basis.safetensors``, where the server finds it without
+``--sparse-key-basis``. The default text is the docstrings of torch.nn's classes: prose every
+installation has, and none of the accuracy suite's texts. The basis carries the kind of text it
+was fitted on (docs/decisions/0015-key-sketch-selection.md): ``--text`` fits on your own, several
+files together.
 """
 
 from __future__ import annotations
@@ -23,15 +26,16 @@ from sparse_sglang.mem_cache.key_sketch import BASIS_FILE, KeyBasis
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_TOKENS = 4096
+CALIBRATION_TOKENS = 4096  # per text
 
 
-def calibration_text() -> str:
-    """Docstrings of ``torch.nn``'s public classes, in name order (deterministic per torch version)."""
+def calibration_texts() -> list[str]:
+    """The default calibration text: the long docstrings of ``torch.nn``'s public classes, in name
+    order (deterministic for a torch version)."""
     import torch.nn as nn
 
     docs = [inspect.getdoc(obj) or "" for name, obj in sorted(vars(nn).items()) if inspect.isclass(obj)]
-    return "\n\n".join(d for d in docs if len(d) > 200)
+    return ["\n\n".join(d for d in docs if len(d) > 200)]
 
 
 def record_keys(model, input_ids: torch.Tensor) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
@@ -60,16 +64,32 @@ def record_keys(model, input_ids: torch.Tensor) -> tuple[dict[int, torch.Tensor]
     return keys, queries
 
 
-def calibrate(model_path: str, rank: int | None = None, text: str | None = None, device: str = "cpu",
-              max_tokens: int = CALIBRATION_TOKENS) -> KeyBasis:  # fmt: skip
+def calibrate(model_path: str, rank: int | None = None, texts: list[str] | None = None, device: str = "cpu",
+              window: int = CALIBRATION_TOKENS) -> KeyBasis:  # fmt: skip
     """The key basis of ``model_path`` (``rank`` defaults to a quarter of the head dim)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
-    ids = tokenizer(text or calibration_text(), add_special_tokens=False, return_tensors="pt").input_ids
-    keys, queries = record_keys(model, ids[:, :max_tokens].to(device))
-    head_dim = next(iter(keys.values())).shape[-1]
+    return fit_basis(model, tokenizer, texts or calibration_texts(), rank, window)
+
+
+def fit_basis(
+    model, tokenizer, texts: list[str], rank: int | None = None, window: int = CALIBRATION_TOKENS
+) -> KeyBasis:
+    """Keys and queries of the first ``window`` tokens of each text, one forward each, fitted together."""
+    keys: dict[int, list[torch.Tensor]] = {}
+    queries: dict[int, list[torch.Tensor]] = {}
+    device = next(model.parameters()).device
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[:, :window]
+        k, q = record_keys(model, ids.to(device))
+        for layer in k:
+            keys.setdefault(layer, []).append(k[layer])
+            queries.setdefault(layer, []).append(q[layer])
+    keys = {layer: torch.cat(parts, dim=1) for layer, parts in keys.items()}  # [Hkv, sum of T, D]
+    queries = {layer: torch.cat(parts, dim=1) for layer, parts in queries.items()}
+    head_dim = keys[0].shape[-1]
     return KeyBasis.fit(keys, queries, rank or default_rank(head_dim))
 
 
@@ -83,11 +103,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-path", required=True)
     p.add_argument("--out", default=None, help=f"default: MODEL/{BASIS_FILE}")
     p.add_argument("--rank", type=int, default=None, help="directions per (layer, kv head); default head_dim / 4")
-    p.add_argument("--text", default=None, help="a text file to calibrate on instead of torch.nn's docstrings")
+    p.add_argument(
+        "--text",
+        action="append",
+        default=[],
+        help="a text file to calibrate on (repeat for several); default: three packages' docstrings",
+    )
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    text = Path(args.text).read_text() if args.text else None
-    basis = calibrate(args.model_path, args.rank, text, args.device)
+    texts = [Path(t).read_text() for t in args.text] or None
+    basis = calibrate(args.model_path, args.rank, texts, args.device)
     out = Path(args.out) if args.out else Path(args.model_path) / BASIS_FILE
     basis.save(out)
     print(f"key basis {tuple(basis.keys.shape)} -> {out}")
