@@ -308,6 +308,7 @@ def main() -> None:
         **{f"sketchcal{r}-{red}": quality.Policy(budget=args.budget) for r in (8, 16) for red in ("max", "lse")},
         **{f"sketchtext-{k}": quality.Policy(budget=args.budget) for k in ("svd", "centred", "bilinear")},
         "sketchpkg": quality.Policy(budget=args.budget),
+        "sketchself": quality.Policy(budget=args.budget),
         "sketchfile-max": quality.Policy(budget=args.budget),  # --basis: sparse_sglang.calibrate's file
         "sketchfile-max8": quality.Policy(budget=args.budget),  # the same, sketches in fp8
     }
@@ -334,7 +335,14 @@ def main() -> None:
             if name.startswith("quest-rerank"):
                 hook.__class__ = RerankDecoder
                 hook.factor = int(name.removeprefix("quest-rerank"))
-            if name == "sketchpkg":  # sparse_sglang.calibrate's default fit (what a server fits for itself)
+            if name == "sketchself":  # fitted on the prompt's own keys and queries (a per-request basis)
+                from sparse_sglang.calibrate import fit_basis
+
+                own = fit_basis(model, tokenizer, [item.prompt], 16, window=len(ids))
+                hook.__class__ = SketchDecoder
+                hook.reduce, hook.fp8 = "max", False
+                hook.basis, hook.query_basis = dict(enumerate(own.keys)), dict(enumerate(own.queries))
+            elif name == "sketchpkg":  # sparse_sglang.calibrate's default fit (what a server fits for itself)
                 hook.__class__ = SketchDecoder
                 hook.reduce, hook.fp8 = "max", False
                 hook.basis, hook.query_basis = dict(enumerate(pkg_basis.keys)), dict(enumerate(pkg_basis.queries))
