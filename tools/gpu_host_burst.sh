@@ -9,7 +9,8 @@
 # Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
 # its sparse servers), decode (benchmark/decode.py, quest and sketch), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
-# its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store).
+# its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store),
+# dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes).
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
 export PYTHONPATH=/tmp/site:/root/repo/python:/root/repo SPARSE_SGLANG_DEFAULT_GGUF=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -31,6 +32,7 @@ job_decode() {  # the decode step, 8B shape: today's default selector and the sk
   done
 }
 job_tests() { python3 -m pytest -m gpu -q -s ${GPU_TESTS:-test/test_selection_real_kv_gpu.py}; }
+job_dp() { python3 -m pytest -m gpu -q -s test/test_dp_gpu.py; }  # a two-GPU machine (nvidia-h100-x2)
 job_fuzz() {
   python3 benchmark/fuzz.py --launch --requests "${FUZZ_REQUESTS:-5000}" --extra-server-args \
     "--sparse-host-cache-gb 4 --mem-fraction-static 0.1" --out-dir /root/o --log-dir /root/o/fuzz-logs
