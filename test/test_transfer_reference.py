@@ -193,3 +193,13 @@ def test_flash_d2h_reference_keeps_flash_d2h_contract():
     scatter_tokens_reference(expect_k, expect_v, 0, k, v, slots)
     engine.synchronize(), engine.close()
     assert torch.equal(k_host, expect_k) and torch.equal(v_host, expect_v)
+
+
+def test_flashd2h_threads_are_split_between_the_schedulers_of_a_host(monkeypatch):
+    """All CPUs but 4, split between data-parallel replicas, at most 12 each, at least 1."""
+    from sparse_sglang.transfer import d2h
+
+    monkeypatch.setattr(d2h.os, "cpu_count", lambda: 32)
+    assert [d2h.default_num_threads(share) for share in (1, 2, 4, 8, 64)] == [12, 12, 7, 3, 1]
+    monkeypatch.setattr(d2h.os, "cpu_count", lambda: 2)
+    assert d2h.default_num_threads() == 1

@@ -28,6 +28,7 @@ from sparse_sglang.integration.input_length import note_host_store
 from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.plan import plan_memory
+from sparse_sglang.transfer.d2h import default_num_threads
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -151,7 +152,7 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     num_kv_heads = model.get_num_kv_heads(parallel.attn_tp_size)
     key_basis = rank_key_basis(sparse, conf.layer_info.num_effective_layers, model.get_total_num_kv_heads(),
                                num_kv_heads, model.head_dim, parallel.attn_tp_rank)  # fmt: skip
-    replicas = runner.server_args.dp_size  # data parallelism: each replica takes its share of the host store
+    replicas = runner.server_args.dp_size  # data parallelism: each replica takes its share of the host store and cores
     if replicas > 1:
         sparse = dataclasses.replace(sparse, host_cache_gb=sparse.host_cache_gb / replicas)
     plan = plan_memory(
@@ -171,7 +172,8 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     note_host_store(plan.max_total_tokens, sparse.host_cache_gb, model.context_len)
     store = SparseKVStore(plan.shape, runner.device, **kept_summaries(sparse.selector), lru_buckets=sparse.cache_lru_buckets,
                           lru_steps_per_bucket=sparse.cache_lru_steps_per_bucket, bound_format=sparse.bound_format,
-                          coarse_pages=sparse.coarse_pages, key_basis=key_basis)  # fmt: skip
+                          coarse_pages=sparse.coarse_pages, key_basis=key_basis,
+                          d2h_threads=default_num_threads(share=replicas))  # fmt: skip
     pool = SparseTokenToKVPool(store, plan.max_total_tokens, runner.device,
                                conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip
     runner.req_to_token_pool = conf._build_req_to_token_pool(max_num_reqs=plan.max_running_requests)

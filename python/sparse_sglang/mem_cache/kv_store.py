@@ -74,12 +74,14 @@ class SparseKVStore:
         Also keep coarse bounds of super-pages of this many pages (``--sparse-coarse-pages``; 0 = none).
     key_basis : KeyBasis, optional
         Keep every token's key sketch (the ``sketch`` selector; :class:`PageSummaries`).
+    d2h_threads : int, optional
+        FlashD2H's scatter threads (default: the transfer module's, for one scheduler per host).
     """
 
     def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False,
                  with_mean: bool = True, fused: bool | None = None, lru_buckets: int = 0,
                  lru_steps_per_bucket: int = 1, bound_format: str = "auto", coarse_pages: int = 0,
-                 key_basis: KeyBasis | None = None):  # fmt: skip
+                 key_basis: KeyBasis | None = None, d2h_threads: int | None = None):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
@@ -101,7 +103,8 @@ class SparseKVStore:
             from sparse_sglang.transfer import DirectD2H, FlashD2H, FlashH2D
 
             self.load = FlashH2D(self.host.k, self.host.v, self.cache.k, self.cache.v)
-            self.flash_d2h = FlashD2H(self.host.k, self.host.v, s.max_save_tokens, device=self.device)
+            self.flash_d2h = FlashD2H(self.host.k, self.host.v, s.max_save_tokens, device=self.device,
+                                      num_threads=d2h_threads)  # fmt: skip
             self.direct_d2h = DirectD2H(self.host.k, self.host.v, device=self.device)
         else:
             self.load = lambda src, dst: gather_blocks_reference(

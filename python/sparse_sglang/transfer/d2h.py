@@ -24,12 +24,13 @@ from sparse_sglang.transfer.layout import alloc_host_tensor, check_host_store, c
 from sparse_sglang.transfer.native import cuda_ext, host_ext
 
 
-def default_num_threads() -> int:
-    """Scatter threads by default: all CPUs but 4 (left to the server's own processes), at most 12.
+def default_num_threads(share: int = 1) -> int:
+    """Scatter threads by default: all CPUs but 4 (left to the server's own processes), split
+    between the ``share`` schedulers of one host (data-parallel replicas), at most 12 each.
 
     The measurement behind it: ``docs/decisions/0009-staged-flashd2h-for-saving-kv.md``.
     """
-    return max(1, min(12, (os.cpu_count() or 2) - 4))
+    return max(1, min(12, ((os.cpu_count() or 2) - 4) // max(1, share)))
 
 
 def _check_layer(layer: int, host_k: torch.Tensor) -> None:
