@@ -298,3 +298,29 @@ def test_help_prints_the_sparse_flags_first_with_their_choices():
     assert sparse_at < sglang_at and text.index("--sparse-enabled") < sglang_at
     assert "--sparse-selector {quest,arkvale,mean,sketch}" in text and "--sparse-group-reduce {sum,max}" in text
     assert len(text[:sparse_at].splitlines()) < 10  # the usage line does not list SGLang's 400 flags
+
+
+def test_the_sketch_selector_finds_its_key_basis_or_says_how_to_make_one(model_dir, tmp_path):
+    """Resolved once by the launcher: the model folder's basis file, a random one for dummy
+    weights, else a one-line refusal naming the flag and the command that fits one."""
+    import shutil
+
+    from sparse_sglang.mem_cache.key_sketch import BASIS_FILE, KeyBasis
+
+    sketch = {"selector": "sketch"}
+    with pytest.raises(
+        ValueError, match=r"^model_path=.*python -m sparse_sglang\.calibrate --model-path .*sparse\.key_basis"
+    ):
+        SparseServerArgs(model_path=model_dir, device="cpu", sparse=sketch)
+    assert (
+        SparseServerArgs(model_path=model_dir, device="cpu", sparse=sketch, load_format="dummy").sparse.key_basis
+        is None
+    )
+    folder = tmp_path / "with-basis"
+    shutil.copytree(model_dir, folder)
+    KeyBasis.random(32, 8, 128, 32).save(folder / BASIS_FILE)
+    args = SparseServerArgs(model_path=str(folder), device="cpu", sparse=sketch)
+    assert args.sparse.key_basis == str(folder / BASIS_FILE)
+    # the CLI names the flags
+    with pytest.raises(CLIError, match=r"^--model-path .*--sparse-key-basis FILE"):
+        prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-selector", "sketch"])
