@@ -883,6 +883,7 @@ def main(argv: list[str] | None = None) -> None:
             name, _, path = extra.partition("=")
             result.setdefault("attached", {})[name] = json.loads(Path(path).read_text())
         devices = sorted({r.get("device") for r in result["runs"] if r.get("kind") == "server"} - {None})
+        commits = sorted({r.get("commit") for r in result["runs"]} - {None})  # the code that ran, not this checkout
         finish_run(
             "benchmark/accuracy.py",
             argv,
@@ -890,6 +891,7 @@ def main(argv: list[str] | None = None) -> None:
             args.out_dir,
             "accuracy-{date}.json",
             device=", ".join(devices) or "cpu",
+            commit=", ".join(commits) or None,
         )
     elif args.cmd == "generate":
         from transformers import AutoTokenizer

@@ -6,6 +6,8 @@
 # the machine to itself). Results gather in /root/o; collect them with
 # `tar czf $OUT/o.tgz -C /root o` in a later call; /root/o/stage.log says which stage runs.
 #   SPARSE_SGLANG_COMMIT=<commit> JOBS="pin,startup,soak fuzz" bash tools/gpu_host_burst.sh
+# Write <commit> out (your checkout's `git rev-parse --short HEAD`): the git data in the call's copy
+# of the tree is not this checkout's, so `git rev-parse` there names another commit.
 # Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
 # its sparse servers), decode (benchmark/decode.py, quest and sketch), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and

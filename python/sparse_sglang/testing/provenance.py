@@ -31,10 +31,11 @@ def git_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def run_header(script: str, argv: list[str] | None, device: str | None = None) -> dict:
+def run_header(script: str, argv: list[str] | None, device: str | None = None, commit: str | None = None) -> dict:
     """``device``, ``commit``, ``date`` and ``command`` of a benchmark run of ``script`` (a path like
     ``benchmark/decode.py``) with ``argv`` (default: this process's arguments); ``device`` defaults
-    to the CUDA device's name (a CPU benchmark passes ``"cpu"``)."""
+    to the CUDA device's name (a CPU benchmark passes ``"cpu"``), ``commit`` to :func:`git_commit`
+    (a summary of runs made elsewhere passes theirs)."""
     import datetime
     import shlex
     import sys
@@ -44,7 +45,7 @@ def run_header(script: str, argv: list[str] | None, device: str | None = None) -
 
         device = torch.cuda.get_device_name()
     args = sys.argv[1:] if argv is None else argv
-    return {"device": device, "commit": git_commit(), "date": datetime.date.today().isoformat(),
+    return {"device": device, "commit": commit or git_commit(), "date": datetime.date.today().isoformat(),
             "command": shlex.join(["python", script, *args])}  # fmt: skip
 
 
@@ -74,10 +75,10 @@ def save_gpu_test_record(name: str, record: dict) -> None:
 
 
 def finish_run(script: str, argv: list[str] | None, body: dict, out_dir: str | Path, name: str,
-               device: str | None = None) -> dict:  # fmt: skip
+               device: str | None = None, commit: str | None = None) -> dict:  # fmt: skip
     """The end of a benchmark's ``main``: its document (:func:`run_header` + ``body``, which holds
     the ``summary``) saved as ``out_dir/name`` (``{date}`` filled in), the summary printed."""
-    doc = {**run_header(script, argv, device), **body}
+    doc = {**run_header(script, argv, device, commit), **body}
     save_result(doc, Path(out_dir) / name.format(date=doc["date"]))
     print(json.dumps(doc["summary"], indent=1))
     return doc
