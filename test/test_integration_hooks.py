@@ -260,3 +260,21 @@ def test_a_request_the_scheduler_fails_on_fails_alone(monkeypatch):
     assert req.rid == "bad-one" and isinstance(req.to_finish, FINISH_ABORT)  # answered with the next batch
     assert "the scheduler could not take this request: AttributeError" in req.to_finish.message
     assert scheduler.waiting_queue == ["already waiting"]
+
+
+def test_server_info_sums_the_sparse_numbers_of_data_parallel_replicas():
+    """``/get_server_info``: each replica's ``"sparse"`` entry, and with several replicas their
+    total (counters and sizes summed, ratios and settings left out) in each state."""
+    from sparse_sglang.integration.scheduler_state import with_replica_total
+
+    states = [
+        {"sparse": {"gpu_cache_slots": 100, "pages_loaded": 7, "hit_ratio": 0.5, "working_set_window": 12,
+                    "working_set_admissions": None, "segmented_prefill": {"steps": 1}}, "other": 1},
+        {"sparse": {"gpu_cache_slots": 100, "pages_loaded": 3, "hit_ratio": 0.9, "working_set_window": 12,
+                    "working_set_admissions": None, "segmented_prefill": None}},
+    ]  # fmt: skip
+    got = with_replica_total(states)
+    assert got[0]["sparse_total"] == got[1]["sparse_total"] == {"gpu_cache_slots": 200, "pages_loaded": 10}
+    assert got[0]["sparse"]["pages_loaded"] == 7  # each replica's own entry is kept
+    one = [{"sparse": {"pages_loaded": 7}}]
+    assert "sparse_total" not in with_replica_total(one)[0]  # one replica: its entry is the total

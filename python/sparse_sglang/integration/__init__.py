@@ -41,7 +41,7 @@ def install() -> None:
         patch_validate_one_request,
     )
     from sparse_sglang.integration.retraction import patch_release_req
-    from sparse_sglang.integration.scheduler_state import patch_get_internal_state
+    from sparse_sglang.integration.scheduler_state import patch_get_internal_state, patch_tokenizer_get_internal_state
     from sparse_sglang.integration.segmented_prefill import patch_event_loop_normal
 
     add_sparse_backend_choice()
@@ -49,6 +49,7 @@ def install() -> None:
     patch_alloc_memory_pool()
     patch_forward_batch_init_new()
     patch_get_internal_state()
+    patch_tokenizer_get_internal_state()
     patch_report_decode_stats()
     patch_validate_input_length()
     # Requests are checked in the main process (the HTTP server and tokenizer manager run there).

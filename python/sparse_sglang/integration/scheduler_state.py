@@ -94,3 +94,46 @@ def patch_get_internal_state() -> None:
         return get_internal_state
 
     wrap_once(Scheduler, "get_internal_state", wrap)
+
+
+# Fields that do not add up over replicas (a ratio, a mean, a setting): left out of the total.
+NOT_SUMMED = ("hit_ratio", "gpu_cache_row_width_mean", "working_set_window")
+
+
+def replica_total(states: list[dict]) -> dict:
+    """The server's sparse numbers over its data-parallel replicas: each numeric field of the
+    replicas' ``"sparse"`` entries summed (ratios and settings left out: :data:`NOT_SUMMED`)."""
+    entries = [s["sparse"] for s in states if isinstance(s.get("sparse"), dict)]
+    total = {}
+    for key in entries[0] if entries else ():
+        values = [e.get(key) for e in entries]
+        if key not in NOT_SUMMED and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            total[key] = sum(values)
+    return total
+
+
+@relies_on("sglang.srt.managers.tokenizer_control_mixin:TokenizerControlMixin.get_internal_state",
+           at="sglang/srt/managers/tokenizer_control_mixin.py:830")  # fmt: skip
+def patch_tokenizer_get_internal_state() -> None:
+    """With several data-parallel replicas, ``/get_server_info``'s ``internal_states`` (one per
+    replica, each with its ``"sparse"`` entry) also carry ``"sparse_total"``, the same in each:
+    :func:`replica_total`."""
+    from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
+
+    def wrap(original):
+        async def get_internal_state(self):
+            return with_replica_total(await original(self))
+
+        return get_internal_state
+
+    wrap_once(TokenizerControlMixin, "get_internal_state", wrap)
+
+
+def with_replica_total(states: list[dict]) -> list[dict]:
+    """``states`` (one per replica), each given ``"sparse_total"`` (:func:`replica_total`) when
+    there are several replicas serving sparse."""
+    if len(states) > 1 and any("sparse" in s for s in states):
+        total = replica_total(states)
+        for state in states:
+            state["sparse_total"] = total
+    return states
