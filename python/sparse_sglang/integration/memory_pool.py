@@ -152,7 +152,9 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     num_kv_heads = model.get_num_kv_heads(parallel.attn_tp_size)
     key_basis = rank_key_basis(sparse, conf.layer_info.num_effective_layers, model.get_total_num_kv_heads(),
                                num_kv_heads, model.head_dim, parallel.attn_tp_rank)  # fmt: skip
-    replicas = runner.server_args.dp_size  # data parallelism: each replica takes its share of the host store and cores
+    # Every scheduler of the host (data-parallel replicas, tensor-parallel ranks: each holds its own
+    # kv heads' pages) takes an equal share of --sparse-host-cache-gb, the server's total, and of the cores.
+    replicas = runner.server_args.dp_size * runner.server_args.tp_size
     if replicas > 1:
         sparse = dataclasses.replace(sparse, host_cache_gb=sparse.host_cache_gb / replicas)
     plan = plan_memory(

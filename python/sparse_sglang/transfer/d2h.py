@@ -26,7 +26,8 @@ from sparse_sglang.transfer.native import cuda_ext, host_ext
 
 def default_num_threads(share: int = 1) -> int:
     """Scatter threads by default: all CPUs but 4 (left to the server's own processes), split
-    between the ``share`` schedulers of one host (data-parallel replicas), at most 12 each.
+    between the ``share`` schedulers of one host (data-parallel replicas, tensor-parallel ranks), at
+    most 12 each.
 
     The measurement behind it: ``docs/decisions/0009-staged-flashd2h-for-saving-kv.md``.
     """
