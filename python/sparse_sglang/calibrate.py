@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import logging
 from pathlib import Path
 
 import torch
 
 from sparse_sglang.mem_cache.key_sketch import BASIS_FILE, KeyBasis
-
-logger = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 4096  # per text
 
@@ -107,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         "--text",
         action="append",
         default=[],
-        help="a text file to calibrate on (repeat for several); default: three packages' docstrings",
+        help="a text file to calibrate on (repeat for several); default: torch.nn's docstrings",
     )
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)

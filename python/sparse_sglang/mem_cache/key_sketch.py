@@ -35,8 +35,8 @@ class KeyBasis:
     """Per (layer, kv head) projections of keys and of the group's summed query onto ``rank``
     numbers each, such that ``(q Wq) . (k Wk) ~= q . k`` up to a per-query constant.
 
-    :meth:`fit` takes them from one calibration text's queries and keys: the rank-``r``
-    approximation of the bilinear form ``q . k`` under the text's query second moment ``Sq`` and
+    :meth:`fit` takes them from calibration texts' queries and keys: the rank-``r``
+    approximation of the bilinear form ``q . k`` under the texts' query second moment ``Sq`` and
     centred key covariance ``Sk`` (the key mean adds the same to every token's score, so it cannot
     change a ranking): with ``U S V'`` the SVD of ``Sq^1/2 Sk^1/2``, ``Wk = Sk^-1/2 V`` and
     ``Wq = Sq^-1/2 U S`` (the CCA-like solution; plain SVD of the keys spends its directions on
