@@ -334,11 +334,12 @@ class WorkingSetGate:
         self.resume_pages: dict = {}  # rid of a retracted request -> its working set then
 
     def demand(self, running_slots: list[int]) -> list[int]:
-        """Working-set pages of each running request (at least a narrowest row), the largest over
-        ranks (the last entry, internal: minus the smallest cache size over ranks)."""
+        """Working-set pages of each running request (at least a narrowest row), the largest over ranks."""
         return self._agreed(running_slots)[:-1]
 
     def _agreed(self, running_slots: list[int]) -> list[int]:
+        # The demands and the negated cache size: one max over ranks gives the largest demands
+        # and the smallest cache.
         row = self.cache.row_slots
         published = self.tracker.published()
         local = [max(published.get(slot, 0), row) for slot in running_slots] + [-self.cache.num_slots]
