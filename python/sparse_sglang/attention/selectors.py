@@ -132,8 +132,10 @@ class Selector(ABC):
             ``[B, Hkv, N]`` float32; higher is more important. Pages a request does not hold may
             score anything (even NaN): :func:`select_pages` masks them by ``num_pages``.
         """
-        if "radius" in self.summaries and radius is None:
-            raise ValueError(f"selector {self.name!r} needs the per-page key radius (page_mean_abs_deviation)")
+        given = {"kmin": kmin, "kmax": kmax, "mean": mean, "radius": radius, "sketch": sketch}
+        missing = [name for name in self.summaries if given[name] is None]
+        if missing:  # e.g. the radius (page_mean_abs_deviation), the key sketches (key_sketch)
+            raise ValueError(f"selector {self.name!r} needs the summaries {', '.join(missing)}")
         scores = self.head_scores(q, kmin=kmin, kmax=kmax, mean=mean, radius=radius, sketch=sketch)
         if group_reduce == "sum":
             return scores.sum(dim=2)
@@ -204,8 +206,6 @@ class KeySketch(Selector):
     summaries = ("sketch",)
 
     def head_scores(self, q, *, kmin, kmax, mean, radius, sketch=None):
-        if sketch is None:
-            raise ValueError("selector 'sketch' needs the key sketches")
         return sketch_page_scores(q, sketch)
 
 
