@@ -247,10 +247,7 @@ class PageSummaries:
         filled over several (its centre moves). No loops, no host synchronization, so the update
         can run inside a CUDA graph.
         """
-        slots = token_slots.long()
-        valid = slots >= 0
-        page = torch.where(valid, slots // self.page_size, self.num_pages)  # padding -> spare page
-        fresh = torch.where(valid & (slots % self.page_size == 0), page, self.num_pages)
+        page, _, fresh = self._token_pages(token_slots)
         self._kmin[layer][:, fresh], self._kmax[layer][:, fresh] = self.empty_bounds
         if self._exp is not None:
             self._exp[layer][:, fresh] = EMPTY_EXP
@@ -282,15 +279,21 @@ class PageSummaries:
         ``token_slots`` ``[T]`` (``-1``: padding), as :meth:`update` takes them: a token at offset 0
         zeroes its page's sketches first (a previous owner's). Fixed shapes, no host
         synchronization (CUDA-graph safe)."""
-        slots = token_slots.long()
-        valid = slots >= 0
-        page = torch.where(valid, slots // self.page_size, self.num_pages)  # padding -> spare page
-        offset = torch.where(valid, slots % self.page_size, 0)
-        fresh = torch.where(valid & (offset == 0), page, self.num_pages)
+        page, offset, fresh = self._token_pages(token_slots)
         sketch = self._sketch[layer]  # [H, N + 1, P * r]
         sketch.index_fill_(1, fresh, 0)  # (indexed assignment of a scalar copies from the host: no graph)
         tokens = sketch.view(sketch.shape[0], sketch.shape[1], self.page_size, self.key_basis.rank)
         tokens[:, page, offset] = project_keys(k, self.key_basis.keys[layer]).transpose(0, 1).to(sketch.dtype)
+
+    def _token_pages(self, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(page, offset, fresh)`` of host token slots (``-1`` padding folds into the spare page
+        at offset 0); ``fresh`` is the page of a token at offset 0 (its page starts anew), else the
+        spare page."""
+        slots = token_slots.long()
+        valid = slots >= 0
+        page = torch.where(valid, slots // self.page_size, self.num_pages)
+        offset = torch.where(valid, slots % self.page_size, 0)
+        return page, offset, torch.where(valid & (offset == 0), page, self.num_pages)
 
     def _stored_values(self, layer: int, page: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of ``page`` (``[T]`` ids or a slice) as stored, in float32 ``[H, T, D]``
