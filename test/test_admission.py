@@ -246,9 +246,9 @@ def test_gate_admits_while_working_sets_and_a_narrowest_row_per_new_request_fit_
         tracker.next_step()
     tracker.publish([1, 2])
     assert gate.demand([1, 2]) == [8, 8] and gate.admits([1, 2], starting=0)
-    assert (gate.admitted, gate.deferred) == (5, 3)
+    assert (gate.counts.admitted, gate.counts.deferred) == (5, 3)
     gate.note_queued_aborts(["c"])  # the last answer admitted: the queue is not held
-    assert gate.aborted_while_holding == 2
+    assert gate.counts.aborted_while_holding == 2
 
 
 def test_queued_aborts_follow_sglangs_rid_prefix_rule():
@@ -288,14 +288,14 @@ def test_prefill_adder_defers_a_request_the_gate_does_not_admit():
 
 
 def allocator_of_pool_with(gate):
-    """A stand-in of SGLang's token allocator handing out a KV pool that owns ``gate``."""
+    """A stand-in of SGLang's token allocator handing out a sparse KV pool whose runtime owns ``gate``."""
     from types import SimpleNamespace
 
-    pool = SimpleNamespace(gate=gate)
+    pool = SimpleNamespace(runtime=SimpleNamespace(gate=gate))
     return SimpleNamespace(get_kvcache=lambda: pool)
 
 
-def test_the_gate_is_the_one_the_kv_pool_owns():
+def test_the_gate_is_the_one_the_kv_pools_runtime_owns():
     from types import SimpleNamespace
 
     from sparse_sglang.integration.admission import gate_of
@@ -337,7 +337,7 @@ def test_gate_with_tracker_retracts_while_true_working_sets_overflow_and_readmit
     _select(tracker, {1: 4, 2: 4, 3: 4})  # each now selects 4 pages per (layer, head): 16 slots
     assert gate.demand([1, 2, 3]) == [16, 16, 16]
     assert not gate.keeps([1, 2, 3]) and gate.keeps([1, 2]) and gate.keeps([3])  # one alone always stays
-    assert gate.retracted == 1
+    assert gate.counts.retracted == 1
     gate.note_retracted("r3", 3)  # SGLang retracts request slot 3 (rid "r3")
     assert gate.resume_pages == {"r3": 16}
     # Back in the queue it asks for its 16 slots, not a narrowest row: no room next to 32 used.
@@ -368,7 +368,7 @@ def test_sglangs_retraction_loop_retracts_until_the_working_sets_fit():
     batch = SimpleNamespace(
         reqs=reqs, tree_cache=None, spec_algorithm=SimpleNamespace(is_none=lambda: True),
         token_to_kv_pool_allocator=SimpleNamespace(page_size=32, available_size=lambda: 10_000,
-                                                   get_kvcache=lambda: SimpleNamespace(gate=gate)),
+                                                   get_kvcache=lambda: SimpleNamespace(runtime=SimpleNamespace(gate=gate))),
         _get_decode_retraction_order=ScheduleBatch._get_decode_retraction_order,
         release_req=lambda idx, remaining, args: released.append(reqs[idx].rid),
         filter_batch=lambda keep_indices: batch.__setattr__("reqs", [reqs[i] for i in keep_indices]),
@@ -381,7 +381,7 @@ def test_sglangs_retraction_loop_retracts_until_the_working_sets_fit():
     retracted, _, aborted = ScheduleBatch.retract_decode(batch, SimpleNamespace(retraction_policy="length"))
     # SGLang retracts the request with the fewest output tokens first: r4 (8 slots), then r3 (16).
     assert [r.rid for r in retracted] == released == ["r4", "r3"] and aborted == []
-    assert [r.rid for r in batch.reqs] == ["r1", "r2"] and gate.retracted == 2
+    assert [r.rid for r in batch.reqs] == ["r1", "r2"] and gate.counts.retracted == 2
 
 
 # Tensor parallelism: each rank's gate sees its own kv heads' working sets and its own cache; the

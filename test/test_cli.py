@@ -162,6 +162,8 @@ BAD_ARGV = [
     (["--tp-size", "2"], "--tp-size"),
     (["--dp-size", "2", "--enable-dp-attention"], "--enable-dp-attention"),
     (["--pp-size", "2"], "--pp-size"),
+    (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
+    (["--enable-pdmux"], "--enable-pdmux"),
     (["--sparse-enabled", "maybe"], "--sparse-enabled"),
     (["--attention-backend", "flashinfer"], "--attention-backend"),
     (["--decode-attention-backend", "triton"], "--decode-attention-backend"),

@@ -87,14 +87,14 @@ def check_prefix_attention(staging_tokens, dtype, k_scale=None, v_scale=None):
 
     ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
     indptr = torch.tensor([0, *torch.tensor(NEW).cumsum(0).tolist()], dtype=torch.int32)
-    ragged.plan(indptr, indptr, SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.head_dim, causal=True,
-                q_data_type=torch.bfloat16)  # fmt: skip
     total, scale = sum(NEW), SHAPE.head_dim**-0.5
+    ragged.plan(indptr, indptr, SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.head_dim, causal=True, sm_scale=scale,
+                q_data_type=torch.bfloat16)  # fmt: skip
     for layer in range(SHAPE.num_layers):
         q = torch.randn(total, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).bfloat16()
         new_k, new_v = (torch.randn(total, SHAPE.num_kv_heads, SHAPE.head_dim, device="cuda", generator=gen).bfloat16()
                         for _ in range(2))  # fmt: skip
-        out, lse = ragged.forward_return_lse(q, new_k, new_v, causal=True, sm_scale=scale)
+        out, lse = ragged.run(q, new_k, new_v, return_lse=True)
         prefix.run(layer, q, out, lse, scale, k_scale=k_scale, v_scale=v_scale)
         host_k = host.k[layer].flatten(1, 2).cuda().float() * (k_scale or 1.0)  # [Hkv, host tokens, D]
         host_v = host.v[layer].flatten(1, 2).cuda().float() * (v_scale or 1.0)

@@ -13,6 +13,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.integration.segmented_prefill import SegmentedPrefillLoop
+from sparse_sglang.stats import SparseStats
 
 LAYERS, INJECT = 8, 4096
 
@@ -39,10 +40,11 @@ class Scheduler:
         self.server_args = SimpleNamespace(
             sparse=SparseConfig(host_cache_gb=1.0, segmented_prefill=True, max_inject_tokens=INJECT)
         )
-        backend = SimpleNamespace(
-            resume_extend=lambda: self.log.append("resume"),
-            store=SimpleNamespace(wait_saves=lambda: self.log.append("wait_saves")),
-        )
+        backend = SimpleNamespace(resume_extend=lambda: self.log.append("resume"))
+        runtime = SimpleNamespace(store=SimpleNamespace(wait_saves=lambda: self.log.append("wait_saves")),
+                                  stats=SparseStats())  # fmt: skip
+        pool = SimpleNamespace(runtime=runtime)  # the sparse KV pool SGLang's token allocator hands out
+        self.token_to_kv_pool_allocator = SimpleNamespace(get_kvcache=lambda: pool)
         model = SimpleNamespace(forward_split_prefill=None)  # the models SGLang can run layer by layer have it
         self.tp_worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend, model=model))
         self.request_receiver = SimpleNamespace(recv_requests=lambda: [])

@@ -217,7 +217,9 @@ def test_fused_and_reference_paths_give_the_same_steps(interval, coarse, selecto
             b.store.cache.next_step()
             b.decoder.plan(b.req_slots, seq_lens, host_pages)
             assert b.decoder.use_coarse == bool(coarse)
-            assert b.decoder.coarse_steps == (step + 1) * bool(coarse)  # server info's decode_steps_coarse_first
+            assert b.decoder.stats.coarse_first_steps == (step + 1) * bool(
+                coarse
+            )  # server info's decode_steps_coarse_first
             for layer, (k, v) in enumerate(kv):
                 out = b.decoder.run(layer, qs[layer])
                 pages = torch.where(

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_sglang.attention.constants import LayerConstants
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.plan import STAGING_BUFFERS, staging_buffer_pages
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
@@ -106,15 +107,19 @@ class PrefixAttention:
         FlashInfer float workspace (GPU, uint8).
     staging_tokens : int
         Prefix tokens staged at once, in two buffers of half as many (``--sparse-prefix-staging-tokens``).
+    sm_scale, logits_soft_cap : float, optional
+        The model's (every layer's; planned once per forward): 1/sqrt(head_dim) and none by default.
     """
 
-    def __init__(self, store: SparseKVStore, num_q_heads: int, workspace: torch.Tensor, staging_tokens: int):
+    def __init__(self, store: SparseKVStore, num_q_heads: int, workspace: torch.Tensor, staging_tokens: int,
+                 sm_scale: float | None = None, logits_soft_cap: float | None = None):  # fmt: skip
         import flashinfer
 
         from sparse_sglang.transfer import FlashH2D
 
         s = store.shape
         self.store, self.num_q_heads = store, num_q_heads
+        self.constants = LayerConstants.of(s.head_dim, sm_scale, logits_soft_cap)
         self.capacity = staging_buffer_pages(staging_tokens, s.page_size)  # pages of one buffer
         pages = STAGING_BUFFERS * self.capacity
         self.k = torch.empty(pages * s.num_kv_heads, s.page_size, s.head_dim, dtype=s.dtype, device=store.device)
@@ -183,15 +188,19 @@ class PrefixAttention:
         first = buffer * self.capacity
         wrapper.plan(torch.tensor(piece.qo_indptr, dtype=torch.int32), torch.tensor(piece.kv_indptr, dtype=torch.int32),
                      self.page_index[first : first + num_pages], torch.tensor(piece.last_page_len, dtype=torch.int32), self.num_q_heads,
-                     s.num_kv_heads, s.head_dim, s.page_size, causal=False, q_data_type=self.attend_dtype,
+                     s.num_kv_heads, s.head_dim, s.page_size, causal=False, sm_scale=self.constants.sm_scale,
+                     logits_soft_cap=self.constants.logits_soft_cap, q_data_type=self.attend_dtype,
                      kv_data_type=self.attend_dtype)  # fmt: skip
 
-    def run(self, layer: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sm_scale: float,
+    def run(self, layer: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sm_scale: float | None = None,
             logits_soft_cap: float | None = None, k_scale: float | None = None, v_scale: float | None = None) -> None:  # fmt: skip
         """Merge the attention of ``q`` ``[T, Hq, D]`` over the prefixes of one layer into ``out``
         ``[T, Hq, D]`` and ``lse`` ``[T, Hq]`` (float32), in place: those hold the attention over
-        the other keys (the new tokens'). ``k_scale``/``v_scale``: per-tensor scales of fp8 KV."""
+        the other keys (the new tokens'). ``sm_scale``/``logits_soft_cap``: the layer's, which must
+        be the planned ones (None: not checked); ``k_scale``/``v_scale``: per-tensor scales of fp8 KV."""
         import flashinfer
+
+        self.constants.check(sm_scale, logits_soft_cap, "prefix attention")
 
         compute = torch.cuda.current_stream()
         for i in range(min(STAGING_BUFFERS, len(self.pieces))):
@@ -205,9 +214,7 @@ class PrefixAttention:
                 self._plan(wrapper, piece, b)
             assert self.staged[b] == (layer, i), (self.staged, layer, i)  # staged when piece i - 2 was done
             compute.wait_event(self.loaded[b])
-            o, s_piece = wrapper.forward_return_lse(q[piece.rows], self.kv, causal=False, sm_scale=sm_scale,
-                                                    logits_soft_cap=logits_soft_cap or None, k_scale=k_scale,
-                                                    v_scale=v_scale)  # fmt: skip
+            o, s_piece = wrapper.run(q[piece.rows], self.kv, k_scale=k_scale, v_scale=v_scale, return_lse=True)
             flashinfer.merge_state_in_place(out[piece.rows], lse[piece.rows], o, s_piece)
             if self.replans:
                 self.last_run[w].record()

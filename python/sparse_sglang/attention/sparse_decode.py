@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sparse_sglang.attention.constants import LayerConstants
 from sparse_sglang.attention.reference import retrieve_reference, score_coarse_reference
 from sparse_sglang.attention.retrieval import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
@@ -40,6 +41,7 @@ from sparse_sglang.mem_cache.key_sketch import project_query
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.summaries import coarse_built
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
+from sparse_sglang.stats import SparseStats
 
 TOPK_IMPLS = ("flashinfer", "torch")
 
@@ -134,14 +136,14 @@ class SparseDecoder:
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,
                  max_batch: int, use_tensor_cores: bool | None = None, topk: str = "flashinfer",
-                 sm_scale: float | None = None, logits_soft_cap: float | None = None):  # fmt: skip
+                 sm_scale: float | None = None, logits_soft_cap: float | None = None,
+                 stats: SparseStats | None = None):  # fmt: skip
         import flashinfer
 
         shape = store.shape
         self.store, self.config = store, config
         self.num_kv_heads, self.head_dim, self.page_size = shape.num_kv_heads, shape.head_dim, shape.page_size
-        self.sm_scale = shape.head_dim**-0.5 if sm_scale is None else float(sm_scale)
-        self.logits_soft_cap = float(logits_soft_cap or 0.0)  # 0: none (FlashInfer's convention)
+        self.constants = LayerConstants.of(shape.head_dim, sm_scale, logits_soft_cap)
         self.group = num_q_heads // shape.num_kv_heads
         self.width = min(config.budget_pages, shape.row_width)  # K: pages per (request, kv head)
         if use_tensor_cores is None:
@@ -170,7 +172,7 @@ class SparseDecoder:
             self.coarse = 0
         self.coarse_tail = self.coarse + self.forced[1] - 1  # most pages a request holds from built * S on
         self.use_coarse = False  # this step (plan)
-        self.coarse_steps = 0  # decode steps planned on the coarse-first path since start (server info)
+        self.stats = SparseStats() if stats is None else stats  # counts coarse-first steps (server info)
         self.built = self.built_rows = None  # [B], [B * Hkv] int32: complete super-pages per request
         # Per step (plan). reselect: [B] bool, which requests select from all their pages (None:
         # every request, interval 1).
@@ -267,7 +269,7 @@ class SparseDecoder:
             indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
             q_data_type=kv_compute_dtype(self.store.shape.dtype),
             kv_data_type=self.store.shape.dtype,
-            sm_scale=self.sm_scale, logits_soft_cap=self.logits_soft_cap,
+            sm_scale=self.constants.sm_scale, logits_soft_cap=self.constants.logits_soft_cap,
         )  # fmt: skip
         self.req_slots, self.batch = req_slots, batch
         reselect = (
@@ -328,7 +330,7 @@ class SparseDecoder:
             )
         if not self.use_coarse or torch.cuda.is_current_stream_capturing():  # capture: no real pages
             return
-        self.coarse_steps += 1
+        self.stats.coarse_first_steps += 1
         if max_built == 0:
             return
         self._build_coarse(max_built)
@@ -399,7 +401,7 @@ class SparseDecoder:
         torch.Tensor
             ``[B, Hq, D]``.
         """
-        self.check_layer_constants(sm_scale, logits_soft_cap)
+        self.constants.check(sm_scale, logits_soft_cap, "sparse decoder")
         page_ids = self.select_raw(layer, q)
         if self.selection_log is not None:  # -1 for none (the top-k's picks past a request's end)
             self.selection_log[: self.batch, layer] = torch.where(
@@ -408,16 +410,6 @@ class SparseDecoder:
         self._retrieve(layer, page_ids)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
         return self.wrapper.run(qs, self.kv, k_scale=k_scale, v_scale=v_scale).view(q.shape)
-
-    def check_layer_constants(self, sm_scale: float | None, logits_soft_cap: float | None) -> None:
-        """A layer's softmax scale and soft cap must be the ones planned (host floats: no sync,
-        fine inside CUDA-graph capture)."""
-        if sm_scale is not None and not math.isclose(sm_scale, self.sm_scale, rel_tol=1e-6):
-            raise ValueError(f"a layer's softmax scale {sm_scale} is not the decoder's {self.sm_scale}: "
-                             "sparse decode plans one scale for every layer")  # fmt: skip
-        if float(logits_soft_cap or 0.0) != self.logits_soft_cap:
-            raise ValueError(f"a layer's logits soft cap {logits_soft_cap} is not the decoder's "
-                             f"{self.logits_soft_cap or None}: sparse decode plans one for every layer")  # fmt: skip
 
     def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
         """Hits and misses of one layer's selection, the misses loaded, FlashInfer's indices
@@ -502,7 +494,7 @@ def make_decoder(store: SparseKVStore, config: SparseConfig, num_q_heads: int, w
     """The decoder for ``store``: :class:`SparseDecoder` (the fused kernels) or, with ``fused``
     false, :class:`TorchPathDecoder`. By default the fused one on CUDA for rows
     :func:`fits_fused_retrieve` takes; wider rows, from large budgets, take the torch path.
-    ``options`` go to the decoder (``use_tensor_cores``, ``topk``)."""
+    ``options`` go to the decoder (``use_tensor_cores``, ``topk``, ``stats``)."""
     if fused is None:
         width = min(config.budget_pages, store.shape.row_width)
         fused = store.device.type == "cuda" and fits_fused_retrieve(width, store.shape.row_width)

@@ -16,15 +16,16 @@ queue (the soak's "aborted while queued by the working-set rule").
 
 from __future__ import annotations
 
+from sparse_sglang.integration.memory_pool import runtime_of
 from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.scheduler import WorkingSetGate
 
 
 def gate_of(token_to_kv_pool_allocator) -> WorkingSetGate | None:
-    """The working-set gate of the KV pool ``token_to_kv_pool_allocator`` hands out (the sparse
-    pool's ``gate``; ``None`` for another pool, or with admission by working sets off)."""
-    get_kvcache = getattr(token_to_kv_pool_allocator, "get_kvcache", None)
-    return None if get_kvcache is None else getattr(get_kvcache(), "gate", None)
+    """The working-set gate of the sparse runtime behind SGLang's token allocator (``None`` for
+    another pool, or with admission by working sets off)."""
+    runtime = runtime_of(token_to_kv_pool_allocator)
+    return None if runtime is None else runtime.gate
 
 
 @relies_on(

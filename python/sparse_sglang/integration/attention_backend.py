@@ -17,6 +17,7 @@ runs on the device only.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import TYPE_CHECKING
@@ -24,12 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-from sparse_sglang.attention.prefix import PrefixAttention
-from sparse_sglang.attention.sparse_decode import host_page_table, make_decoder
+from sparse_sglang.attention.constants import LayerConstants
+from sparse_sglang.attention.sparse_decode import host_page_table
 from sparse_sglang.integration.registry import relies_on
 from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.mem_cache.plan import prefix_staging_tokens
-from sparse_sglang.scheduler import WorkingSetGate, WorkingSetTracker
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -53,34 +53,28 @@ class SparseAttnBackend(FlashInferAttnBackend):
         super().__init__(model_runner, init_new_workspace=init_new_workspace)
         self.sparse_config = model_runner.server_args.sparse
         self.kv_pool = model_runner.token_to_kv_pool
-        self.store = self.kv_pool.store
+        runtime = self.runtime = self.kv_pool.runtime
         self.req_generation = model_runner.req_to_token_pool.req_generation  # bumps when a slot gets a new request
         self.row_generation: dict[int, int] = {}  # request slot -> generation its cache row belongs to
         self.num_q_heads = self.num_qo_heads_per_rank(model_runner)
         max_batch = model_runner.req_to_token_pool.size + 1
         sm_scale, soft_cap = self.attention_constants(model_runner)
-        self.decoder = make_decoder(self.store, self.sparse_config, self.num_q_heads, self.workspace_buffer, max_batch,
-                                    sm_scale=sm_scale, logits_soft_cap=soft_cap)  # fmt: skip
+        staging = prefix_staging_tokens(self.sparse_config, model_runner.model_config.context_len)
+        runtime.start_attention(self.num_q_heads, self.workspace_buffer, max_batch, staging, sm_scale=sm_scale,
+                                logits_soft_cap=soft_cap, agree=tp_agreement())  # fmt: skip
+        self.constants = LayerConstants.of(model_runner.model_config.head_dim, sm_scale, soft_cap)
+        # The runtime's parts, named here because every layer of every forward uses them.
+        self.store, self.decoder, self.prefix, self.tracker = (
+            runtime.store,
+            runtime.decoder,
+            runtime.prefix,
+            runtime.tracker,
+        )
         self.extend_runs: SaveRuns | None = None  # the tokens the current prefill saves
         # The next forward's request slots on the host (``ForwardBatch.init_new`` hands them over):
         # reading the GPU copy back would wait for the forward before it (overlap scheduling).
         self.next_req_slots: list[int] | None = None
-        staging = prefix_staging_tokens(self.sparse_config, model_runner.model_config.context_len)
-        self.prefix = PrefixAttention(self.store, self.num_q_heads, self.workspace_buffer, staging)
-        config = self.sparse_config
-        # Working-set admission: the decoder logs each step's selections, the tracker keeps the
-        # last window of them per request and counts each one's distinct pages once per step.
-        self.tracker, self.tracked_slots = None, None  # tracked_slots: the last decode step's batch
-        if config.working_set_admission:
-            shape = self.store.shape
-            self.tracker = WorkingSetTracker(max_batch, shape.num_layers, shape.num_kv_heads, self.decoder.width,
-                                             config.working_set_window, self.store.device)  # fmt: skip
-            self.decoder.log_selections(max_batch)
-        self.kv_pool.gate = (
-            WorkingSetGate(self.store.cache, self.tracker, agree=tp_agreement())
-            if config.working_set_admission
-            else None
-        )
+        self.tracked_slots = None  # the last decode step's batch, which the tracker records next forward
         logger.info("sparse attention backend: %s", self.sparse_config)
 
     @staticmethod
@@ -131,6 +125,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
                 raise RuntimeError("the sparse backend needs FlashInfer's ragged prefill (unset SGLANG_FLASHINFER_USE_PAGED, "
                                    "deterministic inference and multimodal inputs)")  # fmt: skip
             self._begin_extend(forward_batch)
+            self._plan_ragged(forward_batch)
         else:
             raise NotImplementedError(f"the sparse backend does not run {mode} batches (speculative decoding, "
                                       "mixed chunks); turn those options off")  # fmt: skip
@@ -168,6 +163,17 @@ class SparseAttnBackend(FlashInferAttnBackend):
         self.store.bind_runs(self.extend_runs)
         self.prefix.plan(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu,
                          fb.extend_seq_lens_cpu)  # fmt: skip
+
+    def _plan_ragged(self, fb: ForwardBatch) -> None:
+        """Plan the ragged (new tokens to new tokens) prefill the way this backend runs it: causal,
+        with the model's softmax scale and soft cap, which FlashInfer's ``run`` reads from the plan.
+        SGLang plans the same wrapper in ``init_forward_metadata`` for its ``forward``, which takes
+        them per call and is deprecated; the plan here replaces that one."""
+        indptr = torch.tensor([0, *itertools.accumulate(fb.extend_seq_lens_cpu)], dtype=torch.int32)
+        s = self.store.shape
+        self.prefill_wrapper_ragged.plan(indptr, indptr, self.num_q_heads, s.num_kv_heads, s.head_dim, causal=True,
+                                         sm_scale=self.constants.sm_scale, logits_soft_cap=self.constants.logits_soft_cap,
+                                         q_data_type=self.q_data_type)  # fmt: skip
 
     def resume_extend(self) -> None:
         """Before the next layer segment of a layer-segmented prefill. Its metadata (the ragged and
@@ -242,17 +248,13 @@ class SparseAttnBackend(FlashInferAttnBackend):
         heads, dim = layer.tp_q_head_num, layer.head_dim
         q3 = q.contiguous().view(-1, heads, dim)
         k3, v3 = k.view(-1, layer.tp_k_head_num, dim), v.view(-1, layer.tp_v_head_num, dim)
-        cap = layer.logit_cap or None
+        self.constants.check(layer.scaling, layer.logit_cap, "sparse backend's prefill")
         k_scale, v_scale = fp8_kv_scales(layer, self.store.shape.dtype)
         if not self.prefix.active:  # the new tokens' own K/V, unquantized
-            o = self.prefill_wrapper_ragged.forward(
-                q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap
-            )
+            o = self.prefill_wrapper_ragged.run(q3, k3, v3)
         else:
-            o, lse = self.prefill_wrapper_ragged.forward_return_lse(
-                q3, k3, v3, causal=True, sm_scale=layer.scaling, logits_soft_cap=cap
-            )
-            self.prefix.run(layer.layer_id - self.kv_pool.start_layer, q3, o, lse, layer.scaling, cap, k_scale, v_scale)
+            o, lse = self.prefill_wrapper_ragged.run(q3, k3, v3, return_lse=True)
+            self.prefix.run(layer.layer_id - self.kv_pool.start_layer, q3, o, lse, k_scale=k_scale, v_scale=v_scale)
         if save_kv_cache:
             self.kv_pool.save(layer.layer_id, forward_batch.out_cache_loc, k3, v3, staged=True,
                               k_scale=k_scale, v_scale=v_scale)  # fmt: skip

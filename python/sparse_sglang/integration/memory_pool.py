@@ -4,7 +4,8 @@ SGLang sizes its KV pool from free GPU memory and allocates ``[tokens, heads, di
 layer on the GPU. With sparse decode the KV lives in pinned host memory instead, so
 :func:`patch_alloc_memory_pool` replaces ``ModelRunner.alloc_memory_pool`` (when ``--sparse-enabled``)
 with :func:`alloc_sparse_memory_pool`: it plans the split (:func:`~sparse_sglang.mem_cache.plan.plan_memory`),
-builds the :class:`~sparse_sglang.mem_cache.kv_store.SparseKVStore`, and hands SGLang
+builds the :class:`~sparse_sglang.runtime.SparseRuntime` (the one owner of the store, decoder,
+gate and counters; the model runner keeps it as ``sparse_runtime``), and hands SGLang
 
 - a :class:`SparseTokenToKVPool` whose token locations are host slots (page ``loc // page_size``
   of the host store), so SGLang's paged allocator and radix cache manage host pages;
@@ -28,6 +29,7 @@ from sparse_sglang.integration.input_length import note_host_store
 from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.plan import plan_memory
+from sparse_sglang.runtime import SparseRuntime, build_runtime
 from sparse_sglang.transfer.d2h import default_num_threads
 
 if TYPE_CHECKING:
@@ -45,22 +47,20 @@ class SparseTokenToKVPool(KVCache):
     stages prefixes itself, so ``get_key_buffer`` and friends fail loudly on any other path.
 
     The model runner holds this pool, and the scheduler's token allocator hands it out
-    (``get_kvcache()``): it owns what both sides read, the store and the working-set ``gate``
-    (:class:`~sparse_sglang.scheduler.WorkingSetGate`, set by the attention backend when
-    ``--sparse-working-set-admission`` is on; ``None``: admission is SGLang's alone).
+    (``get_kvcache()``), so it is where both sides find the ``runtime`` (:func:`runtime_of`).
     """
 
-    def __init__(self, store: SparseKVStore, size: int, device: str, start_layer: int | None = None,
+    def __init__(self, runtime: SparseRuntime, size: int, device: str, start_layer: int | None = None,
                  end_layer: int | None = None):  # fmt: skip
         from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import UnquantizedKVCacheMethod
 
-        s = store.shape
+        s = runtime.store.shape
         super().__init__(size, s.page_size, s.dtype, s.num_layers, device, False, start_layer, end_layer)
-        self.store = store
-        self.gate = None  # the working-set gate (WorkingSetGate), when admission by working sets is on
+        self.runtime = runtime
+        self.store = runtime.store  # the runtime's; save() writes it on every layer of every forward
         self.head_num, self.head_dim, self.v_head_dim = s.num_kv_heads, s.head_dim, s.head_dim
         self.quant_method = UnquantizedKVCacheMethod()
-        self.mem_usage = store.gpu_bytes / GIB
+        self.mem_usage = runtime.store.gpu_bytes / GIB
         logger.info("sparse KV pool: %d host tokens, %.2f GiB on the GPU", size, self.mem_usage)
 
     def get_kv_size_bytes(self) -> int:
@@ -93,6 +93,13 @@ class SparseTokenToKVPool(KVCache):
         if k.dtype != s.dtype and k_scale is not None:  # fp8 KV with a calibrated scale, as SGLang stores it
             k, v = k / k_scale, v / v_scale
         self.store.save(layer_id - self.start_layer, loc, k, v, staged=staged)
+
+
+def runtime_of(token_to_kv_pool_allocator) -> SparseRuntime | None:
+    """The sparse runtime behind SGLang's token allocator (its ``get_kvcache()`` is the sparse
+    pool); ``None`` for another pool (sparse off, a draft worker)."""
+    get_kvcache = getattr(token_to_kv_pool_allocator, "get_kvcache", None)
+    return None if get_kvcache is None else getattr(get_kvcache(), "runtime", None)
 
 
 @relies_on("sglang.srt.mem_cache.memory_pool:ReqToTokenPool.free", at="sglang/srt/mem_cache/memory_pool.py:319")
@@ -172,14 +179,11 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     )
     logger.info("sparse memory plan: %s", plan.describe())
     note_host_store(plan.max_total_tokens, sparse.host_cache_gb, model.context_len)
-    store = SparseKVStore(plan.shape, runner.device, **kept_summaries(sparse.selector), lru_buckets=sparse.cache_lru_buckets,
-                          lru_steps_per_bucket=sparse.cache_lru_steps_per_bucket, bound_format=sparse.bound_format,
-                          coarse_pages=sparse.coarse_pages, key_basis=key_basis,
-                          d2h_threads=default_num_threads(share=replicas))  # fmt: skip
-    pool = SparseTokenToKVPool(store, plan.max_total_tokens, runner.device,
+    runtime = build_runtime(sparse, plan, runner.device, key_basis, d2h_threads=default_num_threads(share=replicas))
+    pool = SparseTokenToKVPool(runtime, plan.max_total_tokens, runner.device,
                                conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip
     runner.req_to_token_pool = conf._build_req_to_token_pool(max_num_reqs=plan.max_running_requests)
-    release_rows_on_free(runner.req_to_token_pool, store)
+    release_rows_on_free(runner.req_to_token_pool, runtime.store)
     runner.token_to_kv_pool = pool
     runner.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
         plan.max_total_tokens, page_size=plan.shape.page_size, dtype=dtype, device=runner.device, kvcache=pool,
@@ -192,6 +196,7 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     )
     runner._unified_memory_pool = None
     runner.sparse_plan = plan
+    runner.sparse_runtime = runtime
     runner._init_post_memory_pool_components()
 
 

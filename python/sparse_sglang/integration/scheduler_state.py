@@ -10,27 +10,20 @@ back at its idle value, which is what the soak benchmark checks.
 
 from __future__ import annotations
 
-import dataclasses
-
+from sparse_sglang.integration.memory_pool import runtime_of
 from sparse_sglang.integration.registry import relies_on, wrap_once
 
 
 def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
-    """The ``"sparse"`` entry for one scheduler (``None`` when it serves without sparse decode)."""
-    pool = scheduler.tp_worker.model_runner.token_to_kv_pool
-    store = getattr(pool, "store", None)
-    if store is None:
+    """The ``"sparse"`` entry for one scheduler (``None`` when it serves without sparse decode):
+    its runtime's report (:meth:`~sparse_sglang.runtime.SparseRuntime.report`) and what SGLang's
+    own pools say."""
+    runtime = runtime_of(scheduler.token_to_kv_pool_allocator)
+    if runtime is None:
         return None
     allocator, tree = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
-    gate = pool.gate
     return {
-        "working_set_admissions": None if gate is None else gate.admitted,
-        "working_set_deferrals": None if gate is None else gate.deferred,
-        "working_set_aborted_while_waiting": None if gate is None else gate.aborted_while_holding,
-        "working_set_retractions": None if gate is None else gate.retracted,
-        # the running requests' distinct selected pages over the window (the tracker's last count)
-        "working_set_demand_pages": None if gate is None else sum(gate.tracker.published().values()),
-        **store.stats(scheduler.server_args.sparse.working_set_window),
+        **runtime.report(runtime.config.working_set_window),
         "host_tokens": scheduler.max_total_num_tokens,
         "host_tokens_free": allocator.available_size(),
         "host_tokens_in_radix_cache": tree.evictable_size() + tree.protected_size(),
@@ -39,26 +32,7 @@ def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
         "request_slots": scheduler.req_to_token_pool.size,
         "request_slots_free": scheduler.req_to_token_pool.available_size(),
         **hbm_state(reset_hbm_peak),
-        "prefix_staging_bytes": staging_bytes(scheduler.tp_worker.model_runner.attn_backend),
-        "decode_steps_coarse_first": coarse_steps(scheduler.tp_worker.model_runner.attn_backend),
-        "segmented_prefill": dataclasses.asdict(segmented)
-        if (segmented := getattr(scheduler, "sparse_segmented_prefill", None))
-        else None,
     }
-
-
-def staging_bytes(backend) -> int | None:
-    """GPU bytes of the buffers a prefill stages its cached prefix into, a piece of one layer at a
-    time (allocated at start-up, ``--sparse-prefix-staging-tokens``; with their bf16 copies for
-    fp8 KV): the KV a prefill holds in HBM besides its own."""
-    prefix = getattr(backend, "prefix", None)
-    return None if prefix is None else prefix.staging_bytes
-
-
-def coarse_steps(backend) -> int | None:
-    """Decode steps that selected coarse-first (``--sparse-coarse-pages``) since start."""
-    decoder = getattr(backend, "decoder", None)
-    return None if decoder is None else decoder.coarse_steps
 
 
 def hbm_state(reset_peak: bool) -> dict:

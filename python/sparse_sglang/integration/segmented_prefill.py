@@ -27,9 +27,9 @@ every request was aborted stops at once and frees their host pages and request s
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sparse_sglang.integration.memory_pool import runtime_of
 from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.prefill.segments import layers_per_iteration, next_segment_end
 
@@ -38,16 +38,6 @@ if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SegmentedPrefillStats:
-    """Counters shown under ``"sparse"`` in ``/get_server_info``."""
-
-    prefills: int = 0  # prefill batches run in layer segments
-    segments: int = 0  # layer segments run
-    decode_steps: int = 0  # decode steps run between segments
-    cancelled: int = 0  # split batches stopped because every request in them was aborted
 
 
 class SegmentedPrefillLoop:
@@ -61,10 +51,10 @@ class SegmentedPrefillLoop:
         self.scheduler = scheduler
         self.num_layers = scheduler.model_config.num_hidden_layers
         self.max_inject_tokens = scheduler.server_args.sparse.inject_tokens(self.num_layers)
-        self.backend = scheduler.tp_worker.model_runner.attn_backend
+        self.backend = scheduler.tp_worker.model_runner.attn_backend  # resumes the split batch's metadata
+        self.runtime = runtime_of(scheduler.token_to_kv_pool_allocator)
         self.prefill: ScheduleBatch | None = None  # the split batch in flight
-        self.stats = SegmentedPrefillStats()
-        scheduler.sparse_segmented_prefill = self.stats
+        self.stats = self.runtime.stats.segmented_prefill  # the runtime's; server info reports them
         # Scheduler.run_batch runs a SPLIT_PREFILL batch only under this flag (scheduler.py:3653).
         # dispatch_event_loop has chosen this loop already, and nothing else reads the
         # scheduler's copy after its __init__ (the model runner reads server_args' own).
@@ -155,7 +145,7 @@ class SegmentedPrefillLoop:
             prepare_abort(req)
             release_kv_cache(req, s.tree_cache, is_insert=False)
             s.ipc_channels.send_to_tokenizer.send_output(AbortReq(rid=req.rid), req)
-        self.backend.store.wait_saves()  # the layers run so far may still be landing in the freed pages
+        self.runtime.store.wait_saves()  # the layers run so far may still be landing in the freed pages
         self.prefill = s.last_batch = None
         self.stats.cancelled += 1
         logger.info("layer-segmented prefill of %d request(s) aborted after %d of %d layers",

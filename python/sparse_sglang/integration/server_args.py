@@ -103,7 +103,9 @@ class SparseServerArgs(ServerArgs):
         if self.page_size not in (None, page):
             raise ServerArgRefused("page_size", self.page_size, "with sparse decode SGLang's page is the KV page; "
                                    f"set {mention('page_size')} {self.page_size} instead (or leave it out)")  # fmt: skip
-        for name in ("enable_mixed_chunk", "speculative_algorithm"):
+        # Two-batch overlap and PD multiplexing build several attention backends per model runner;
+        # the sparse runtime has one decoder (and one working-set gate) per model runner.
+        for name in ("enable_mixed_chunk", "speculative_algorithm", "enable_two_batch_overlap", "enable_pdmux"):
             if getattr(self, name) not in (None, False):
                 raise ServerArgRefused(name, getattr(self, name), "not supported with sparse decode "
                                        f"(set {mention('enabled')} false for plain SGLang)")  # fmt: skip

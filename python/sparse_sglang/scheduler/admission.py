@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparse_sglang.stats import WorkingSetCounts
+
 
 def prefill_pages(num_tokens: int, layers_now: int, num_kv_heads: int, page_size: int) -> int:
     """GPU cache pages a prefill needs this iteration: every KV page of its ``num_tokens`` tokens
@@ -314,8 +316,8 @@ class WorkingSetGate:
       the cache, so SGLang retracts one more (its retraction order; the request keeps its host KV
       as a radix-cached prefix, ``integration/retraction.py``); the last request always stays.
 
-    The sparse KV pool owns the gate (``integration/memory_pool.py``); SGLang's scheduler reaches
-    it through its token allocator.
+    The :class:`~sparse_sglang.runtime.SparseRuntime` owns the gate (and the ``counts`` it writes);
+    SGLang's scheduler reaches it through its token allocator's KV pool.
 
     Ranks agree: under tensor parallelism every rank's scheduler asks the same questions in the same
     order, but each answers from its own kv heads' working sets (and its own cache size). ``agree``
@@ -324,13 +326,11 @@ class WorkingSetGate:
     (and, answering alike, asks alike next). ``None``: one rank.
     """
 
-    def __init__(self, cache, tracker: WorkingSetTracker, agree=None):
+    def __init__(self, cache, tracker: WorkingSetTracker, agree=None, counts: WorkingSetCounts | None = None):
         self.cache, self.tracker = cache, tracker  # the tracker's window is the rule's w
         self.agree = agree  # list[int] -> list[int]: the elementwise max over ranks (None: one rank)
-        self.admitted = self.deferred = 0  # answers since start (metrics)
-        self.retracted = 0  # running requests the working-set rule retracted (metrics)
+        self.counts = WorkingSetCounts() if counts is None else counts  # its answers since start (metrics)
         self.holding = False  # the last answer deferred: the waiting queue waits for working-set room
-        self.aborted_while_holding = 0  # queued requests aborted while it held the queue (metrics)
         self.resume_pages: dict = {}  # rid of a retracted request -> its working set then
 
     def demand(self, running_slots: list[int]) -> list[int]:
@@ -360,8 +360,8 @@ class WorkingSetGate:
         waiting.append(Waiting(("new", starting), len(running) + starting, self.resume_pages.get(rid, row), 0))
         policy = AdmissionPolicy(capacity, host_total_pages=1)  # host memory is SGLang's to check
         fits = waiting[-1].rid in policy.decide(running, waiting, host_free_pages=0).admit
-        self.admitted += fits
-        self.deferred += not fits
+        self.counts.admitted += fits
+        self.counts.deferred += not fits
         self.holding = not fits
         if fits:
             self.resume_pages.pop(rid, None)
@@ -374,7 +374,7 @@ class WorkingSetGate:
             return True
         capacity, demand = self._capacity_and_demand(running_slots)
         fits = sum(demand) <= capacity
-        self.retracted += not fits
+        self.counts.retracted += not fits
         return fits
 
     def note_retracted(self, rid, req_slot: int) -> None:
@@ -386,7 +386,7 @@ class WorkingSetGate:
         """Waiting requests ``rids`` are being aborted; counted when the working-set rule holds
         the queue (strict FCFS: every waiting request then waits for room, not only the head)."""
         if self.holding:
-            self.aborted_while_holding += len(rids)
+            self.counts.aborted_while_holding += len(rids)
         for rid in rids:
             self.resume_pages.pop(rid, None)
 

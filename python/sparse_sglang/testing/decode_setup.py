@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_sglang.attention.selectors import kept_summaries
 from sparse_sglang.attention.sparse_decode import make_decoder
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.mem_cache.key_sketch import KeyBasis
 from sparse_sglang.mem_cache.kv_store import SparseKVStore, StoreShape
 from sparse_sglang.mem_cache.plan import row_width_for
+from sparse_sglang.runtime import build_store
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,7 @@ def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_co
     if config.selector == "sketch":  # random directions: the test and timing KV is random too
         rank = config.sketch_rank or max(1, shape.head_dim // 4)
         key_basis = KeyBasis.random(shape.num_layers, shape.num_kv_heads, shape.head_dim, rank)
-    return SparseKVStore(s, "cuda", **kept_summaries(config.selector), bound_format=config.bound_format,
-                         coarse_pages=config.coarse_pages, key_basis=key_basis)  # fmt: skip
+    return build_store(config, s, "cuda", key_basis)
 
 
 class DecodeBench:
