@@ -12,7 +12,8 @@
 # its sparse servers), decode (benchmark/decode.py, quest and sketch), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
 # its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store),
-# dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes).
+# dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes),
+# serving (benchmark/serving.py, vanilla then sparse, long generation at 2 and long prompt at 0.8 req/s).
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
 export PYTHONPATH=/tmp/site:/root/repo/python:/root/repo SPARSE_SGLANG_DEFAULT_GGUF=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -55,6 +56,16 @@ job_startup() {
     --out-dir /root/o --log-dir /root/o/startup-logs
 }
 
+job_serving() {
+  # the serving headline: vanilla with the sparse server's KV dtype in the same GPU bytes, then
+  # sparse, 400 s windows, both traces at their saturated rate ($SERVING_SPARSE_EXTRA: more sparse flags)
+  local sparse="--cuda-graph-max-bs-decode 96 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8 ${SERVING_SPARSE_EXTRA:-}"
+  local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "$sparse"
+    --out-dir /root/o --log-dir /root/o/serving-logs --merge-into "/root/o/${SERVING_FILE:-serving}.json")
+  python3 benchmark/serving.py --systems "${SERVING_SYSTEMS:-vanilla,sparse}" --traces long-generation --rates-long-generation 2.0 "${common[@]}"
+  python3 benchmark/serving.py --systems "${SERVING_SYSTEMS:-vanilla,sparse}" --traces long-prompt --rates-long-prompt 0.8 "${common[@]}"
+}
+
 run_stages() {
   IFS=',' read -ra stages <<< "$JOBS"
   for stage in "${stages[@]}"; do
@@ -67,6 +78,6 @@ run_stages() {
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages $(compgen -A function job_)
 export JOBS GPU_TESTS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
-  DECODE_CONTEXTS DECODE_BATCHES
+  DECODE_CONTEXTS DECODE_BATCHES SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
