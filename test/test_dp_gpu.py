@@ -25,7 +25,7 @@ pytestmark = [
 
 HOST_GB = 16
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--dp-size", "2", "--mem-fraction-static", "0.5",
-        "--sparse-host-cache-gb", str(HOST_GB), "--max-running-requests", "16", "--cuda-graph-max-bs", "16"]  # fmt: skip
+        "--sparse-host-cache-gb", str(HOST_GB), "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16"]  # fmt: skip
 BURST, PROMPT_TOKENS = 24, 3000
 
 

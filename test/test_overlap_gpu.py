@@ -36,7 +36,7 @@ pytestmark = pytest.mark.gpu
 
 LAYERS = 4
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.7", "--sparse-host-cache-gb", "8",
-        "--max-running-requests", "4", "--cuda-graph-max-bs", "8"]  # fmt: skip
+        "--max-running-requests", "4", "--cuda-graph-max-bs-decode", "8"]  # fmt: skip
 
 
 def test_requests_finishing_under_overlap_give_their_tokens_alone(tmp_path):

@@ -33,7 +33,7 @@ PREFIX_TOKENS, QUESTION_TOKENS, QUESTIONS, NEW_TOKENS = 6000, 500, 3, 32
 # prefix in 6 pieces, the hits their 5,984-token prefix in 8 (more than the planned wrappers:
 # re-planned per layer).
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.7",
-        "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs", "8", "--chunked-prefill-size", "4096",
+        "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs-decode", "8", "--chunked-prefill-size", "4096",
         "--sparse-prefix-staging-tokens", "1536"]  # fmt: skip
 
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.gpu
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 4, 5000, 64
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.7",
-        "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs", "8"]  # fmt: skip
+        "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs-decode", "8"]  # fmt: skip
 ENV = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "16"}
 
 

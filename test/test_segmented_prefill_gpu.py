@@ -40,7 +40,7 @@ CHUNK_TOKENS = 4096
 BACKGROUND = 4  # requests decoding while it prefills
 BACKGROUND_PROMPT, BACKGROUND_NEW = 300, 1200
 NEW_TOKENS = 32
-ARGS = ["--mem-fraction-static", "0.7", "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs", "8",
+ARGS = ["--mem-fraction-static", "0.7", "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs-decode", "8",
         "--chunked-prefill-size", str(CHUNK_TOKENS),
         "--sparse-segmented-prefill", "true", "--sparse-max-inject-tokens", str(CHUNK_TOKENS)]  # fmt: skip
 

@@ -37,7 +37,7 @@ PROMPTS = [
 ]
 # Same kernels for both: the bundle used on the GPU host has no FlashAttention-3.
 VANILLA_ARGS = ["--attention-backend", "flashinfer"]
-COMMON_ARGS = ["--cuda-graph-max-bs", "16", "--mem-fraction-static", "0.8"]
+COMMON_ARGS = ["--cuda-graph-max-bs-decode", "16", "--mem-fraction-static", "0.8"]
 
 
 def _post(url: str, path: str, payload: dict) -> dict:

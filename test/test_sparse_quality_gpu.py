@@ -41,7 +41,7 @@ COMMON = [
     "--disable-prefill-cuda-graph",
     "--sparse-host-cache-gb",
     "8",
-    "--cuda-graph-max-bs",
+    "--cuda-graph-max-bs-decode",
     "8",
 ]
 DENSE = ["--sparse-enabled", "false", "--attention-backend", "flashinfer"]

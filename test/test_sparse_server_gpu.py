@@ -36,7 +36,7 @@ pytestmark = pytest.mark.gpu
 
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.8",
         "--chunked-prefill-size", "4096", "--sparse-host-cache-gb", "16", "--max-running-requests", "8",
-        "--cuda-graph-max-bs", "8"]  # fmt: skip
+        "--cuda-graph-max-bs-decode", "8"]  # fmt: skip
 PROMPT_TOKENS = (1500, 3000, 6000, 9000)  # one under the 2048-token budget; the 9000 one in 3 chunks
 NEW_TOKENS = 48
 

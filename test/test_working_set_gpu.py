@@ -37,7 +37,7 @@ pytestmark = pytest.mark.gpu
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS, LAYERS = 6, 6000, 96, 4
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.7", "--sparse-host-cache-gb", "8",
-        "--sparse-working-set-admission", "true", "--sparse-gpu-cache-gb", "0.125", "--cuda-graph-max-bs", "8"]  # fmt: skip
+        "--sparse-working-set-admission", "true", "--sparse-gpu-cache-gb", "0.125", "--cuda-graph-max-bs-decode", "8"]  # fmt: skip
 
 
 def test_more_requests_than_the_cache_holds_finish_with_their_uncontended_tokens(tmp_path):

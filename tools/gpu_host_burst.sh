@@ -42,7 +42,7 @@ job_fuzz() {
 }
 job_soak() {
   python3 benchmark/soak.py --requests "${SOAK_REQUESTS:-300}" --rate 1.5 --host-cache-gb 24 --burst 20 \
-    --request-timeout 240 --crashers "${SOAK_CRASHERS:-500}" --extra-server-args "--cuda-graph-max-bs 64" \
+    --request-timeout 240 --crashers "${SOAK_CRASHERS:-500}" --extra-server-args "--cuda-graph-max-bs-decode 64" \
     --out-dir /root/o --log-dir /root/o/soak-logs
 }
 job_pin() {
