@@ -159,6 +159,8 @@ BAD_ARGV = [
     (["--sparse-recent-pages", "0"], "--sparse-recent-pages"),
     (["--sparse-working-set-window", "0"], "--sparse-working-set-window"),
     (["--sparse-max-inject-tokens", "-5"], "--sparse-max-inject-tokens"),
+    (["--sparse-tbt-target-ms", "-5"], "--sparse-tbt-target-ms"),
+    (["--sparse-tbt-target-ms", "80"], "--sparse-tbt-target-ms"),  # without --sparse-segmented-prefill
     (["--tp-size", "2"], "--tp-size"),
     (["--dp-size", "2", "--enable-dp-attention"], "--enable-dp-attention"),
     (["--pp-size", "2"], "--pp-size"),

@@ -1,4 +1,7 @@
-"""The layer-segmented scheduler loop's order of work, on CPU, with a scripted scheduler.
+"""The layer-segmented scheduler loop's order of work, on CPU, with a scripted scheduler; and its
+segments paced to a time between tokens (``--sparse-tbt-target-ms``), with the scripted
+scheduler's clock advanced by what each batch would cost on the GPU (a decode step 30 ms, a layer
+of a 4,096-token prefill 6 ms).
 
 SGLang's Scheduler needs a GPU to exist, so this drives :class:`SegmentedPrefillLoop` through a
 stand-in that has the scheduler methods the loop calls and records each call. The real loop on the
@@ -9,10 +12,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from sparse_sglang.config import SparseConfig
+from sparse_sglang.config import SparseConfig, SparseConfigError
 from sparse_sglang.integration.segmented_prefill import SegmentedPrefillLoop
+from sparse_sglang.prefill.pacing import SegmentPacer
 from sparse_sglang.stats import SparseStats
 
 LAYERS, INJECT = 8, 4096
@@ -143,9 +148,97 @@ def test_a_split_batch_whose_requests_were_all_aborted_stops_and_frees_at_once(m
 
 
 def test_a_model_without_a_layer_split_forward_is_refused_by_name():
-    import pytest
-
     s = Scheduler([], running_reqs=[])
     s.tp_worker.model_runner.model = object()
     with pytest.raises(RuntimeError, match="no layer-split forward .* for object; serve it without the flag"):
         SegmentedPrefillLoop(s)
+
+
+DECODE_S, LAYER_S_PER_TOKEN, MODEL_LAYERS = 0.030, 0.006 / 4096, 32
+
+
+def test_the_next_segment_fills_what_the_decode_step_leaves_of_the_target():
+    pacer = SegmentPacer(target_s=0.080, fallback_inject_tokens=65536)
+    assert pacer.layers(batch_tokens=4096) == 16  # nothing measured: the fixed budget's share
+    pacer.note_period(0.030, layers=0, batch_tokens=0)
+    pacer.note_period(0.030 + 16 * 0.006, layers=16, batch_tokens=4096)
+    assert pacer.layers(batch_tokens=4096) == 8  # (80 - 30) / 6
+    pacer.start_batch()  # a new batch, half the tokens: the last cost per token-layer, scaled
+    assert pacer.layers(batch_tokens=2048) == 16
+    pacer.note_period(0.030 + 4 * 0.050, layers=4, batch_tokens=2048)  # this batch's layers cost far more
+    assert pacer.layers(batch_tokens=2048) == 1  # never zero: the prefill still advances
+    pacer.note_period(float("nan"), layers=1, batch_tokens=2048)  # a broken clock teaches nothing
+    assert pacer.layers(batch_tokens=2048) == 1
+
+
+@pytest.mark.parametrize("target", [0.0, -5.0, float("inf")])
+def test_a_target_that_is_not_a_positive_time_is_refused(target):
+    with pytest.raises(ValueError, match="positive and finite"):
+        SegmentPacer(target, 65536)
+
+
+def test_the_flag_names_itself_and_needs_segmented_prefill():
+    with pytest.raises(SparseConfigError, match="tbt_target_ms.*positive"):
+        SparseConfig(host_cache_gb=1.0, segmented_prefill=True, tbt_target_ms=-1.0)
+    with pytest.raises(SparseConfigError, match="tbt_target_ms.*segmented"):
+        SparseConfig(host_cache_gb=1.0, tbt_target_ms=80.0)
+
+
+class Clocked(Scheduler):
+    """The scripted scheduler of the loop's tests, 32 layers, its clock advanced by each batch run."""
+
+    def __init__(self, plans, running_reqs, target_ms):
+        super().__init__(plans, running_reqs)
+        self.now = 0.0
+        self.model_config = SimpleNamespace(num_hidden_layers=MODEL_LAYERS)
+        self.server_args = SimpleNamespace(sparse=SparseConfig(host_cache_gb=1.0, segmented_prefill=True,
+                                                               tbt_target_ms=target_ms))  # fmt: skip
+        self.decode_ends = []
+
+    def run_batch(self, batch):
+        if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
+            self.now += batch.split_forward_count * LAYER_S_PER_TOKEN * batch.extend_num_tokens
+        elif batch.forward_mode == ForwardMode.DECODE:
+            self.now += DECODE_S
+        return super().run_batch(batch)
+
+    def process_batch_result(self, batch, result):
+        super().process_batch_result(batch, result)
+        if batch.forward_mode == ForwardMode.DECODE:
+            self.decode_ends.append(self.now)
+
+
+def run_clocked(monkeypatch, s):
+    import sparse_sglang.integration.segmented_prefill as seg
+
+    monkeypatch.setattr(seg, "time", SimpleNamespace(perf_counter=lambda: s.now))
+    loop = seg.SegmentedPrefillLoop(s)
+    while s.plans or loop.prefill is not None:
+        loop.iterate()
+    return loop
+
+
+def test_the_loop_learns_the_layer_cost_and_keeps_each_token_within_the_target(monkeypatch):
+    running = [req("a"), req("b")]
+    decode = Batch("running", ForwardMode.DECODE, running)
+    prefill = Batch("prefill", ForwardMode.EXTEND, [req("long")], tokens=4096)
+    s = Clocked([decode, decode, decode, prefill], running, target_ms=80.0)
+    run_clocked(monkeypatch, s)
+    segments = [e for e in s.log if e.startswith("segment")]
+    # The first segment has only the fixed budget to go by (65,536 token-layers: 16 layers); from
+    # its period the loop learns 6 ms a layer, and 8 layers fill the 50 ms the decode step leaves.
+    assert segments == ["segment 0+16", "segment 16+8", "segment 24+8"]
+    periods = [b - a for a, b in zip(s.decode_ends, s.decode_ends[1:])]
+    # decode steps alone, then next to 16 layers (126 ms: the one period the fixed budget sets), then 8
+    assert periods == pytest.approx([DECODE_S] * 3 + [DECODE_S + 16 * 0.006, DECODE_S + 8 * 0.006])
+    assert "result prefill" in s.log
+
+
+def test_a_decode_step_slower_than_the_target_still_lets_the_prefill_advance(monkeypatch):
+    running = [req("a")]
+    decode = Batch("running", ForwardMode.DECODE, running)
+    prefill = Batch("prefill", ForwardMode.EXTEND, [req("long")], tokens=4096)
+    s = Clocked([decode, decode, prefill], running, target_ms=20.0)  # below the 30 ms decode step
+    run_clocked(monkeypatch, s)
+    segments = [e for e in s.log if e.startswith("segment")]
+    assert segments[0] == "segment 0+16" and set(segments[1:]) == {f"segment {i}+1" for i in range(16, 32)}

@@ -211,6 +211,10 @@ class SparseConfig:
         None,
         help=f"Layer-segmented prefill: prompt tokens x layers run per iteration; auto = {PREFILL_CHUNK_TOKENS_EQUIVALENT} x the model's layers (what one {PREFILL_CHUNK_TOKENS_EQUIVALENT}-token chunk of chunked prefill costs).",
     )
+    tbt_target_ms: float | None = knob(
+        None,
+        help="Layer-segmented prefill: size each segment so one decode step plus the segment take about this long (milliseconds, measured as the server runs); unset = --sparse-max-inject-tokens alone.",
+    )
     prefix_staging_tokens: int = knob(
         16384,
         help="Cached-prefix tokens a prefill stages from the host into GPU memory at once, per layer: a longer prefix is attended in pieces of half this size, one loading while the other is attended.",
@@ -310,6 +314,12 @@ class SparseConfig:
             )
         if self.max_inject_tokens is not None and self.max_inject_tokens <= 0:
             raise SparseConfigError("max_inject_tokens", f"must be positive, got {self.max_inject_tokens}")
+        if self.tbt_target_ms is not None and self.tbt_target_ms <= 0:
+            raise SparseConfigError("tbt_target_ms", f"must be positive, got {self.tbt_target_ms}")
+        if self.tbt_target_ms is not None and not self.segmented_prefill:
+            raise SparseConfigError(
+                "tbt_target_ms", f"paces layer-segmented prefill: set {mention('segmented_prefill')} true"
+            )
         if self.prefix_staging_tokens < 2 * self.page_size:  # two buffers of a page at least
             raise SparseConfigError("prefix_staging_tokens",
                                     f"must hold at least two pages ({2 * self.page_size} tokens), got {self.prefix_staging_tokens}")  # fmt: skip

@@ -8,7 +8,9 @@ multiplexing, ``forward_split_prefill``), and each iteration runs
 
 1. one decode step of the running batch, then
 2. the prefill's next layers, as many as ``--sparse-max-inject-tokens`` allows
-   (:func:`~sparse_sglang.prefill.segments.next_segment_end`).
+   (:func:`~sparse_sglang.prefill.segments.next_segment_end`), or with ``--sparse-tbt-target-ms``
+   as many as fit that time beside the decode step, from the periods the loop measures
+   (:class:`~sparse_sglang.prefill.pacing.SegmentPacer`).
 
 The hidden states wait in the split batch's ``ForwardBatch`` between iterations; every layer's KV
 has gone to the host by then (the ``sparse`` backend saves it as the layer runs), so the GPU holds
@@ -27,10 +29,12 @@ every request was aborted stops at once and frees their host pages and request s
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from sparse_sglang.integration.memory_pool import runtime_of
 from sparse_sglang.integration.registry import relies_on, wrap_once
+from sparse_sglang.prefill.pacing import SegmentPacer
 from sparse_sglang.prefill.segments import layers_per_iteration, next_segment_end
 
 if TYPE_CHECKING:
@@ -55,6 +59,12 @@ class SegmentedPrefillLoop:
         self.runtime = runtime_of(scheduler.token_to_kv_pool_allocator)
         self.prefill: ScheduleBatch | None = None  # the split batch in flight
         self.stats = self.runtime.stats.segmented_prefill  # the runtime's; server info reports them
+        target_ms = scheduler.server_args.sparse.tbt_target_ms
+        self.pacer = None if target_ms is None else SegmentPacer(target_ms / 1000, self.max_inject_tokens)
+        # The pacer's inputs: when the last decode step's result was read back, and the segment
+        # launched since (its layers and its batch's new tokens).
+        self.last_decode_end: float | None = None
+        self.segment_since = (0, 0)
         # Scheduler.run_batch runs a SPLIT_PREFILL batch only under this flag (scheduler.py:3653).
         # dispatch_event_loop has chosen this loop already, and nothing else reads the
         # scheduler's copy after its __init__ (the model runner reads server_args' own).
@@ -91,20 +101,39 @@ class SegmentedPrefillLoop:
             return True
         if batch is not None:
             s.process_batch_result(batch, s.run_batch(batch))
+            self._note_decode_end(batch.forward_mode.is_decode())
         else:
             s.on_idle()
+            self._note_decode_end(False)
         s.last_batch = batch
         return False
 
+    def _note_decode_end(self, decoded: bool) -> None:
+        """A batch's result was read back: a decode step's (``decoded``) ends a period the pacer
+        learns from; anything else (a whole prefill, an idle round) breaks the chain of periods."""
+        if self.pacer is None:
+            return
+        now = time.perf_counter()
+        if decoded and self.last_decode_end is not None:
+            layers, tokens = self.segment_since
+            self.pacer.note_period(now - self.last_decode_end, layers, tokens)
+        self.last_decode_end = now if decoded else None
+        self.segment_since = (0, 0)
+
     def _should_segment(self, batch: ScheduleBatch) -> bool:
         running = self.scheduler.running_batch
+        if self.pacer is not None:
+            self.pacer.start_batch()  # a new batch's first segment: from the cost measured so far
+            layers = self.pacer.layers(batch.extend_num_tokens)
+        else:
+            layers = layers_per_iteration(batch.extend_num_tokens, self.max_inject_tokens)
         return (
             batch.forward_mode.is_extend()
             and not batch.forward_mode.is_decode()
             and running is not None
             and not running.is_empty()
             and not running.is_prefill_only
-            and layers_per_iteration(batch.extend_num_tokens, self.max_inject_tokens) < self.num_layers
+            and layers < self.num_layers
         )
 
     def _run_segmented_iteration(self) -> None:
@@ -115,14 +144,19 @@ class SegmentedPrefillLoop:
             if not running.is_empty():
                 s.process_batch_result(running, s.run_batch(running))
                 self.stats.decode_steps += 1
+                self._note_decode_end(True)
         if all(req.finished() or req.to_finish is not None for req in batch.reqs):
             self._cancel(batch)
             return
-        end = next_segment_end(batch.split_index, batch.extend_num_tokens, self.num_layers, self.max_inject_tokens)
+        if self.pacer is None:
+            end = next_segment_end(batch.split_index, batch.extend_num_tokens, self.num_layers, self.max_inject_tokens)
+        else:
+            end = min(self.num_layers, batch.split_index + self.pacer.layers(batch.extend_num_tokens))
         if batch.split_index > 0:
             self.backend.resume_extend()
         batch.split_forward_count = end - batch.split_index
         result = s.run_batch(batch)
+        self.segment_since = (end - batch.split_index, batch.extend_num_tokens)
         batch.split_index = end
         self.stats.segments += 1
         if end == self.num_layers:
