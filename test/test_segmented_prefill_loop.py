@@ -242,3 +242,29 @@ def test_a_decode_step_slower_than_the_target_still_lets_the_prefill_advance(mon
     run_clocked(monkeypatch, s)
     segments = [e for e in s.log if e.startswith("segment")]
     assert segments[0] == "segment 0+16" and set(segments[1:]) == {f"segment {i}+1" for i in range(16, 32)}
+
+
+def test_segments_run_while_no_request_decodes_teach_the_pacer_nothing(monkeypatch):
+    import sparse_sglang.integration.segmented_prefill as seg
+
+    decode = Batch("running", ForwardMode.DECODE, [req("a")])
+    prefill = Batch("prefill", ForwardMode.EXTEND, [req("long")], tokens=8192)  # 12 ms a layer; 8 a segment
+    s = Clocked([decode, decode, prefill], [req("a")], target_ms=80.0)
+    monkeypatch.setattr(seg, "time", SimpleNamespace(perf_counter=lambda: s.now))
+    loop = seg.SegmentedPrefillLoop(s)
+    for _ in range(3):  # two decode steps alone, then a decode step and the segment 0+8
+        loop.iterate()
+    waiting = s.running_batch.reqs[:]
+    s.running_batch.reqs.clear()  # the decodes finish: the segment 8+8 runs alone
+    loop.iterate()
+    s.running_batch.reqs.extend(waiting)  # decodes again: the period since the last one spans two segments
+    loop.iterate()
+    assert loop.pacer.layer_s is None  # not one segment's cost: nothing learned
+    loop.iterate()  # the period of one decode step and the segment 16+8
+    assert loop.pacer.layer_s == pytest.approx(0.012)
+    assert [e for e in s.log if e.startswith("segment")] == [
+        "segment 0+8",
+        "segment 8+8",
+        "segment 16+8",
+        "segment 24+4",
+    ]

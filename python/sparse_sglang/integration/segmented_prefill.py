@@ -139,12 +139,14 @@ class SegmentedPrefillLoop:
     def _run_segmented_iteration(self) -> None:
         s, batch = self.scheduler, self.prefill
         running = s.running_batch
+        decoded = False
         if not running.is_empty() and not running.is_prefill_only:
             running = s.running_batch = s.update_running_batch(running)
             if not running.is_empty():
                 s.process_batch_result(running, s.run_batch(running))
                 self.stats.decode_steps += 1
-                self._note_decode_end(True)
+                decoded = True
+        self._note_decode_end(decoded)  # a segment with no decode step before it: no period to learn from
         if all(req.finished() or req.to_finish is not None for req in batch.reqs):
             self._cancel(batch)
             return
