@@ -195,7 +195,6 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
         max_total_num_tokens=plan.max_total_tokens, max_running_requests=plan.max_running_requests
     )
     runner._unified_memory_pool = None
-    runner.sparse_plan = plan
     runner.sparse_runtime = runtime
     runner._init_post_memory_pool_components()
 
