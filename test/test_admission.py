@@ -437,3 +437,15 @@ def test_tp_ranks_with_different_local_working_sets_decide_alike(tmp_path):
     assert after[:2] == [True, False]  # 32 + a row = 40 fits, 32 + two rows does not (alone, rank 0 admits both)
     assert demand == [16, 16]
     assert after[2:] == [True, True]  # 32 <= 40: both stay
+
+
+def test_each_tp_rank_keys_its_own_kv_heads_as_sglangs_qkv_projection_splits_them():
+    from sparse_sglang.integration.memory_pool import rank_kv_heads
+
+    assert [rank_kv_heads(8, 2, r) for r in range(2)] == [slice(0, 4), slice(4, 8)]
+    assert [rank_kv_heads(8, 8, r) for r in range(8)] == [slice(r, r + 1) for r in range(8)]
+    # more ranks than kv heads: each head is replicated on tp / heads consecutive ranks
+    assert [rank_kv_heads(2, 8, r) for r in range(8)] == [slice(r // 4, r // 4 + 1) for r in range(8)]
+    for bad in ((6, 4, 0), (3, 8, 0), (8, 2, 2)):
+        with pytest.raises(ValueError):
+            rank_kv_heads(*bad)

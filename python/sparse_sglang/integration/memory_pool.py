@@ -158,7 +158,7 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     parallel = get_parallel()
     num_kv_heads = model.get_num_kv_heads(parallel.attn_tp_size)
     key_basis = rank_key_basis(sparse, conf.layer_info.num_effective_layers, model.get_total_num_kv_heads(),
-                               num_kv_heads, model.head_dim, parallel.attn_tp_rank)  # fmt: skip
+                               model.head_dim, parallel.attn_tp_size, parallel.attn_tp_rank)  # fmt: skip
     # Every scheduler of the host (data-parallel replicas, tensor-parallel ranks: each holds its own
     # kv heads' pages) takes an equal share of --sparse-host-cache-gb, the server's total, and of the cores.
     replicas = runner.server_args.dp_size * runner.server_args.tp_size
@@ -199,8 +199,7 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     runner._init_post_memory_pool_components()
 
 
-def rank_key_basis(sparse, num_layers: int, total_kv_heads: int, num_kv_heads: int, head_dim: int,
-                   tp_rank: int):  # fmt: skip
+def rank_key_basis(sparse, num_layers: int, total_kv_heads: int, head_dim: int, tp_size: int, tp_rank: int):
     """The sketch selector's :class:`~sparse_sglang.mem_cache.key_sketch.KeyBasis` for this rank's
     kv heads, from ``--sparse-key-basis`` (resolved by the launcher), or random for dummy weights
     (no file); ``--sparse-sketch-rank`` keeps its leading directions. None for other selectors."""
@@ -215,8 +214,27 @@ def rank_key_basis(sparse, num_layers: int, total_kv_heads: int, num_kv_heads: i
         basis = KeyBasis.load(sparse.key_basis)
     source = f"--sparse-key-basis {sparse.key_basis}"
     basis.check_shape(num_layers, total_kv_heads, head_dim, source)
-    heads = slice(tp_rank * num_kv_heads, (tp_rank + 1) * num_kv_heads)  # tensor parallel: this rank's
+    heads = rank_kv_heads(total_kv_heads, tp_size, tp_rank)
     try:
         return basis.select(sparse.sketch_rank, heads)
     except ValueError as err:
         raise ValueError(f"--sparse-sketch-rank {sparse.sketch_rank}: {err}") from None
+
+
+@relies_on("sglang.srt.layers.linear:QKVParallelLinear", at="sglang/srt/layers/linear.py:921")
+def rank_kv_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> slice:
+    """The model's kv heads that tensor-parallel rank ``tp_rank`` of ``tp_size`` holds, as SGLang's
+    QKV projection splits them: a block of ``total_kv_heads / tp_size``, or, with more ranks than
+    kv heads, the one head it shares with ``tp_size / total_kv_heads`` ranks (SGLang's
+    ``tp_rank // num_kv_head_replicas``)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}")
+    if tp_size <= total_kv_heads:
+        if total_kv_heads % tp_size:
+            raise ValueError(f"{total_kv_heads} kv heads do not split evenly over {tp_size} tensor-parallel ranks")
+        per = total_kv_heads // tp_size
+        return slice(tp_rank * per, (tp_rank + 1) * per)
+    if tp_size % total_kv_heads:
+        raise ValueError(f"{tp_size} tensor-parallel ranks do not share {total_kv_heads} kv heads evenly")
+    head = tp_rank // (tp_size // total_kv_heads)
+    return slice(head, head + 1)

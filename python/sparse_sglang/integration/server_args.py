@@ -110,10 +110,10 @@ class SparseServerArgs(ServerArgs):
                 raise ServerArgRefused(name, getattr(self, name), "not supported with sparse decode "
                                        f"(set {mention('enabled')} false for plain SGLang)")  # fmt: skip
         for name in ("tp_size", "pp_size"):
-            if getattr(self, name) > 1:  # each rank would decide admission alone on its own heads
+            if getattr(self, name) > 1:  # the per-rank pieces exist (kv heads, host share, agreed gate); not GPU-tested
                 raise ServerArgRefused(name, getattr(self, name), "sparse decode does not split a model across GPUs "
-                                       "yet (its working-set decisions are not reduced across ranks); use --dp-size "
-                                       f"for several GPUs, or set {mention('enabled')} false")  # fmt: skip
+                                       "yet (not tested on several GPUs); use --dp-size for several GPUs, or set "
+                                       f"{mention('enabled')} false")  # fmt: skip
         # Data parallelism is SGLang's: a replica per GPU, each with its own KV hierarchy and a
         # share of the host store (memory_pool splits --sparse-host-cache-gb). DP attention shards
         # one batch's attention across replicas, which the per-head hierarchy does not.
