@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-from sparse_sglang.attention.constants import LayerConstants
 from sparse_sglang.attention.sparse_decode import host_page_table
 from sparse_sglang.integration.registry import relies_on
 from sparse_sglang.mem_cache.kernels import SaveRuns
@@ -62,14 +61,9 @@ class SparseAttnBackend(FlashInferAttnBackend):
         staging = prefix_staging_tokens(self.sparse_config, model_runner.model_config.context_len)
         runtime.start_attention(self.num_q_heads, self.workspace_buffer, max_batch, staging, sm_scale=sm_scale,
                                 logits_soft_cap=soft_cap, agree=tp_agreement())  # fmt: skip
-        self.constants = LayerConstants.of(model_runner.model_config.head_dim, sm_scale, soft_cap)
         # The runtime's parts, named here because every layer of every forward uses them.
-        self.store, self.decoder, self.prefix, self.tracker = (
-            runtime.store,
-            runtime.decoder,
-            runtime.prefix,
-            runtime.tracker,
-        )
+        self.store, self.decoder, self.prefix, self.tracker = runtime.store, runtime.decoder, runtime.prefix, runtime.tracker  # fmt: skip
+        self.constants = self.decoder.constants  # the model's scale and soft cap, as every plan here takes them
         self.extend_runs: SaveRuns | None = None  # the tokens the current prefill saves
         # The next forward's request slots on the host (``ForwardBatch.init_new`` hands them over):
         # reading the GPU copy back would wait for the forward before it (overlap scheduling).
