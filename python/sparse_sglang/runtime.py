@@ -69,11 +69,11 @@ class SparseRuntime:
                         sm_scale: float | None = None, logits_soft_cap: float | None = None,
                         agree=None) -> None:  # fmt: skip
         """Make the decode and prefill parts over the store: the sparse decoder (planning into
-        ``workspace`` for up to ``max_batch`` requests), the prefix attention (staging
+        ``workspace`` for up to ``max_batch`` requests) and the prefix attention (staging
         ``staging_tokens`` per layer), both planning the model's ``sm_scale`` and
-        ``logits_soft_cap`` (None: 1/sqrt(head_dim), none) and, with working-set admission on, the tracker the decoder
-        feeds and the gate that reads it (``agree``: :func:`~sparse_sglang.scheduler.max_over_ranks`
-        under tensor parallelism, None on one rank)."""
+        ``logits_soft_cap`` (None: 1/sqrt(head_dim), none); with working-set admission on, the
+        tracker the decoder feeds and the gate that reads it (``agree``:
+        :func:`~sparse_sglang.scheduler.max_over_ranks` under tensor parallelism, None on one rank)."""
         from sparse_sglang.attention.prefix import PrefixAttention
         from sparse_sglang.attention.sparse_decode import make_decoder
         from sparse_sglang.scheduler import WorkingSetGate, WorkingSetTracker
