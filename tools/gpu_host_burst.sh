@@ -13,6 +13,7 @@
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
 # its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store),
 # dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes),
+# tp (the two-GPU tensor-parallel tests, which skip while the launcher refuses --tp-size),
 # serving (benchmark/serving.py, vanilla then sparse, long generation at 2 and long prompt at 0.8 req/s).
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
@@ -36,6 +37,7 @@ job_decode() {  # the decode step, 8B shape: today's default selector and the sk
 }
 job_tests() { python3 -m pytest -m gpu -q -s ${GPU_TESTS:-test/test_selection_real_kv_gpu.py}; }
 job_dp() { python3 -m pytest -m gpu -q -s test/test_dp_gpu.py; }  # a two-GPU machine (nvidia-h100-x2)
+job_tp() { python3 -m pytest -m gpu -q -s test/test_tp_gpu.py; }  # the same; skips while --tp-size is refused
 job_fuzz() {
   python3 benchmark/fuzz.py --launch --requests "${FUZZ_REQUESTS:-5000}" --extra-server-args \
     "--sparse-host-cache-gb 4 --mem-fraction-static 0.1" --out-dir /root/o --log-dir /root/o/fuzz-logs
