@@ -304,6 +304,7 @@ def main() -> None:
         "quest-rerank2": quality.Policy(budget=args.budget),
         "quest-rerank4": quality.Policy(budget=args.budget),
         **{f"sketch{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
+        "sketch16-max": quality.Policy(budget=args.budget),  # the per-request basis, scored as the server scores
         **{f"sketchcal{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
         **{f"sketchcal{r}-{red}": quality.Policy(budget=args.budget) for r in (8, 16) for red in ("max", "lse")},
         **{f"sketchtext-{k}": quality.Policy(budget=args.budget) for k in ("svd", "centred", "bilinear")},
