@@ -46,8 +46,8 @@ if triton is not None:
         # Group-reduced scores of BLOCK_N pages whose summary rows start at ``rows`` ([BLOCK_N, D]
         # offsets; ``exp_rows`` [BLOCK_N]: their int8 bounds' scale exponents). KIND 0 quest,
         # 1 arkvale, 2 mean, 3 sketch (a row is a page's D // R token sketches of R numbers, the
-        # query the projected one tiled over them, G = 1). Pages not ``held`` score anything:
-        # callers mask them.
+        # query ``[R]`` the projected one, read tiled over them, G = 1). Pages not ``held`` score
+        # anything: callers mask them.
         offs_d = tl.arange(0, D)
         mask = held[:, None]
         if not GROUP_MAX:
@@ -56,7 +56,10 @@ if triton is not None:
             qs = tl.zeros([D], dtype=tl.float32)
             qa = tl.zeros([D], dtype=tl.float32)
             for g in tl.static_range(G):
-                qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
+                if KIND == 3:  # the projected query's R numbers, read once per token of the row
+                    qg = tl.load(q_ptr + bh * R + offs_d % R).to(tl.float32)
+                else:
+                    qg = tl.load(q_ptr + (bh * G + g) * D + offs_d).to(tl.float32)
                 qs += qg
                 qa += tl.abs(qg)
             if KIND == 0:
@@ -311,12 +314,10 @@ def score_pages(
     dummy = ref
     kind = KERNEL_SELECTORS.index(selector)
     default_block_n, default_warps = score_launch()
-    rank = 1
-    if selector == "sketch":  # the projected query [B, Hkv, 1, r], tiled over a sketch row's tokens
-        rank = q.shape[-1]
-        q = q.repeat(1, 1, 1, ref.shape[-1] // rank)
-        default_block_n = sketch_block_pages(ref.shape[-1])
-    group, dim = q.shape[2:]
+    group, dim, rank = *q.shape[2:], 1
+    if selector == "sketch":  # the projected query [B, Hkv, 1, r]; a row holds page_size sketches of r
+        dim, rank = ref.shape[-1], q.shape[-1]
+        default_block_n = sketch_block_pages(dim)
     block_n, num_warps = block_n or default_block_n, num_warps or default_warps
     grid = (batch * heads, score_columns(max_pages, batch * heads, block_n))
     q, host_pages, num_pages = q.contiguous(), host_pages.contiguous(), num_pages.to(torch.int32)
