@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 BASIS_FILE = "sparse_key_basis.safetensors"  # in a model folder: found without --sparse-key-basis
+SKETCH_DTYPE = torch.bfloat16  # what the sketch rows are stored in (and planned for)
 
 
 @dataclass(frozen=True)

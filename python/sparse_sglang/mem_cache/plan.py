@@ -17,6 +17,7 @@ from sparse_sglang.config import GIB, SparseConfig
 from sparse_sglang.mem_cache.bounds import bound_dtype
 from sparse_sglang.mem_cache.gpu_cache import slot_bytes
 from sparse_sglang.mem_cache.host_pool import pages_for_budget
+from sparse_sglang.mem_cache.key_sketch import SKETCH_DTYPE
 from sparse_sglang.mem_cache.kv_store import StoreShape
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
 
@@ -190,7 +191,7 @@ def plan_memory(
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
                                                                 staging_tokens, with_radius, with_mean,
                                                                 config.bound_format, config.coarse_pages,
-                                                                page * sketch_rank * 2)  # fmt: skip
+                                                                page * sketch_rank * SKETCH_DTYPE.itemsize)  # fmt: skip
     if config.gpu_cache_gb is not None:
         cache_bytes = int(config.gpu_cache_gb * GIB)
     else:

@@ -53,7 +53,7 @@ from sparse_sglang.mem_cache.bounds import (
     quantize_bounds,
     resolve_bound_format,
 )
-from sparse_sglang.mem_cache.key_sketch import KeyBasis, project_keys
+from sparse_sglang.mem_cache.key_sketch import SKETCH_DTYPE, KeyBasis, project_keys
 
 
 def cuboid_center(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -173,7 +173,7 @@ class PageSummaries:
         if key_basis is not None:
             self.key_basis = KeyBasis(key_basis.keys.to(device), key_basis.queries.to(device))
             rank = key_basis.rank
-            self._sketch = torch.zeros(*shape[:-1], page_size * rank, dtype=torch.bfloat16, device=device)
+            self._sketch = torch.zeros(*shape[:-1], page_size * rank, dtype=SKETCH_DTYPE, device=device)
         self.sketch = None if self._sketch is None else self._sketch[:, :, :num_pages]
         # all_layers(), built once: the tensors never move, and index_runs asks on every save.
         self._all_layers = {"kmin": self._kmin, "kmax": self._kmax, "count": self._count}
