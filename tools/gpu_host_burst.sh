@@ -35,7 +35,15 @@ job_decode() {  # the decode step, 8B shape: today's default selector and the sk
       --selector "$selector" --out-dir /root/o
   done
 }
-job_tests() { python3 -m pytest -m gpu -q -s ${GPU_TESTS:-test/test_selection_real_kv_gpu.py}; }
+job_tests() {  # $GPU_TESTS: groups of test files separated by "|", the groups run side by side
+  local i=0 group
+  IFS='|' read -ra groups <<< "${GPU_TESTS:-test/test_selection_real_kv_gpu.py}"
+  for group in "${groups[@]}"; do
+    python3 -m pytest -m gpu -q -s $group > "/root/o/tests-$i.log" 2>&1 & i=$((i + 1))
+  done
+  wait
+  tail -n 3 /root/o/tests-*.log
+}
 job_dp() { python3 -m pytest -m gpu -q -s test/test_dp_gpu.py; }  # a two-GPU machine (nvidia-h100-x2)
 job_tp() { python3 -m pytest -m gpu -q -s test/test_tp_gpu.py; }  # the same; skips while --tp-size is refused
 job_fuzz() {
