@@ -64,6 +64,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         # The runtime's parts, named here because every layer of every forward uses them.
         self.store, self.decoder, self.prefix, self.tracker = runtime.store, runtime.decoder, runtime.prefix, runtime.tracker  # fmt: skip
         self.constants = self.decoder.constants  # the model's scale and soft cap, as every plan here takes them
+        self.activation_dtype = model_runner.dtype  # the new tokens' q, k and v: what the ragged prefill reads
         self.extend_runs: SaveRuns | None = None  # the tokens the current prefill saves
         # The next forward's request slots on the host (``ForwardBatch.init_new`` hands them over):
         # reading the GPU copy back would wait for the forward before it (overlap scheduling).
@@ -167,7 +168,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         s = self.store.shape
         self.prefill_wrapper_ragged.plan(indptr, indptr, self.num_q_heads, s.num_kv_heads, s.head_dim, causal=True,
                                          sm_scale=self.constants.sm_scale, logits_soft_cap=self.constants.logits_soft_cap,
-                                         q_data_type=self.q_data_type)  # fmt: skip
+                                         q_data_type=self.activation_dtype)  # fmt: skip
 
     def resume_extend(self) -> None:
         """Before the next layer segment of a layer-segmented prefill. Its metadata (the ragged and
