@@ -278,3 +278,35 @@ def test_server_info_sums_the_sparse_numbers_of_data_parallel_replicas():
     assert got[0]["sparse"]["pages_loaded"] == 7  # each replica's own entry is kept
     one = [{"sparse": {"pages_loaded": 7}}]
     assert "sparse_total" not in with_replica_total(one)[0]  # one replica: its entry is the total
+
+
+def _self_attributes(cls) -> tuple[set[str], set[str]]:
+    """The ``self.<name>`` a class's own source reads and the names it sets (assignments, its
+    methods and properties)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    reads, sets = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            (sets if isinstance(node.ctx, ast.Store) else reads).add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            sets.add(node.name)
+    return reads, sets
+
+
+def test_the_backend_reads_only_attributes_it_or_sglangs_backends_set():
+    """Every ``self.<name>`` the sparse backend reads is set by it or by a class it inherits from
+    (a read of an attribute SGLang's FlashInfer backend never sets fails only at a server's first
+    prefill, on a GPU)."""
+    from sparse_sglang.integration.attention_backend import SparseAttnBackend
+
+    reads, _ = _self_attributes(SparseAttnBackend)
+    provided = set()
+    for cls in SparseAttnBackend.__mro__:
+        if cls is object:
+            continue
+        provided |= _self_attributes(cls)[1]
+    assert reads - provided == set()
