@@ -14,7 +14,8 @@
 # its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store),
 # dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes),
 # tp (the two-GPU tensor-parallel tests, which skip while the launcher refuses --tp-size),
-# serving (benchmark/serving.py, vanilla then sparse, long generation at 2 and long prompt at 0.8 req/s).
+# serving (benchmark/serving.py, vanilla then sparse, long generation at 2 and long prompt at 0.8 req/s),
+# serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2).
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
 export PYTHONPATH=/tmp/site:/root/repo/python:/root/repo SPARSE_SGLANG_DEFAULT_GGUF=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -74,6 +75,26 @@ job_serving() {
     --out-dir /root/o --log-dir /root/o/serving-logs --merge-into "/root/o/${SERVING_FILE:-serving}.json")
   python3 benchmark/serving.py --systems "${SERVING_SYSTEMS:-vanilla,sparse}" --traces long-generation --rates-long-generation 2.0 "${common[@]}"
   python3 benchmark/serving.py --systems "${SERVING_SYSTEMS:-vanilla,sparse}" --traces long-prompt --rates-long-prompt 0.8 "${common[@]}"
+}
+
+job_serving_pair() {
+  # the same on a two-GPU machine, half the wall time: per trace, vanilla on GPU 0 and sparse on
+  # GPU 1 side by side (the same card type, one host), each into its own file, then one file
+  local sparse="--cuda-graph-max-bs-decode 96 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8 ${SERVING_SPARSE_EXTRA:-}"
+  local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "$sparse"
+    --out-dir /root/o --log-dir /root/o/serving-logs)
+  local trace rate gpu system
+  for trace in "long-generation 2.0" "long-prompt 0.8"; do
+    read -r trace rate <<< "$trace"
+    gpu=0
+    for system in vanilla sparse; do
+      CUDA_VISIBLE_DEVICES=$gpu python3 benchmark/serving.py --systems "$system" --traces "$trace" "--rates-$trace" "$rate" \
+        "${common[@]}" --merge-into "/root/o/serving-$system.json" > "/root/o/serving-$system-$trace.log" 2>&1 &
+      gpu=$((gpu + 1))
+    done
+    wait
+  done
+  python3 benchmark/serving.py --combine "/root/o/${SERVING_FILE:-serving}.json" /root/o/serving-vanilla.json /root/o/serving-sparse.json
 }
 
 run_stages() {

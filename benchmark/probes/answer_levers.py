@@ -93,7 +93,7 @@ class SketchDecoder(QuestStepDecoder):
 
     def rank_pages(self, layer, q, key, seq_len, scaling):
         if layer not in self.basis:
-            self.basis[layer] = key_basis(key[0], self.sketch_rank)
+            self.basis[layer] = key_basis(key[0][:, : getattr(self, "fit_tokens", None)], self.sketch_rank)
         b = self.basis[layer]  # [Hkv, D, r]
         qb = self.query_basis[layer] if getattr(self, "query_basis", None) else b
         if qb is not b:  # separate projections: scores (q Wq) . (k Wk), max over a page's tokens
@@ -126,6 +126,48 @@ class SketchDecoder(QuestStepDecoder):
 
     def rank(self, layer, scores, q, key, seq_len, scaling):
         return self.rank_pages(layer, q, key, seq_len, scaling)
+
+
+class RotatedQuestDecoder(QuestStepDecoder):
+    """Quest's bounds taken in a rotated key space: per (layer, kv head) an orthonormal ``[D, D]``
+    rotation ``R``, page bounds of ``k R`` and the query ``q R`` (``q . k`` unchanged; only the
+    bounding boxes turn). ``rotation`` maps layer -> ``[Hkv, D, D]``; ``"self"`` fits each layer's
+    from the prompt's own centred keys (principal axes) at the first decode step."""
+
+    rotation: dict | str
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer, tokens, new = module.layer_idx, key.shape[2], query.shape[2]
+        if new > 1:
+            return quality.SparseDecoder.__call__(self, module, query, key, value, attention_mask, scaling=scaling,
+                                                  **kwargs)  # fmt: skip
+        if self.rotation == "self":
+            self.rotation = {}
+        if isinstance(self.rotation, dict) and layer not in self.rotation:
+            k0 = key[0].float()
+            self.rotation[layer] = torch.linalg.svd(k0 - k0.mean(1, keepdim=True), full_matrices=False).Vh.transpose(
+                -1, -2)
+        r = self.rotation[layer] if isinstance(self.rotation, dict) else self.rotation  # [Hkv, D, D] or [D, D]
+        q, seq_len = query[:, :, 0], torch.tensor([tokens])
+        kr = key[0].float() @ r  # [Hkv, T, D]
+        pad = -tokens % quality.PAGE_SIZE
+        kr = torch.cat([kr, kr[:, -1:].expand(-1, pad, -1)], dim=1) if pad else kr
+        heads, dim = kr.shape[0], kr.shape[-1]
+        paged = kr.view(heads, -1, quality.PAGE_SIZE, dim)
+        kmin, kmax = paged.amin(2).unsqueeze(0), paged.amax(2).unsqueeze(0)
+        qg = q.float().view(1, heads, -1, dim) @ (r if r.dim() == 2 else r.unsqueeze(0))
+        scores = quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
+        pages = select_pages(scores, -(-seq_len // quality.PAGE_SIZE), self.policy.budget // quality.PAGE_SIZE,
+                             self.policy.sink_pages, self.policy.recent_pages).page_ids  # fmt: skip
+        return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling).unsqueeze(1)
+
+
+def hadamard(dim: int) -> torch.Tensor:
+    """The ``[dim, dim]`` orthonormal Walsh-Hadamard matrix (``dim`` a power of two)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / dim**0.5
 
 
 def key_basis(keys: torch.Tensor, rank: int) -> torch.Tensor:
@@ -284,8 +326,9 @@ def main() -> None:
         from sparse_sglang.calibrate import calibration_texts, fit_basis
 
         pkg_basis = fit_basis(model, tokenizer, calibration_texts(), 16)
-    if "sketchtext" in args.policies:
-        text_bases = fit_text_bases(model, tokenizer, args.calibration_text, 16, args.calibration_tokens)
+    if "sketchtext" in args.policies or "quest-rot-cal" in args.policies:
+        rank = model.config.head_dim if "quest-rot-cal" in args.policies else 16
+        text_bases = fit_text_bases(model, tokenizer, args.calibration_text, rank, args.calibration_tokens)
     if any(name.startswith("sketchcal") for name in (args.policies.split(",") if args.policies else ["sketchcal"])):
         # A fixed basis per (layer, kv head), from the keys of one item outside the chosen ones.
         other = next(i for i in items if i.length == args.length and i.id not in {c.id for c in chosen}
@@ -305,6 +348,10 @@ def main() -> None:
         "quest-rerank4": quality.Policy(budget=args.budget),
         **{f"sketch{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
         "sketch16-max": quality.Policy(budget=args.budget),  # the per-request basis, scored as the server scores
+        # the same from the prompt's first W tokens only (what a server fits at a first prefill chunk),
+        # rank 8, sketches in fp8 (what fits a GPU beside a large host store)
+        **{f"sketch{r}-max{w}": quality.Policy(budget=args.budget) for r in (8, 16) for w in ("", "-w512", "-w1024")},
+        "sketch8-max-fp8": quality.Policy(budget=args.budget),
         **{f"sketchcal{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
         **{f"sketchcal{r}-{red}": quality.Policy(budget=args.budget) for r in (8, 16) for red in ("max", "lse")},
         **{f"sketchtext-{k}": quality.Policy(budget=args.budget) for k in ("svd", "centred", "bilinear")},
@@ -312,6 +359,7 @@ def main() -> None:
         "sketchself": quality.Policy(budget=args.budget),
         "sketchfile-max": quality.Policy(budget=args.budget),  # --basis: sparse_sglang.calibrate's file
         "sketchfile-max8": quality.Policy(budget=args.budget),  # the same, sketches in fp8
+        **{f"quest-rot-{k}": quality.Policy(budget=args.budget) for k in ("identity", "self", "cal", "hadamard")},
     }
     if args.policies:
         policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
@@ -360,8 +408,17 @@ def main() -> None:
             elif name.startswith("sketch"):
                 hook.__class__ = SketchDecoder
                 rank, _, hook.reduce = name.removeprefix("sketchcal").removeprefix("sketch").partition("-")
-                hook.sketch_rank, hook.reduce = int(rank), hook.reduce or "mass"
+                hook.reduce, _, window = hook.reduce.partition("-w")
+                hook.reduce, fp8 = hook.reduce.removesuffix("-fp8"), hook.reduce.endswith("-fp8")
+                hook.sketch_rank, hook.reduce, hook.fp8 = int(rank), hook.reduce or "mass", fp8
+                hook.fit_tokens = int(window) if window else None
                 hook.basis = dict(calibration[hook.sketch_rank]) if name.startswith("sketchcal") else {}
+            if name.startswith("quest-rot-"):  # Quest's bounds in a rotated key space
+                hook.__class__ = RotatedQuestDecoder
+                kind = name.removeprefix("quest-rot-")
+                dim = model.config.head_dim
+                hook.rotation = {"identity": torch.eye(dim), "self": "self", "hadamard": hadamard(dim),
+                                 "cal": text_bases.get("centred", ({}, None))[0]}[kind]  # fmt: skip
             if name in ("quest-window", "quest-window-bounds"):
                 hook.__class__ = WindowDecoder
                 hook.pinned = pins if name == "quest-window" else bound_pins
