@@ -146,7 +146,8 @@ class RotatedQuestDecoder(QuestStepDecoder):
         if isinstance(self.rotation, dict) and layer not in self.rotation:
             k0 = key[0].float()
             self.rotation[layer] = torch.linalg.svd(k0 - k0.mean(1, keepdim=True), full_matrices=False).Vh.transpose(
-                -1, -2)
+                -1, -2
+            )
         r = self.rotation[layer] if isinstance(self.rotation, dict) else self.rotation  # [Hkv, D, D] or [D, D]
         q, seq_len = query[:, :, 0], torch.tensor([tokens])
         kr = key[0].float() @ r  # [Hkv, T, D]
