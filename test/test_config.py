@@ -52,6 +52,7 @@ BAD_VALUES = [
     ({"token_budget": 64, "sink_pages": 1, "recent_pages": 2}, "recent_pages", "exceed"),
     ({"working_set_window": 0}, "working_set_window", ">= 1"),
     ({"reselect_interval": 0}, "reselect_interval", ">= 1"),
+    ({"rerank_factor": 0}, "rerank_factor", ">= 1"),
     ({"cache_lru_buckets": -1}, "cache_lru_buckets", ">= 0"),
     ({"cache_lru_steps_per_bucket": 0}, "cache_lru_steps_per_bucket", ">= 1"),
     ({"cache_row_ratio": math.inf}, "cache_row_ratio", "finite"),

@@ -53,6 +53,18 @@ def test_rows_are_at_least_the_row_ratio_and_may_grow_to_4x_the_selection():
         SparseConfig(host_cache_gb=1, cache_row_ratio=0.5)
 
 
+def test_rows_hold_the_rerank_candidates():
+    """``--sparse-rerank-factor 2`` loads twice the budget's pages a step: rows are sized from those
+    (fewer requests fit the same cache), the attended budget unchanged."""
+    plain = plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=40 * GIB, **LLAMA8B)
+    rerank = plan_memory(SparseConfig(host_cache_gb=16, rerank_factor=2), gpu_kv_bytes=40 * GIB, **LLAMA8B)
+    assert rerank.selection_pages == 128 and rerank.shape.min_row_width == 160
+    assert rerank.max_running_requests == rerank.shape.num_slots // (32 * 8 * 160) < plain.max_running_requests
+    assert SparseConfig(rerank_factor=2).budget_pages == 64 and SparseConfig(rerank_factor=2).candidate_pages == 128
+    with pytest.raises(MemoryPlanError, match="--sparse-rerank-factor 8: 512 candidate pages"):
+        plan_memory(SparseConfig(host_cache_gb=16, rerank_factor=8), gpu_kv_bytes=40 * GIB, **LLAMA8B)
+
+
 def test_plan_errors_name_the_flag():
     with pytest.raises(MemoryPlanError, match="--sparse-host-cache-gb: the page summaries"):
         plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=GIB // 8, **LLAMA8B)

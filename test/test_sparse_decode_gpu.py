@@ -376,3 +376,78 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse)
             assert_same_pages_up_to_ties(
                 pages, eager_pages[layer], priority, e.decoder.num_pages, f"step {i} layer {layer}"
             )
+
+
+def oracle_priority(q, k, group: int, page: int = 32):
+    """``[B, Hkv, N]`` each page's softmax mass (per query head over the whole context), summed
+    over the kv head's group, as a log: what the re-rank computes when every page is a candidate."""
+    batch, tokens, heads, dim = k.shape
+    logits = torch.einsum("bhgd,bthd->bhgt", q.float().view(batch, heads, group, dim), k.float()) * dim**-0.5
+    logits = torch.nn.functional.pad(logits, (0, -tokens % page), value=-float("inf"))
+    lse = logits.view(batch, heads, group, -1, page).logsumexp(-1)  # [B, Hkv, G, N]
+    return (lse - lse.logsumexp(-1, keepdim=True)).logsumexp(2)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("interval", [1, 3])
+def test_rerank_attends_the_pages_with_the_most_exact_mass(mode, interval):
+    """``--sparse-rerank-factor``: with every page a candidate (factor 8: up to 128 candidates, a
+    94-page context), the re-rank is the oracle. Per (request, kv head) the 16 pages attended are
+    the sink and recent pages and those with the most softmax mass (the group's shares summed), up
+    to rounding at the boundary; the output is the reference over them; eagerly and replayed in a
+    CUDA graph with a padding row, with and without steps reusing the cache rows."""
+    from sparse_sglang.attention import select_pages
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    config = SparseConfig(token_budget=512, host_cache_gb=1.0, rerank_factor=8, reselect_interval=interval)
+    b = bench(config, batch=3, context=3000)
+    assert b.decoder.candidates > b.decoder.width == 16
+    kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
+    for layer, (k, v) in enumerate(kv):
+        b.write_kv(layer, k, v)
+    log = b.decoder.log_selections(max_batch=4)
+    seq_lens, seq = torch.tensor([b.seq_len] * 3 + [1]), torch.full((3,), b.seq_len, device="cuda")
+    slots = torch.cat([b.req_slots, torch.zeros(1, dtype=b.req_slots.dtype, device="cuda")])
+    host_pages = torch.cat([b.host_pages, torch.zeros_like(b.host_pages[:1])])
+    rows = 4 if mode == "graph" else 3
+    q_static = torch.zeros(rows, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+    outs = [None] * SHAPE.num_layers
+    if mode == "graph":
+        b.decoder.init_cuda_graph(max_batch=4)
+    graph = None
+
+    def step():
+        for layer in range(SHAPE.num_layers):
+            outs[layer] = b.decoder.run(layer, q_static)
+
+    group = SHAPE.num_q_heads // SHAPE.num_kv_heads
+    num_pages = torch.full((3,), b.num_pages, device="cuda")
+    for i in range(4):
+        qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        q_static[:3].copy_(qs)
+        b.store.cache.next_step()
+        if mode == "graph":
+            b.decoder.plan(slots, seq_lens, host_pages, graph=True)
+            if graph is None:  # the first step runs eagerly (compiles kernels), then is captured
+                step()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+            graph.replay()
+        else:
+            b.decoder.plan(b.req_slots, seq_lens[:3], b.host_pages)
+            step()
+        for layer, (k, v) in enumerate(kv):
+            pages = log[:3, layer].clone()
+            assert ((pages >= 0).sum(-1) == 16).all(), f"step {i} layer {layer}"
+            want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq)
+            torch.testing.assert_close(outs[layer][:3].float(), want.float(), atol=2e-2, rtol=2e-2)
+            priority = oracle_priority(qs, k, group)
+            oracle = select_pages(priority, num_pages, 16, *b.decoder.forced).page_ids
+            for r in range(3):
+                for h in range(SHAPE.num_kv_heads):
+                    got = {p for p in pages[r, h].tolist() if p >= 0}
+                    expect = {p for p in oracle[r, h].tolist() if p >= 0}
+                    if got != expect:  # only pages within rounding of each other at the boundary
+                        swapped = [float(priority[r, h, p]) for p in got ^ expect]
+                        assert max(swapped) - min(swapped) < 1e-3, f"step {i} layer {layer} row {r} head {h}"

@@ -346,6 +346,7 @@ def main() -> None:
         "mean": quality.Policy(selector="mean", budget=args.budget),
         "quest-dense2": quality.Policy(budget=args.budget, dense_layers=2),  # Quest keeps its first two layers dense
         "quest-rerank2": quality.Policy(budget=args.budget),
+        "quest-rerank3": quality.Policy(budget=args.budget),
         "quest-rerank4": quality.Policy(budget=args.budget),
         **{f"sketch{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
         "sketch16-max": quality.Policy(budget=args.budget),  # the per-request basis, scored as the server scores

@@ -178,6 +178,10 @@ class SparseConfig:
         1,
         help="Decode steps one page selection serves (LServe's reuse): in between, each kv head picks its top pages among those its GPU cache row holds, plus the sink and recent pages; 1 = select every step.",
     )
+    rerank_factor: int = knob(
+        1,
+        help="Re-rank: score F x the budget's pages from the summaries, load them, and attend the budget's pages with the most exact attention mass (their keys against the step's queries); 1 = off.",
+    )
     cache_row_ratio: float = knob(
         1.25,
         help="Fewest GPU page-cache slots a running request keeps per (layer, kv head), as a multiple of one step's selection: it sets how many requests fit; rows grow into free slots (up to 4x) while fewer run.",
@@ -285,12 +289,15 @@ class SparseConfig:
             )
         if self.reselect_interval < 1:
             raise SparseConfigError("reselect_interval", f"must be >= 1, got {self.reselect_interval}")
+        if self.rerank_factor < 1:
+            raise SparseConfigError("rerank_factor", f"must be >= 1 (1 = off), got {self.rerank_factor}")
         if self.cache_row_ratio < 1:
             raise SparseConfigError(
                 "cache_row_ratio",
                 f"must be >= 1 (a row holds at least one step's selection), got {self.cache_row_ratio}",
             )
-        for name in ("cache_row_ratio", "coarse_candidates"):  # multiples of the budget's pages, as int32 widths
+        # multiples of the budget's pages, as int32 widths
+        for name in ("cache_row_ratio", "coarse_candidates", "rerank_factor"):
             if getattr(self, name) * budget_pages > INT32_MAX:
                 raise SparseConfigError(name, f"{getattr(self, name):g} x the budget's {budget_pages} pages "
                                               f"exceeds {INT32_MAX} pages")  # fmt: skip
@@ -373,6 +380,12 @@ class SparseConfig:
     def budget_pages(self) -> int:
         """Pages each kv head attends to per decode step."""
         return self.token_budget // self.page_size
+
+    @property
+    def candidate_pages(self) -> int:
+        """Pages each kv head loads per decode step: the budget's, or with re-ranking
+        ``rerank_factor`` times that (the budget's pages with the most exact mass are attended)."""
+        return self.budget_pages * self.rerank_factor
 
     def inject_tokens(self, num_layers: int) -> int:
         """Layer-segmented prefill budget (tokens x layers per iteration) for a model."""

@@ -13,7 +13,8 @@ Shared by the CPU reference (tests, ``benchmark/quality.py``) and the GPU decode
 The decode path runs downhill, each stage importing only those below it and ``mem_cache``'s views:
 :mod:`.sparse_decode` (``make_decoder``; plan once per step, run per layer) -> selection
 (:mod:`.scoring`, the score kernels; a top-k) -> retrieval (:mod:`.retrieval`, the retrieve kernel
-over ``GPUPageCache.view``) -> attention (FlashInfer's paged decode). :mod:`.reference` holds the
+over ``GPUPageCache.view``) -> with ``--sparse-rerank-factor``, the re-rank of the loaded candidates
+(:mod:`.rerank`) -> attention (FlashInfer's paged decode). :mod:`.reference` holds the
 torch references of the kernels, which the CPU tests compare them with.
 """
 

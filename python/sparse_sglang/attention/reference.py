@@ -4,6 +4,8 @@
 - :func:`score_pages_reference`, :func:`score_coarse_reference`, :func:`score_candidates_reference`:
   the score kernels of :mod:`sparse_sglang.attention.scoring` (summaries gathered into dense
   tensors, scored by the :class:`~sparse_sglang.attention.Selector`).
+- :func:`candidate_page_lse_reference`: :func:`~sparse_sglang.attention.rerank.candidate_page_lse`
+  (the re-rank's per-page log-masses from the cached keys).
 - :func:`retrieve_reference`: :func:`~sparse_sglang.attention.retrieval.retrieve_pages`'s choices
   (hits, LRU victims, table updates) in torch ops over the cache's public methods. The decoder
   also runs it for rows too wide for the kernel's one program
@@ -186,3 +188,17 @@ def retrieve_reference(
     src = (layer * cache.num_kv_heads + head) * num_host_pages + host_page
     load(src.reshape(-1), dst.reshape(-1))
     return torch.where(miss, dst, hit)
+
+
+def candidate_page_lse_reference(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, count: torch.Tensor,
+                                 sm_scale: float, k_scale: float | None = None,
+                                 logits_soft_cap: float | None = None) -> torch.Tensor:  # fmt: skip
+    """:func:`~sparse_sglang.attention.rerank.candidate_page_lse` in torch: the candidates' keys
+    gathered ``[rows, Kc, P, D]``, logits against the group's queries, a log-sum-exp per page."""
+    rows, kc = slots.shape
+    valid = torch.arange(kc, device=slots.device).view(1, -1) < count.view(-1, 1)
+    keys = k_cache[torch.where(valid, slots, 0).long()].float() * (1.0 if k_scale is None else float(k_scale))
+    logits = torch.einsum("rgd,rjpd->rjgp", q.float(), keys) * sm_scale
+    if logits_soft_cap:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    return torch.logsumexp(logits, dim=-1).masked_fill(~valid.unsqueeze(-1), -math.inf)

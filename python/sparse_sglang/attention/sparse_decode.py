@@ -17,6 +17,9 @@ runs once per layer, on the device only:
 3. **Retrieve**: hits come from the GPU page cache, misses are loaded by FlashH2D into LRU slots
    of the request's cache row (one fused kernel, :func:`retrieve_pages`, finds them and writes
    FlashInfer's indices; :func:`retrieve_reference` is the reference);
+   With ``rerank_factor`` F > 1 the selection takes ``F x K`` candidates, retrieval loads them
+   all, and the ``K`` with the most exact attention mass (their cached keys against the step's
+   queries, :mod:`~sparse_sglang.attention.rerank`) are the ones attended;
 4. **Attend** with FlashInfer's paged decode: every (request, kv head) is its own sequence of
    one kv head and its group's ``G`` query heads over its ``K`` cache slots (HND layout), the
    newest page last so ``last_page_len`` covers the partial page.
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 
 from sparse_sglang.attention.constants import LayerConstants
 from sparse_sglang.attention.reference import retrieve_reference, score_coarse_reference
+from sparse_sglang.attention.rerank import rerank_candidates
 from sparse_sglang.attention.retrieval import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
@@ -146,6 +150,10 @@ class SparseDecoder:
         self.constants = LayerConstants.of(shape.head_dim, sm_scale, logits_soft_cap)
         self.group = num_q_heads // shape.num_kv_heads
         self.width = min(config.budget_pages, shape.row_width)  # K: pages per (request, kv head)
+        # Kc > K with re-ranking (--sparse-rerank-factor): candidates loaded, the K with the most
+        # exact mass attended; 0: off.
+        candidates = min(config.candidate_pages, shape.row_width)
+        self.candidates = candidates if candidates > self.width else 0
         if use_tensor_cores is None:
             use_tensor_cores = self.group >= 4
         self.workspace, self.use_tensor_cores = workspace, use_tensor_cores
@@ -167,7 +175,7 @@ class SparseDecoder:
         self.interval = config.reselect_interval
         # Coarse-first selection, where a request can hold more super-pages than it keeps.
         self.coarse = config.coarse_pages if store.summaries.coarse_pages else 0
-        self.supers = config.coarse_supers(self.width) if self.coarse else 0
+        self.supers = config.coarse_supers(max(self.width, self.candidates)) if self.coarse else 0
         if self.coarse and shape.max_pages // self.coarse <= self.supers:
             self.coarse = 0
         self.coarse_tail = self.coarse + self.forced[1] - 1  # most pages a request holds from built * S on
@@ -193,8 +201,14 @@ class SparseDecoder:
         # entry takes the padding of rows with fewer than K pages (reference path).
         self.indices = torch.zeros(rows * self.width + 1, dtype=torch.int32, device=device)
         # FlashH2D's copy list, written by retrieve_pages.
-        self.miss_src = torch.empty(rows * self.width, dtype=torch.int64, device=device)
+        self.miss_src = torch.empty(rows * max(self.width, self.candidates), dtype=torch.int64, device=device)
         self.miss_dst = torch.empty_like(self.miss_src)
+        # Re-ranking: each row's candidates' cache slots at row * Kc (a fixed layout the retrieve
+        # kernel writes through its indptr), and a row's ranks 0..K-1 (where its choice goes).
+        kc = self.candidates
+        self.candidate_slots = torch.zeros(rows * kc, dtype=torch.int32, device=device)
+        self.candidate_indptr = (torch.arange(rows + 1, dtype=torch.int32) * kc).to(device)
+        self.ranks = torch.arange(self.width, dtype=torch.int64, device=device).view(1, -1)
         self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
 
     def log_selections(self, max_batch: int) -> torch.Tensor:
@@ -344,11 +358,13 @@ class SparseDecoder:
         ids = self.select_raw(layer, q)
         return torch.where(ids < self.num_pages.view(-1, 1, 1), ids, -1)
 
-    def select_raw(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def select_raw(self, layer: int, q: torch.Tensor, width: int | None = None) -> torch.Tensor:
         """The selection as :meth:`run` uses it: entries ``-1`` or ``>= num_pages`` (what the top-k
-        gives a request holding fewer than ``K`` pages) stand for none."""
+        gives a request holding fewer than ``K`` pages) stand for none. ``width``: pages per
+        (request, kv head), ``K`` by default (the re-rank's candidates take ``Kc``)."""
         if self.exact:
             return self.all_pages
+        width = self.width if width is None else width
         qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
         summaries = self.store.summaries.layer(layer)
         # FlashInfer's ragged top-k reads each row up to its request's pages, so the score kernel
@@ -367,13 +383,13 @@ class SparseDecoder:
             priority = score_candidates(self.selector, qg, summaries, host_pages, self.num_pages, supers, self.built,
                                         self.coarse, self.coarse_tail, self.group_reduce, forced=self.forced,
                                         reuse=reuse)  # fmt: skip
-            return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
+            return topk_pages(priority, width, self.topk, self.row_pages, self.topk_offsets)
         priority = score_pages(self.selector, self.scoring_query(layer, qg), summaries,
                                self.host_pages[:, : self.max_pages], self.num_pages, self.group_reduce,
                                forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
-        if self.max_pages <= self.width:  # every page fits (the exact shortcut is off): pad, so the
-            priority = F.pad(priority, (0, self.width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
-        return topk_pages(priority, self.width, self.topk, self.row_pages, self.topk_offsets)
+        if self.max_pages <= width:  # every page fits (the exact shortcut is off): pad, so the
+            priority = F.pad(priority, (0, width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
+        return topk_pages(priority, width, self.topk, self.row_pages, self.topk_offsets)
 
     def scoring_query(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
         """What the score kernel takes for queries ``[B, Hkv, G, D]``: themselves, or for the
@@ -402,14 +418,41 @@ class SparseDecoder:
             ``[B, Hq, D]``.
         """
         self.constants.check(sm_scale, logits_soft_cap, "sparse decoder")
-        page_ids = self.select_raw(layer, q)
+        if self.candidates and not self.exact:
+            page_ids = self._rerank(layer, q, k_scale)
+        else:
+            page_ids = self.select_raw(layer, q)
+            self._retrieve(layer, page_ids)
         if self.selection_log is not None:  # -1 for none (the top-k's picks past a request's end)
             self.selection_log[: self.batch, layer] = torch.where(
                 page_ids < self.num_pages.view(-1, 1, 1), page_ids, -1
             )
-        self._retrieve(layer, page_ids)
         qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
         return self.wrapper.run(qs, self.kv, k_scale=k_scale, v_scale=v_scale).view(q.shape)
+
+    def _rerank(self, layer: int, q: torch.Tensor, k_scale: float | None) -> torch.Tensor:
+        """Select ``Kc`` candidates, load them (hits, misses, LRU as any selection), keep the ``K``
+        with the most exact attention mass (:mod:`~sparse_sglang.attention.rerank`) and write
+        FlashInfer's indices for them; returns the ``[B, Hkv, K]`` pages attended (``-1``: none)."""
+        store, kc, rows = self.store, self.candidates, self.batch * self.num_kv_heads
+        candidates = self.select_raw(layer, q, kc)
+        n = rows * kc
+        slots, src, dst = self.candidate_slots[:n], self.miss_src[:n], self.miss_dst[:n]
+        retrieve_pages(store.cache.view, layer, self.req_slots, candidates, self.num_pages, self.host_pages,
+                       store.shape.num_host_pages, self.candidate_indptr[: rows + 1], slots, src, dst)  # fmt: skip
+        store.load(src, dst)
+        c = self.constants
+        chosen_pages, chosen_slots = rerank_candidates(candidates, self.num_pages, slots.view(rows, kc),
+                                                       q.reshape(rows, self.group, self.head_dim), store.cache.k,
+                                                       self.width, self.forced, c.sm_scale, k_scale,
+                                                       c.logits_soft_cap)  # fmt: skip
+        # Row r's choice at indptr[r] .. (min(num_pages, K) of them, as planned); the padding to
+        # the buffer's last entry.
+        at = torch.where(
+            chosen_pages >= 0, self.indptr[:-1].view(rows, 1).long() + self.ranks, self.indices.numel() - 1
+        )
+        self.indices.scatter_(0, at.view(-1), chosen_slots.view(-1).to(torch.int32))
+        return chosen_pages.view(self.batch, self.num_kv_heads, self.width)
 
     def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
         """Hits and misses of one layer's selection, the misses loaded, FlashInfer's indices
@@ -431,6 +474,13 @@ class TorchPathDecoder(SparseDecoder):
     kernel's one program (:func:`fits_fused_retrieve`, large budgets), outside CUDA graphs; the GPU
     tests compare the two decoders step by step.
     """
+
+    def __init__(self, store: SparseKVStore, config: SparseConfig, *args, **kwargs):
+        if config.rerank_factor > 1:
+            raise ValueError(f"--sparse-rerank-factor {config.rerank_factor}: re-ranking runs the fused kernels, which "
+                             f"take up to {MAX_RETRIEVE_CELLS} (candidates x row) page pairs; lower the factor or "
+                             f"--sparse-token-budget")  # fmt: skip
+        super().__init__(store, config, *args, **kwargs)
 
     def init_cuda_graph(self, max_batch: int) -> None:
         raise ValueError(f"--sparse-decode-cuda-graph: CUDA-graph decode runs the fused kernels, which take up to "
@@ -496,7 +546,7 @@ def make_decoder(store: SparseKVStore, config: SparseConfig, num_q_heads: int, w
     :func:`fits_fused_retrieve` takes; wider rows, from large budgets, take the torch path.
     ``options`` go to the decoder (``use_tensor_cores``, ``topk``, ``stats``)."""
     if fused is None:
-        width = min(config.budget_pages, store.shape.row_width)
+        width = min(config.candidate_pages, store.shape.row_width)  # the pages a step loads
         fused = store.device.type == "cuda" and fits_fused_retrieve(width, store.shape.row_width)
     decoder = SparseDecoder if fused else TorchPathDecoder
     return decoder(store, config, num_q_heads, workspace, max_batch, **options)

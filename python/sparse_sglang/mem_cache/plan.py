@@ -54,7 +54,7 @@ class MemoryPlanError(ValueError):
 class MemoryPlan:
     shape: StoreShape
     max_running_requests: int
-    selection_pages: int  # pages one decode step attends per (request, kv head)
+    selection_pages: int  # pages one decode step loads per (request, kv head): attended, or re-ranked
     summary_bytes: int
     cache_bytes: int
     staging_bytes: (
@@ -184,8 +184,14 @@ def plan_memory(
     if max_total_tokens is not None:
         host_pages = min(host_pages, math.ceil(max_total_tokens / page) + 1)
     max_pages = math.ceil(context_len / page)
-    selection = min(config.budget_pages, max_pages)
+    selection = min(config.candidate_pages, max_pages)  # pages a step loads per (layer, kv head)
     min_row_width = row_width_for(selection, max_pages, config.cache_row_ratio)
+    if config.rerank_factor > 1 and not fits_fused_retrieve(selection, min_row_width):
+        raise MemoryPlanError(
+            f"--sparse-rerank-factor {config.rerank_factor}: {selection} candidate pages per kv head in rows of "
+            f"{min_row_width} exceed the fused decode kernels ({MAX_RETRIEVE_CELLS} page pairs), which re-ranking "
+            "runs; lower it, --sparse-token-budget or --sparse-cache-row-ratio"
+        )
 
     staging_tokens = prefix_staging_tokens(config, context_len)
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,

@@ -33,7 +33,7 @@ def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_co
                dtype=torch.bfloat16) -> SparseKVStore:  # fmt: skip
     page = config.page_size
     max_pages = math.ceil((max_context + 1) / page)
-    width = row_width_for(config.budget_pages, max_pages, config.cache_row_ratio)
+    width = row_width_for(config.candidate_pages, max_pages, config.cache_row_ratio)
     s = StoreShape(
         num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, page_size=page,
         dtype=dtype, num_host_pages=max_batch * max_pages + 1, num_slots=max_batch * shape.num_layers * shape.num_kv_heads * width,

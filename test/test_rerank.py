@@ -1,0 +1,121 @@
+"""The re-rank of candidate pages (``--sparse-rerank-factor``): the per-page log-mass kernel (in
+Triton's interpreter on CPU) against its torch reference, the priorities and the final choice."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparse_sglang.attention import get_selector
+from sparse_sglang.attention.reference import candidate_page_lse_reference
+from sparse_sglang.attention.rerank import candidate_page_lse, choose_reranked, rerank_priority
+
+P, D = 16, 32
+
+
+def _case(rows=3, kc=5, group=3, slots_total=12, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(slots_total, P, D, generator=gen).to(dtype)
+    q = torch.randn(rows, group, D, generator=gen)
+    slots = torch.randint(0, slots_total, (rows, kc), generator=gen, dtype=torch.int32)
+    count = torch.tensor([kc, 2, 0][:rows], dtype=torch.int32)
+    return q, k_cache, slots, count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_kernel_matches_its_reference(dtype, soft_cap):
+    q, k_cache, slots, count = _case(dtype=dtype)
+    got = candidate_page_lse(q, k_cache, slots, count, sm_scale=D**-0.5, k_scale=0.5, logits_soft_cap=soft_cap)
+    want = candidate_page_lse_reference(q, k_cache, slots, count, D**-0.5, 0.5, soft_cap)
+    assert got.shape == (3, 5, 3)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.isinf(got[1, 2:]).all() and torch.isinf(got[2]).all()  # past each row's count
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_priority_is_the_groups_summed_share_and_forces_sink_and_recent_pages():
+    pages = torch.tensor([[0, 3, 5, 9]])
+    lse = torch.log(torch.tensor([[[1.0, 1.0], [6.0, 1.0], [2.0, 7.0], [1.0, 1.0]]]))
+    count, num_pages = torch.tensor([4]), torch.tensor([10])
+    priority = rerank_priority(lse, pages, count, num_pages, forced=(1, 1))
+    assert priority[0, 0] == math.inf and priority[0, 3] == math.inf  # page 0 (sink), page 9 (recent)
+    # head shares over the candidates: head 0 [1, 6, 2, 1] / 10, head 1 [1, 1, 7, 1] / 10
+    torch.testing.assert_close(priority[0, 1:3], torch.log(torch.tensor([0.6 + 0.1, 0.2 + 0.7])))
+    fewer = rerank_priority(lse, pages, torch.tensor([2]), num_pages, forced=(1, 1))
+    assert fewer[0, 2:].eq(-math.inf).all()  # past the count: never chosen
+
+
+def test_choice_keeps_the_best_in_ascending_page_order_and_pads_short_rows():
+    priority = torch.tensor([[math.inf, 0.5, 2.0, -1.0, math.inf], [1.0, 0.0, -math.inf, -math.inf, -math.inf]])
+    pages = torch.tensor([[0, 4, 7, 8, 11], [0, 2, 0, 0, 0]])
+    slots = torch.tensor([[10, 14, 17, 18, 21], [30, 32, 0, 0, 0]])
+    chosen_pages, chosen_slots = choose_reranked(priority, pages, slots, k=3)
+    assert chosen_pages.tolist() == [[0, 7, 11], [0, 2, -1]]
+    assert chosen_slots.tolist() == [[10, 17, 21], [30, 32, -1]]
+
+
+def test_rerank_recovers_the_page_a_bound_ranks_below_a_wide_distractor():
+    """Quest's bound scores a page by its bounding box: a page whose keys spread widely over the
+    query's channels outranks one holding the single key the query matches. The exact mass of the
+    same candidates puts the matching page first."""
+    q = torch.zeros(1, 1, D)
+    q[0, 0, :4] = 1.0
+    needle = torch.zeros(P, D)
+    needle[3, :4] = 3.0  # one token aligned with the query: logit 12 * scale
+    wide = torch.zeros(P, D)
+    wide[:, :4] = -4.0
+    wide[torch.arange(P), torch.arange(P) % 4] = 4.0  # each channel high on some token, no token high on all
+    k_cache = torch.stack([needle, wide])
+    kmin, kmax = k_cache.amin(1).view(1, 1, 2, D), k_cache.amax(1).view(1, 1, 2, D)
+    bound = get_selector("quest").score(q.view(1, 1, 1, D), kmin, kmax, None)
+    assert bound[0, 0, 1] > bound[0, 0, 0]  # the bound prefers the distractor
+    slots, count = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    lse = candidate_page_lse(q, k_cache, slots, count, sm_scale=1.0)
+    priority = rerank_priority(lse, torch.tensor([[5, 6]]), count, torch.tensor([20]), forced=(0, 0))
+    pages, _ = choose_reranked(priority, torch.tensor([[5, 6]]), slots, k=1)
+    assert pages.tolist() == [[5]]
+
+
+def test_a_layers_rerank_reads_each_candidates_own_slot_whatever_order_the_top_k_gave():
+    """The selection's candidates come in any order (some rows short, entries past a request's end);
+    the retrieve kernel writes a row's slots in ascending page order. The re-rank pairs each page
+    with its own slot: it attends the pages whose keys (in those slots) carry the most mass."""
+    from sparse_sglang.attention.rerank import rerank_candidates
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, group, kc, k = 2, 2, 2, 6, 3
+    num_pages = torch.tensor([9, 4])
+    q = torch.randn(batch * heads, 1, D, generator=gen).expand(-1, group, -1)  # every head the same: mass ~ strength
+    candidates = torch.full((batch, heads, kc), -1, dtype=torch.int64)
+    candidates[0, 0] = torch.tensor([8, 2, 5, 0, 6, 3])
+    candidates[0, 1] = torch.tensor([1, 8, 0, 7, 4, 5])
+    candidates[1, 0] = torch.tensor([3, 0, 2, 9, -1, -1])  # 9: past the request's end
+    candidates[1, 1] = torch.tensor([0, 1, 3, -1, -1, -1])
+    k_cache = torch.zeros(40, P, D)
+    slots = torch.zeros(batch * heads, kc, dtype=torch.int32)
+    mass = {}  # (row, page) -> the page's keys' strength along the row's summed query
+    for row in range(batch * heads):
+        b, h = divmod(row, heads)
+        pages = sorted(p for p in candidates[b, h].tolist() if 0 <= p < int(num_pages[b]))
+        for j, p in enumerate(pages):
+            slot = 1 + row * kc + j
+            slots[row, j] = slot
+            strength = float(torch.rand((), generator=gen)) * 4
+            k_cache[slot, 0] = strength * q[row].sum(0) / q[row].sum(0).norm()
+            mass[row, p] = strength
+    chosen_pages, chosen_slots = rerank_candidates(candidates, num_pages, slots, q, k_cache, k, forced=(1, 1),
+                                                   sm_scale=1.0)  # fmt: skip
+    for row in range(batch * heads):
+        b = row // heads
+        n = int(num_pages[b])
+        held = [p for (r, p) in mass if r == row]
+        free = sorted((p for p in held if 0 < p < n - 1), key=lambda p: -mass[row, p])
+        want = sorted({p for p in held if p == 0 or p == n - 1} | set(free[: k - sum(p in (0, n - 1) for p in held)]))
+        got = [p for p in chosen_pages[row].tolist() if p >= 0]
+        assert got == want, f"row {row}"
+        pages = sorted(held)
+        assert [int(s) for s in chosen_slots[row][: len(got)]] == [int(slots[row, pages.index(p)]) for p in got]
