@@ -147,7 +147,7 @@ def layers_for(batch: int, context: int, max_batch: int, wanted: int) -> int:
 def run(args) -> dict:
     config = SparseConfig(token_budget=args.budget, host_cache_gb=1.0, bound_format=args.bound_format,
                           coarse_pages=args.coarse_pages, coarse_candidates=args.coarse_candidates,
-                          selector=args.selector)  # fmt: skip
+                          selector=args.selector, rerank_factor=args.rerank_factor)  # fmt: skip
     max_batch, max_context = max(args.batches), max(args.contexts)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     max_pages = max_batch * -(-(max_context + 1) // 32)
@@ -278,6 +278,7 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--coarse-candidates", type=float, default=4.0, help="--sparse-coarse-candidates")
     parser.add_argument("--selector", choices=("quest", "sketch"), default="quest", help="--sparse-selector")
+    parser.add_argument("--rerank-factor", type=int, default=1, help="--sparse-rerank-factor")
     parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument(
         "--kernels", action="store_true", help="also record each kernel's time in the all-hit step (torch's profiler)"
@@ -295,7 +296,8 @@ def main(argv=None) -> dict:
     bounds = resolve_bound_format(args.bound_format, KV_DTYPE_CHOICES[args.kv_dtype])
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": args.selector, "kv_dtype": args.kv_dtype,
               "bound_format": bounds, "coarse_pages": args.coarse_pages, "coarse_candidates": args.coarse_candidates,
-              "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
+              "rerank_factor": args.rerank_factor, "layers_per_graph": args.layers_per_graph,
+              "l2_flushed": True}  # fmt: skip
     name = (
         "decode-{date}"
         + ("" if args.kv_dtype == "bf16" else "-fp8")
@@ -303,6 +305,7 @@ def main(argv=None) -> dict:
         + ("" if args.selector == "quest" else f"-{args.selector}")
     )
     name += f"-coarse{args.coarse_pages}" if args.coarse_pages else ""
+    name += f"-rerank{args.rerank_factor}" if args.rerank_factor > 1 else ""
     return finish_run(
         "benchmark/decode.py", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json"
     )

@@ -9,7 +9,7 @@
 # Write <commit> out (your checkout's `git rev-parse --short HEAD`): the git data in the call's copy
 # of the tree is not this checkout's, so `git rev-parse` there names another commit.
 # Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
-# its sparse servers), decode (benchmark/decode.py, quest and sketch), tests ($GPU_TESTS), fuzz,
+# its sparse servers), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its flags), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
 # its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store),
 # dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes),
@@ -33,7 +33,7 @@ job_grid() {
 job_decode() {  # the decode step, 8B shape: today's default selector and the sketch selector
   for selector in quest sketch; do
     python3 benchmark/decode.py --contexts ${DECODE_CONTEXTS:-131072} --batches ${DECODE_BATCHES:-32} \
-      --selector "$selector" --out-dir /root/o
+      --selector "$selector" --out-dir /root/o ${DECODE_ARGS:-}
   done
 }
 job_tests() {  # $GPU_TESTS: groups of test files separated by "|", the groups run side by side
@@ -109,6 +109,6 @@ run_stages() {
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages $(compgen -A function job_)
 export JOBS GPU_TESTS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
-  DECODE_CONTEXTS DECODE_BATCHES SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE
+  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
