@@ -60,6 +60,7 @@ from sparse_sglang.attention import (
     select_pages,
     sparse_attention_reference,
 )
+from sparse_sglang.attention.rerank import choose_reranked, rerank_priority
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.mem_cache import PageSummaries
@@ -98,6 +99,7 @@ class Policy:
     # Layers with index < dense_layers attend densely (Quest's first two layers). A benchmark knob
     # only: the server's page cache rows hold a budget's pages, not a whole context.
     dense_layers: int = 0
+    rerank_factor: int = 1  # --sparse-rerank-factor: F x the budget's candidates, the budget's by exact mass
 
     def is_dense(self, layer: int) -> bool:
         """Whether this policy attends densely in ``layer``."""
@@ -211,6 +213,7 @@ def choose_pages(
     seq_len: torch.Tensor,
     cached: torch.Tensor | None = None,
     reselect: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """``[B, Hkv, K]`` pages of ``PAGE_SIZE`` tokens that ``policy`` attends for decode queries
     ``q`` ``[B, Hq, D]`` over ``keys`` ``[1, Hkv, T, D]`` (summarized by ``summaries`` at the
@@ -228,8 +231,26 @@ def choose_pages(
         scores = max_reduce_logical(scores, PAGE_SIZE // lps, -(-seq_len // lps))
     if cached is not None:
         scores = keep_cached(scores, cached[..., : scores.shape[-1]], reselect)
-    return select_pages(scores, -(-seq_len // PAGE_SIZE), policy.budget // PAGE_SIZE,
-                        policy.sink_pages, policy.recent_pages).page_ids  # fmt: skip
+    num_pages, budget = -(-seq_len // PAGE_SIZE), policy.budget // PAGE_SIZE
+    if policy.rerank_factor == 1:
+        return select_pages(scores, num_pages, budget, policy.sink_pages, policy.recent_pages).page_ids
+    # The server's re-rank (sparse_sglang.attention.rerank) over candidates chosen the same way.
+    candidates = select_pages(scores, num_pages, budget * policy.rerank_factor, policy.sink_pages,
+                              policy.recent_pages).page_ids.long()  # fmt: skip
+    heads, group, kc = kmin.shape[1], q_heads // kmin.shape[1], candidates.shape[-1]
+    logits = qg.float() @ keys.float().transpose(-1, -2) * (dim**-0.5 if scale is None else scale)  # [B, Hkv, G, T]
+    past = torch.arange(keys.shape[2]).view(1, 1, 1, -1) >= seq_len.view(-1, 1, 1, 1)
+    logits = torch.nn.functional.pad(
+        logits.masked_fill(past, -math.inf), (0, -keys.shape[2] % PAGE_SIZE), value=-math.inf
+    )
+    lse = logits.view(batch, heads, group, -1, PAGE_SIZE).logsumexp(-1)  # [B, Hkv, G, N]
+    lse = lse.gather(3, candidates.clamp(min=0).unsqueeze(2).expand(-1, -1, group, -1)).transpose(2, 3)
+    rows, count = batch * heads, (candidates >= 0).sum(-1).view(-1)
+    forced = (min(policy.sink_pages, budget - policy.recent_pages), policy.recent_pages)
+    priority = rerank_priority(lse.reshape(rows, kc, group), candidates.view(rows, kc), count,
+                               num_pages.repeat_interleave(heads), forced)  # fmt: skip
+    chosen, _ = choose_reranked(priority, candidates.view(rows, kc), candidates.view(rows, kc), budget)
+    return chosen.view(batch, heads, budget).to(torch.int32)
 
 
 # Q2: attention-mass recall and output error on captured queries.
@@ -344,7 +365,7 @@ class SparseDecoder:
         q, seq_len = query[:, :, 0], torch.tensor([tokens])
         pages = None
         if not self.policy.is_dense(layer):
-            pages = choose_pages(self.policy, q, self.summaries, layer, key, seq_len)
+            pages = choose_pages(self.policy, q, self.summaries, layer, key, seq_len, scale=scaling)
             self.recall.append(attention_mass_recall(q, key, pages, PAGE_SIZE, seq_len, scaling).mean().item())
         return sparse_attention_reference(q, key, value, pages, PAGE_SIZE, seq_len, scaling).unsqueeze(1)
 

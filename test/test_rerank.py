@@ -119,3 +119,30 @@ def test_a_layers_rerank_reads_each_candidates_own_slot_whatever_order_the_top_k
         assert got == want, f"row {row}"
         pages = sorted(held)
         assert [int(s) for s in chosen_slots[row][: len(got)]] == [int(slots[row, pages.index(p)]) for p in got]
+
+
+def test_the_cpu_reference_reranks_as_the_oracle_when_every_page_is_a_candidate():
+    """``benchmark/quality.py``'s decoder (the accuracy suite's reference) with ``rerank_factor``:
+    candidates covering the context leave the exact mass to choose, so the one page besides the
+    forced ones is the oracle's best."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+    import quality
+
+    from sparse_sglang.mem_cache import PageSummaries
+
+    gen = torch.Generator().manual_seed(5)
+    heads, group, tokens, dim = 2, 3, 200, 16
+    keys = torch.randn(1, heads, tokens, dim, generator=gen)
+    q = torch.randn(1, heads * group, dim, generator=gen) * 2
+    summaries = PageSummaries(1, heads, 8, 32, dim, torch.float32, bound_format="exact")
+    summaries.update(0, keys[0].transpose(0, 1), torch.arange(tokens))
+    seq_len = torch.tensor([tokens])
+    policy = quality.Policy(budget=128, sink_pages=1, recent_pages=2, rerank_factor=2)
+    pages = quality.choose_pages(policy, q, summaries, 0, keys, seq_len, scale=dim**-0.5)
+    mass = quality.oracle_page_mass(q, keys, seq_len, dim**-0.5)  # [1, Hkv, 7]
+    for h in range(heads):
+        best = 1 + int(mass[0, h, 1:5].argmax())
+        assert pages[0, h].tolist() == sorted([0, best, 5, 6])
