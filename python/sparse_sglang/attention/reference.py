@@ -197,7 +197,8 @@ def candidate_page_lse_reference(q: torch.Tensor, k_cache: torch.Tensor, slots: 
     gathered ``[rows, Kc, P, D]``, logits against the group's queries, a log-sum-exp per page."""
     rows, kc = slots.shape
     valid = torch.arange(kc, device=slots.device).view(1, -1) < count.view(-1, 1)
-    keys = k_cache[torch.where(valid, slots, 0).long()].float() * (1.0 if k_scale is None else float(k_scale))
+    stored = k_cache[torch.where(valid, slots, 0).long()]
+    keys = stored.float() * (1.0 if k_scale is None else float(k_scale))
     logits = torch.einsum("rgd,rjpd->rjgp", q.float(), keys) * sm_scale
     if logits_soft_cap:
         logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)

@@ -59,7 +59,8 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         k = tl.load(k_ptr + slot * P * D + offs_p[:, None] * D + offs_d[None, :], mask=valid, other=0.0)  # [P, D]
         q = tl.load(q_ptr + (row * G + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        logits = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [GP, P]
+        # fp32 operands and sums (exact, as the reference: a ranking near a tie must not turn on tf32)
+        logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [GP, P]
         if SOFT_CAP:
             logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
         top = tl.max(logits, axis=1)
@@ -100,7 +101,7 @@ def candidate_page_lse(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tens
     scale = sm_scale * (1.0 if k_scale is None else float(k_scale))
     _candidate_lse_kernel[(rows, kc)](
         q.contiguous(), k_cache, slots.contiguous(), count.contiguous(), out, scale, float(logits_soft_cap or 0.0),
-        KC=kc, G=group, GP=triton.next_power_of_2(group), P=page, D=dim, SOFT_CAP=bool(logits_soft_cap),
+        KC=kc, G=group, GP=max(16, triton.next_power_of_2(group)), P=page, D=dim, SOFT_CAP=bool(logits_soft_cap),
     )  # fmt: skip
     return out
 
