@@ -3,13 +3,15 @@
 # out of the call's folder (later calls replace it), build the native kernels, then run $JOBS
 # detached. $JOBS is stages separated by commas, each stage jobs separated by spaces: a stage's jobs
 # run side by side, and a stage starts when the one before it has ended (so a timing job can have
-# the machine to itself). Results gather in /root/o; collect them with
-# `tar czf $OUT/o.tgz -C /root o` in a later call; /root/o/stage.log says which stage runs.
+# the machine to itself; on a two-GPU machine "tests@0 grid@1" gives each job one GPU). Results
+# gather in /root/o; collect them with `tar czf $OUT/o.tgz -C /root o` in a later call;
+# /root/o/stage.log says which stage runs.
 #   SPARSE_SGLANG_COMMIT=<commit> JOBS="pin,startup,soak fuzz" bash tools/gpu_host_burst.sh
 # Write <commit> out (your checkout's `git rev-parse --short HEAD`): the git data in the call's copy
 # of the tree is not this checkout's, so `git rev-parse` there names another commit.
 # Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
-# its sparse servers), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its flags), tests ($GPU_TESTS), fuzz,
+# its sparse servers), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
+# flags), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
 # its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store),
 # dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes),
@@ -101,7 +103,12 @@ run_stages() {
   IFS=',' read -ra stages <<< "$JOBS"
   for stage in "${stages[@]}"; do
     echo "$(date +%T) stage: $stage" >> /root/o/stage.log
-    for job in $stage; do "job_$job" > "/root/o/$job.log" 2>&1 & done
+    for job in $stage; do  # job@N: on GPU N only (a two-GPU machine runs two jobs side by side)
+      local name=${job%@*}
+      if [ "$name" = "$job" ]; then "job_$name" > "/root/o/$name.log" 2>&1 &
+      else (export CUDA_VISIBLE_DEVICES=${job#*@}; "job_$name") > "/root/o/$name.log" 2>&1 &
+      fi
+    done
     wait
   done
   echo "$(date +%T) done" >> /root/o/stage.log
