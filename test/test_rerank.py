@@ -39,12 +39,13 @@ def test_kernel_matches_its_reference(dtype, soft_cap):
 
 def test_priority_is_the_groups_summed_share_and_forces_sink_and_recent_pages():
     pages = torch.tensor([[0, 3, 5, 9]])
-    lse = torch.log(torch.tensor([[[1.0, 1.0], [6.0, 1.0], [2.0, 7.0], [1.0, 1.0]]]))
+    lse = torch.log(torch.tensor([[[1.0, 1.0], [6.0, 1.0], [2.0, 7.0], [float("nan"), 5.0]]]))
     count, num_pages = torch.tensor([4]), torch.tensor([10])
     priority = rerank_priority(lse, pages, count, num_pages, forced=(1, 1))
     assert priority[0, 0] == math.inf and priority[0, 3] == math.inf  # page 0 (sink), page 9 (recent)
-    # head shares over the candidates: head 0 [1, 6, 2, 1] / 10, head 1 [1, 1, 7, 1] / 10
-    torch.testing.assert_close(priority[0, 1:3], torch.log(torch.tensor([0.6 + 0.1, 0.2 + 0.7])))
+    # head shares over the candidates but the newest page (9: read whole, its mass unknown):
+    # head 0 [1, 6, 2] / 9, head 1 [1, 1, 7] / 9
+    torch.testing.assert_close(priority[0, 1:3], torch.log(torch.tensor([(6 + 1) / 9, (2 + 7) / 9])))
     fewer = rerank_priority(lse, pages, torch.tensor([2]), num_pages, forced=(1, 1))
     assert fewer[0, 2:].eq(-math.inf).all()  # past the count: never chosen
 
@@ -146,3 +147,77 @@ def test_the_cpu_reference_reranks_as_the_oracle_when_every_page_is_a_candidate(
     for h in range(heads):
         best = 1 + int(mass[0, h, 1:5].argmax())
         assert pages[0, h].tolist() == sorted([0, best, 5, 6])
+
+
+def test_the_decoder_loads_its_candidates_and_points_flashinfer_at_the_pages_it_chose(monkeypatch):
+    """The decoder's re-rank step on the CPU (its kernels in Triton's interpreter; FlashInfer's
+    wrapper, which needs a GPU, stubbed: the step writes the indices that wrapper reads). Each
+    (request, kv head) attends its sink page, its 2 recent pages and the candidate with the most
+    exact mass; FlashInfer's indices hold those pages' cache slots, in ascending page order, and
+    the slots hold the pages' keys."""
+    import flashinfer
+
+    from sparse_sglang.attention.sparse_decode import SparseDecoder
+    from sparse_sglang.config import SparseConfig
+    from sparse_sglang.mem_cache.kernels import SaveRuns
+    from sparse_sglang.mem_cache.kv_store import SparseKVStore, StoreShape
+
+    class NoWrapper:  # plan() is all a step asks of it before run()
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def plan(self, *args, **kwargs):
+            pass
+
+    monkeypatch.setattr(flashinfer, "BatchDecodeWithPagedKVCacheWrapper", NoWrapper)
+    batch, heads, group, dim, page, tokens = 2, 2, 2, 32, 32, 300  # 10 pages a request
+    config = SparseConfig(token_budget=128, rerank_factor=2, sink_pages=1, recent_pages=2, host_cache_gb=1.0)
+    shape = StoreShape(num_layers=1, num_kv_heads=heads, head_dim=dim, page_size=page, dtype=torch.bfloat16,
+                       num_host_pages=batch * 10 + 1, num_slots=batch * heads * 10 + 4, max_requests=batch + 1,
+                       row_width=10, max_pages=10, max_save_tokens=1024, min_row_width=10)  # fmt: skip
+    store = SparseKVStore(shape, "cpu", fused=False)
+    gen = torch.Generator().manual_seed(9)
+    k = torch.randn(batch, tokens, heads, dim, generator=gen).bfloat16()
+    v = torch.randn(batch, tokens, heads, dim, generator=gen).bfloat16()
+    req_slots = torch.tensor([1, 2])
+    host_pages = (1 + torch.arange(batch).view(-1, 1) * 10 + torch.arange(10).view(1, -1)).to(torch.int32)
+    t = torch.arange(tokens)
+    token_slots = (host_pages.long()[:, t // page] * page + t % page).reshape(-1)
+    store.bind_runs(SaveRuns.for_extend([1, 2], [0, 0], [tokens] * batch, page, "cpu"))
+    store.save(0, token_slots, k.reshape(-1, heads, dim), v.reshape(-1, heads, dim), staged=True)
+    store.wait_saves()
+    for slot in (1, 2):
+        store.cache.open_request(slot, 10)
+    decoder = SparseDecoder(store, config, heads * group, torch.empty(1), max_batch=batch, topk="torch")
+    assert (decoder.width, decoder.candidates) == (4, 8)
+    candidates = {}
+    select_raw = decoder.select_raw
+
+    def recording(layer, q, width=None):
+        candidates[width] = ids = select_raw(layer, q, width)
+        return ids
+
+    decoder.select_raw = recording
+    store.cache.next_step()
+    decoder.plan(req_slots, torch.tensor([tokens] * batch), host_pages)
+    q = torch.randn(batch, heads * group, dim, generator=gen)
+    chosen = decoder._rerank(0, q, None)
+    logits = torch.einsum("bhgd,bthd->bhgt", q.view(batch, heads, group, dim), k.float()) * dim**-0.5
+    lse = torch.nn.functional.pad(logits, (0, 20), value=-float("inf")).view(batch, heads, group, 10, page).logsumexp(-1)
+    for b in range(batch):
+        for h in range(heads):
+            offered = sorted(p for p in candidates[8][b, h].tolist() if 0 <= p < 10)
+            assert len(offered) == 8 and {0, 8, 9} <= set(offered)
+            counted = [p for p in offered if p != 9]  # the newest page is read whole: not in the totals
+            share = (lse[b, h, :, offered] - lse[b, h, :, counted].logsumexp(-1, keepdim=True)).logsumexp(0)
+            free = [p for p in offered if p not in (0, 8, 9)]
+            best = free[int(share[[offered.index(p) for p in free]].argmax())]
+            assert chosen[b, h].tolist() == sorted([0, best, 8, 9])
+            row = b * heads + h
+            start = int(decoder.indptr[row])
+            slots = decoder.indices[start : start + 4].long()
+            want = store.cache.page_table.lookup(req_slots[b], 0, torch.tensor(h), chosen[b, h].long())
+            assert slots.tolist() == want.tolist()
+            for p, slot in zip(chosen[b, h].tolist(), slots.tolist()):
+                end = min(page, tokens - p * page)
+                torch.testing.assert_close(store.cache.k[slot, :end], k[b, p * page : p * page + end, h])

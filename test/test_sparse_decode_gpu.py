@@ -379,13 +379,14 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse)
 
 
 def oracle_priority(q, k, group: int, page: int = 32):
-    """``[B, Hkv, N]`` each page's softmax mass (per query head over the whole context), summed
-    over the kv head's group, as a log: what the re-rank computes when every page is a candidate."""
+    """``[B, Hkv, N]`` each page's softmax mass (per query head over the whole context but the
+    newest page), summed over the kv head's group, as a log: what the re-rank computes when every
+    page is a candidate."""
     batch, tokens, heads, dim = k.shape
     logits = torch.einsum("bhgd,bthd->bhgt", q.float().view(batch, heads, group, dim), k.float()) * dim**-0.5
     logits = torch.nn.functional.pad(logits, (0, -tokens % page), value=-float("inf"))
     lse = logits.view(batch, heads, group, -1, page).logsumexp(-1)  # [B, Hkv, G, N]
-    return (lse - lse.logsumexp(-1, keepdim=True)).logsumexp(2)
+    return (lse - lse[..., :-1].logsumexp(-1, keepdim=True)).logsumexp(2)
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])

@@ -10,8 +10,9 @@ with the most attention mass, computed from their keys against the step's querie
    ``sum_t exp(s * q_g . k_t)`` over the page's tokens (one Triton program per candidate; the keys
    are read from the page cache, never the values);
 2. :func:`rerank_priority`: each head's masses as shares of that head's total over the
-   candidates, summed over the group (the oracle's ranking, with the candidates' total standing in
-   for the whole context's); the sink and recent pages rank first, as in every selection;
+   candidates (the newest page's left out), summed over the group (the oracle's ranking, with the
+   candidates' total standing in for the whole context's); the sink and recent pages rank first,
+   as in every selection;
 3. :func:`choose_reranked`: the ``K`` best, in ascending page order (FlashInfer's fixed order).
 
 Contracts
@@ -109,12 +110,15 @@ def candidate_page_lse(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tens
 def rerank_priority(lse: torch.Tensor, pages: torch.Tensor, count: torch.Tensor, num_pages: torch.Tensor,
                     forced: tuple[int, int]) -> torch.Tensor:  # fmt: skip
     """``[rows, Kc]`` float32 priorities of the candidates: ``log sum_g share_g``, with ``share_g``
-    a page's mass for query head ``g`` over that head's total over the row's candidates; ``+inf``
-    for the forced pages (``forced = (sink, recent)``: the first ``sink`` and last ``recent`` of a
-    request's ``num_pages`` ``[rows]``), ``-inf`` past ``count``."""
+    a page's mass for query head ``g`` over that head's total over the row's candidates, the
+    request's newest page left out of the total (the kernel reads that partial page whole, so its
+    mass is not known; it is attended anyway); ``+inf`` for the forced pages (``forced = (sink,
+    recent)``: the first ``sink`` and last ``recent`` of a request's ``num_pages`` ``[rows]``),
+    ``-inf`` past ``count``."""
     kc = pages.shape[1]
     valid = torch.arange(kc, device=pages.device).view(1, -1) < count.view(-1, 1)
-    lse = lse.masked_fill(~valid.unsqueeze(-1), -math.inf)
+    newest = pages == num_pages.view(-1, 1) - 1
+    lse = lse.masked_fill(~(valid & ~newest).unsqueeze(-1), -math.inf)
     total = torch.logsumexp(lse, dim=1, keepdim=True)  # [rows, 1, G]
     share = torch.where(torch.isfinite(total), lse - total, torch.full_like(lse, -math.inf))
     priority = torch.logsumexp(share, dim=2)  # [rows, Kc]
