@@ -203,7 +203,9 @@ def test_the_decoder_loads_its_candidates_and_points_flashinfer_at_the_pages_it_
     q = torch.randn(batch, heads * group, dim, generator=gen)
     chosen = decoder._rerank(0, q, None)
     logits = torch.einsum("bhgd,bthd->bhgt", q.view(batch, heads, group, dim), k.float()) * dim**-0.5
-    lse = torch.nn.functional.pad(logits, (0, 20), value=-float("inf")).view(batch, heads, group, 10, page).logsumexp(-1)
+    lse = (
+        torch.nn.functional.pad(logits, (0, 20), value=-float("inf")).view(batch, heads, group, 10, page).logsumexp(-1)
+    )
     for b in range(batch):
         for h in range(heads):
             offered = sorted(p for p in candidates[8][b, h].tolist() if 0 <= p < 10)
