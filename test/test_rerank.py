@@ -108,7 +108,7 @@ def test_a_layers_rerank_reads_each_candidates_own_slot_whatever_order_the_top_k
             strength = float(torch.rand((), generator=gen)) * 4
             k_cache[slot, 0] = strength * q[row].sum(0) / q[row].sum(0).norm()
             mass[row, p] = strength
-    chosen_pages, chosen_slots = rerank_candidates(candidates, num_pages, slots, q, k_cache, k, forced=(1, 1),
+    chosen_pages, chosen_slots = rerank_candidates(candidates, num_pages.repeat_interleave(heads), slots, q, k_cache, k, forced=(1, 1),
                                                    sm_scale=1.0)  # fmt: skip
     for row in range(batch * heads):
         b = row // heads

@@ -144,23 +144,24 @@ def choose_reranked(priority: torch.Tensor, pages: torch.Tensor, slots: torch.Te
     return (torch.where(chosen, pages.gather(1, at), -1), torch.where(chosen, slots.gather(1, at), -1))
 
 
-def rerank_candidates(candidates: torch.Tensor, num_pages: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
+def rerank_candidates(candidates: torch.Tensor, row_pages: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
                       k_cache: torch.Tensor, k: int, forced: tuple[int, int], sm_scale: float,
                       k_scale: float | None = None,
                       logits_soft_cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One layer's re-rank after its candidates are loaded: ``([rows, k]`` pages, ``[rows, k]`` cache
     slots) to attend, ascending by page, ``-1`` padded.
 
-    ``candidates`` ``[B, Hkv, Kc]``: the selection's pages in any order (``-1`` or ``>= num_pages``
-    ``[B]``: none); ``slots`` ``[rows, Kc]``: their cache slots as the retrieve kernel writes a
-    row, the valid pages' in ascending page order; ``q`` ``[rows, G, D]``.
+    ``candidates`` ``[B, Hkv, Kc]``: the selection's pages in any order (``-1`` or ``>= row_pages``,
+    the pages of each row's request ``[rows]``: none); ``slots`` ``[rows, Kc]``: their cache slots
+    as the retrieve kernel writes a row, the valid pages' in ascending page order; ``q``
+    ``[rows, G, D]``.
     """
-    batch, heads, kc = candidates.shape
-    rows = batch * heads
-    valid = (candidates >= 0) & (candidates < num_pages.view(-1, 1, 1))
+    kc = candidates.shape[-1]
+    candidates = candidates.reshape(-1, kc)
+    valid = (candidates >= 0) & (candidates < row_pages.view(-1, 1))
     # The valid pages sorted (none last) line up with the slots the kernel wrote.
-    pages = torch.where(valid, candidates, torch.iinfo(torch.int32).max).sort(dim=-1).values.view(rows, kc)
-    count = valid.sum(dim=-1, dtype=torch.int32).view(rows)
+    pages = torch.where(valid, candidates, torch.iinfo(torch.int32).max).sort(dim=-1).values
+    count = valid.sum(dim=-1, dtype=torch.int32)
     lse = candidate_page_lse(q, k_cache, slots, count, sm_scale, k_scale, logits_soft_cap)
-    priority = rerank_priority(lse, pages, count, num_pages.repeat_interleave(heads), forced)
+    priority = rerank_priority(lse, pages, count, row_pages, forced)
     return choose_reranked(priority, pages, slots, k)

@@ -442,7 +442,7 @@ class SparseDecoder:
                        store.shape.num_host_pages, self.candidate_indptr[: rows + 1], slots, src, dst)  # fmt: skip
         store.load(src, dst)
         c = self.constants
-        chosen_pages, chosen_slots = rerank_candidates(candidates, self.num_pages, slots.view(rows, kc),
+        chosen_pages, chosen_slots = rerank_candidates(candidates, self.row_pages, slots.view(rows, kc),
                                                        q.reshape(rows, self.group, self.head_dim), store.cache.k,
                                                        self.width, self.forced, c.sm_scale, k_scale,
                                                        c.logits_soft_cap)  # fmt: skip
