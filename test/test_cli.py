@@ -161,7 +161,6 @@ BAD_ARGV = [
     (["--sparse-max-inject-tokens", "-5"], "--sparse-max-inject-tokens"),
     (["--sparse-tbt-target-ms", "-5"], "--sparse-tbt-target-ms"),
     (["--sparse-tbt-target-ms", "80"], "--sparse-tbt-target-ms"),  # without --sparse-segmented-prefill
-    (["--tp-size", "2"], "--tp-size"),
     (["--dp-size", "2", "--enable-dp-attention"], "--enable-dp-attention"),
     (["--pp-size", "2"], "--pp-size"),
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
@@ -223,8 +222,10 @@ def test_server_args_built_in_code_route_the_same_way(model_dir):
     # in code, a refused SGLang argument is named as the keyword it is (the CLI names the flag)
     with pytest.raises(ValueError, match=r"^attention_backend='fa3': sparse decode needs 'sparse' .*sparse\.enabled"):
         SparseServerArgs(model_path=model_dir, device="cpu", attention_backend="fa3")
-    with pytest.raises(ValueError, match=r"^tp_size=2: sparse decode does not split a model across GPUs"):
-        SparseServerArgs(model_path=model_dir, device="cpu", tp_size=2)
+    with pytest.raises(ValueError, match=r"^pp_size=2: sparse decode does not split a model's layers"):
+        SparseServerArgs(model_path=model_dir, device="cpu", pp_size=2)
+    # tensor parallelism is SGLang's too: each rank keeps its own kv heads' hierarchy
+    assert SparseServerArgs(model_path=model_dir, device="cpu", tp_size=2).tp_size == 2
     # data parallelism is SGLang's: replicas of the whole hierarchy, the host store split between them
     assert SparseServerArgs(model_path=model_dir, device="cpu", dp_size=2).dp_size == 2
     with pytest.raises(ValueError, match=r"^page_size=64: .*set sparse\.page_size 64"):

@@ -8,8 +8,8 @@ The Llama-3-8B shape cut to 4 layers, dummy weights, greedy with log-probabiliti
 - with prompts three times the budget (real selection), TP=2 gives TP=1's tokens up to rounding
   (the ranks sum their heads' attention in another order; :func:`greedy_agreement`).
 
-Needs two CUDA GPUs. While the launcher refuses ``--tp-size`` above 1 the tests skip, saying so:
-they are what lifting the refusal must pass.
+Also ``/get_server_info`` at TP=2: every rank's ``"sparse"`` entry and their sum. Needs two CUDA
+GPUs. Should the launcher refuse ``--tp-size`` above 1 the tests skip, saying so.
 """
 
 from __future__ import annotations
@@ -65,10 +65,17 @@ def greedy(url: str, ids: list[int]) -> dict:
     return completion(response.json())
 
 
-def serve(module: str, model, args: list[str], log_path, batch: list[list[int]]) -> list[dict]:
-    """Each prompt alone (one at a time: batch composition stays fixed), greedy."""
+def serve(
+    module: str, model, args: list[str], log_path, batch: list[list[int]], info: list | None = None
+) -> list[dict]:
+    """Each prompt alone (one at a time: batch composition stays fixed), greedy; ``info`` given,
+    the server's ``/get_server_info`` states afterwards are appended to it."""
+    import requests
+
     with ServerProcess(module, model, args, log_path=log_path) as server:
         outs = [greedy(server.url, ids) for ids in batch]
+        if info is not None:
+            info.extend(requests.get(server.url + "/get_server_info", timeout=60).json()["internal_states"])
         tracebacks = server.log_path.read_text(errors="replace").count("Traceback")
     assert server.stopped_cleanly and tracebacks == 0, server.log_tail()
     return outs
@@ -97,8 +104,15 @@ def test_tp2_with_every_page_attended_gives_vanilla_tp2s_tokens(model, tmp_path)
 def test_tp2_selects_and_answers_as_tp1(model, tmp_path):
     batch = prompts((3000, 3500), seed=1)  # about three budgets: real selection
     tp1 = serve(SPARSE_MODULE, model, SPARSE, tmp_path / "sparse-tp1.log", batch)
-    tp2 = serve(SPARSE_MODULE, model, [*SPARSE, "--tp-size", "2"], tmp_path / "sparse-tp2.log", batch)
+    states = []
+    tp2 = serve(SPARSE_MODULE, model, [*SPARSE, "--tp-size", "2"], tmp_path / "sparse-tp2.log", batch, states)
     agreement = [greedy_agreement(a, b) for a, b in zip(tp1, tp2)]
-    save_gpu_test_record("tp2-vs-tp1-gpu-test.json", {"agreement": [a.as_dict() for a in agreement]})
-    print(json.dumps([a.as_dict() for a in agreement]))
+    ranks = states[0]["sparse"]["tp_ranks"]
+    info = {"d2h_tokens_per_rank": [r["d2h_tokens"] for r in ranks],
+            "d2h_tokens_total": states[0]["sparse"]["tp_total"]["d2h_tokens"]}  # fmt: skip
+    save_gpu_test_record("tp2-vs-tp1-gpu-test.json", {"agreement": [a.as_dict() for a in agreement], "info": info})
+    print(json.dumps([a.as_dict() for a in agreement]), json.dumps(info))
     assert all(a.within(logprob_tol=0.05, near_tie=0.05) for a in agreement), agreement
+    # /get_server_info: each rank saved every prompt token (its own heads), and the sum is theirs
+    assert all(t >= sum(map(len, batch)) for t in info["d2h_tokens_per_rank"]), info
+    assert info["d2h_tokens_total"] == sum(info["d2h_tokens_per_rank"]), info

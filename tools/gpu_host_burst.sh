@@ -15,7 +15,7 @@
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
 # its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store),
 # dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes),
-# tp (the two-GPU tensor-parallel tests, which skip while the launcher refuses --tp-size),
+# tp (the two-GPU tensor-parallel tests),
 # serving (benchmark/serving.py, vanilla then sparse, long generation at 2 and long prompt at 0.8 req/s),
 # serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2).
 set -x
@@ -39,10 +39,17 @@ job_decode() {  # the decode step, 8B shape: today's default selector and the sk
   done
 }
 job_tests() {  # $GPU_TESTS: groups of test files separated by "|", the groups run side by side
+  # ($TESTS_GPUS, e.g. "0 1": group i on the i-th of those GPUs, round robin; unset: all on the job's GPUs)
   local i=0 group
   IFS='|' read -ra groups <<< "${GPU_TESTS:-test/test_selection_real_kv_gpu.py}"
+  read -ra gpus <<< "${TESTS_GPUS:-}"
   for group in "${groups[@]}"; do
-    python3 -m pytest -m gpu -q -s $group > "/root/o/tests-$i.log" 2>&1 & i=$((i + 1))
+    if [ ${#gpus[@]} -gt 0 ]; then
+      CUDA_VISIBLE_DEVICES=${gpus[$((i % ${#gpus[@]}))]} python3 -m pytest -m gpu -q -s $group > "/root/o/tests-$i.log" 2>&1 &
+    else
+      python3 -m pytest -m gpu -q -s $group > "/root/o/tests-$i.log" 2>&1 &
+    fi
+    i=$((i + 1))
   done
   wait
   tail -n 3 /root/o/tests-*.log
@@ -115,7 +122,7 @@ run_stages() {
 }
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages $(compgen -A function job_)
-export JOBS GPU_TESTS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
+export JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
   DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started

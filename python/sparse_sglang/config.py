@@ -205,7 +205,7 @@ class SparseConfig:
     )
     host_cache_gb: float = knob(
         default_factory=default_host_cache_gb,
-        help=f"Pinned host RAM (GiB) holding all KV, the server's total (--dp-size replicas split it); defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.",
+        help=f"Pinned host RAM (GiB) holding all KV, the server's total (--tp-size ranks and --dp-size replicas split it); defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.",
     )
     segmented_prefill: bool = knob(
         False,

@@ -61,6 +61,8 @@ def patch_get_internal_state() -> None:
                 state = sparse_state(self, reset_hbm_peak=True)
             except Exception as err:
                 state = {"error": repr(err)}
+            if state is not None and self.ps.tp_size > 1:  # every rank gathers, a failed report included
+                state = with_tp_ranks(state, gather_over(self.tp_cpu_group))
             if state is not None:
                 out.internal_state["sparse"] = state
             return out
@@ -70,14 +72,42 @@ def patch_get_internal_state() -> None:
     wrap_once(Scheduler, "get_internal_state", wrap)
 
 
-# Fields that do not add up over replicas (a ratio, a mean, a setting): left out of the total.
+def gather_over(group):
+    """Each rank's object, in rank order, from every rank of the (gloo, CPU) process ``group``.
+    Every rank reaches the call: SGLang broadcasts each control request to the whole TP group,
+    and every rank answers it in the same order."""
+    import torch.distributed as dist
+
+    def gather(obj) -> list:
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather
+
+
+def with_tp_ranks(state: dict, gather) -> dict:
+    """Under tensor parallelism, rank 0's ``"sparse"`` entry (what answers the request) given
+    ``"tp_ranks"``, every rank's entry in rank order, and ``"tp_total"``, their sum
+    (:func:`summed`). Each rank holds its own kv heads of every token, so a token counts once per
+    rank in the token fields of the sum; bytes and pages add up as they are."""
+    ranks = gather(state)
+    return {**state, "tp_ranks": ranks, "tp_total": summed(ranks)}
+
+
+# Fields that do not add up over ranks or replicas (a ratio, a mean, a setting): left out of the total.
 NOT_SUMMED = ("hit_ratio", "gpu_cache_row_width_mean", "working_set_window")
 
 
 def replica_total(states: list[dict]) -> dict:
-    """The server's sparse numbers over its data-parallel replicas: each numeric field of the
-    replicas' ``"sparse"`` entries summed (ratios and settings left out: :data:`NOT_SUMMED`)."""
+    """The server's sparse numbers over its data-parallel replicas: :func:`summed` over the
+    replicas' ``"sparse"`` entries (each replica's ``"tp_total"`` where it has several ranks)."""
     entries = [s["sparse"] for s in states if isinstance(s.get("sparse"), dict)]
+    return summed([e.get("tp_total", e) for e in entries])
+
+
+def summed(entries: list[dict]) -> dict:
+    """Each numeric field of ``entries`` summed (ratios and settings left out: :data:`NOT_SUMMED`)."""
     total = {}
     for key in entries[0] if entries else ():
         values = [e.get(key) for e in entries]

@@ -109,11 +109,12 @@ class SparseServerArgs(ServerArgs):
             if getattr(self, name) not in (None, False):
                 raise ServerArgRefused(name, getattr(self, name), "not supported with sparse decode "
                                        f"(set {mention('enabled')} false for plain SGLang)")  # fmt: skip
-        for name in ("tp_size", "pp_size"):
-            if getattr(self, name) > 1:  # the per-rank pieces exist (kv heads, host share, agreed gate); not GPU-tested
-                raise ServerArgRefused(name, getattr(self, name), "sparse decode does not split a model across GPUs "
-                                       "yet (not tested on several GPUs); use --dp-size for several GPUs, or set "
-                                       f"{mention('enabled')} false")  # fmt: skip
+        # Tensor parallelism is SGLang's: each rank keeps the hierarchy of its own kv heads (memory_pool),
+        # and the working-set gate's decisions are the max over ranks (attention_backend.tp_agreement).
+        # Pipeline stages would each need the gate's agreement across stages too: not built.
+        if self.pp_size > 1:
+            raise ServerArgRefused("pp_size", self.pp_size, "sparse decode does not split a model's layers across "
+                                   f"GPUs; use --tp-size or --dp-size, or set {mention('enabled')} false")  # fmt: skip
         # Data parallelism is SGLang's: a replica per GPU, each with its own KV hierarchy and a
         # share of the host store (memory_pool splits --sparse-host-cache-gb). DP attention shards
         # one batch's attention across replicas, which the per-head hierarchy does not.
