@@ -734,7 +734,7 @@ def print_dry_run(plan: list[RatePlan], args: argparse.Namespace) -> None:
             per_token = kv_bytes_per_token(KV_ELEMENT_BYTES[dtype])
             print(
                 f"  {system}: {dtype} KV, {per_token} bytes per token: a pool of "
-                f"{vanilla_max_total_tokens(args.kv_hbm_gb, dtype)} tokens"
+                f"{vanilla_max_total_tokens(args.kv_hbm_gb, dtype, args.tp_size)} tokens"
             )
         else:
             print(f"  {system}: {dtype} KV in {args.sparse_host_cache_gb:g} GiB of host memory")
@@ -751,18 +751,26 @@ def kv_budget_args(system: str, args: argparse.Namespace) -> list[str]:
     ``vanilla-bf16``: bf16), or the sparse page cache plus everything else sparse keeps on the
     GPU for KV (page summaries of the whole host store, prefix staging, page table), with all KV
     in ``--sparse-host-cache-gb`` of host memory."""
-    dtype = system_kv_dtype(system, args)
+    dtype, tp = system_kv_dtype(system, args), tp_size(args)
     if system in BASELINES:
         scales = last_flag(sparse_words(args), "--quantization-param-path") if dtype != "bf16" else None
-        return ["--max-total-tokens", str(vanilla_max_total_tokens(args.kv_hbm_gb, dtype)), "--kv-cache-dtype", dtype,
+        tokens = vanilla_max_total_tokens(args.kv_hbm_gb, dtype, tp)
+        return ["--max-total-tokens", str(tokens), "--kv-cache-dtype", dtype,
                 *(["--quantization-param-path", scales] if scales else [])]  # fmt: skip
-    cache_gb = sparse_gpu_cache_gb(args.kv_hbm_gb, args.sparse_host_cache_gb, kv_dtype=torch_kv_dtype(dtype))
+    cache_gb = sparse_gpu_cache_gb(
+        args.kv_hbm_gb, args.sparse_host_cache_gb, kv_dtype=torch_kv_dtype(dtype), tp_size=tp
+    )
     return ["--sparse-gpu-cache-gb", f"{cache_gb:.3f}", "--sparse-host-cache-gb", f"{args.sparse_host_cache_gb:g}"]
 
 
-def vanilla_max_total_tokens(kv_hbm_gb: float, dtype: str) -> int:
-    """Vanilla's ``--max-total-tokens``: the tokens whose KV (the 8B shape, ``dtype``) fit ``kv_hbm_gb`` GiB."""
-    return int(kv_hbm_gb * GIB // kv_bytes_per_token(KV_ELEMENT_BYTES[dtype]))
+def tp_size(args: argparse.Namespace) -> int:
+    return getattr(args, "tp_size", 1)
+
+
+def vanilla_max_total_tokens(kv_hbm_gb: float, dtype: str, tp_size: int = 1) -> int:
+    """Vanilla's ``--max-total-tokens``: the tokens whose KV (the 8B shape, ``dtype``) fit ``kv_hbm_gb``
+    GiB on each of ``tp_size`` GPUs (each holds its share of the kv heads of every token)."""
+    return int(kv_hbm_gb * tp_size * GIB // kv_bytes_per_token(KV_ELEMENT_BYTES[dtype]))
 
 
 def sparse_words(args: argparse.Namespace) -> list[str]:
@@ -794,11 +802,13 @@ def kv_cache_dtype(server_args: str):
     return torch_kv_dtype(kv_dtype_name(server_args))
 
 
-def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int | None = None, kv_dtype=None) -> float:
+def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int | None = None, kv_dtype=None,
+                       tp_size: int = 1) -> float:  # fmt: skip
     """Page-cache GiB that, with the summaries, staging and table of ``host_cache_gb`` of host KV
     of ``kv_dtype`` (bf16 by default; :func:`~sparse_sglang.mem_cache.plan.plan_memory`'s sizes;
     the default staging buffer, no longer than ``context_len``, the 8B shape's by default), fills
-    ``kv_hbm_gb``."""
+    ``kv_hbm_gb``. With ``tp_size`` ranks, each GPU's: its 1/``tp_size`` of the kv heads and of
+    the host store (what the server's ``--sparse-gpu-cache-gb`` means on each rank)."""
     import torch
 
     from sparse_sglang.attention.selectors import kept_summaries
@@ -807,9 +817,9 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int
     from sparse_sglang.mem_cache.plan import fixed_gpu_bytes, prefix_staging_tokens
 
     c, dtype = LLAMA3_8B_CONFIG, kv_dtype or torch.bfloat16
-    shape = (c["num_hidden_layers"], c["num_key_value_heads"])
+    shape = (c["num_hidden_layers"], c["num_key_value_heads"] // tp_size)
     page = SparseConfig(host_cache_gb=1.0).page_size  # the default page
-    host_pages = pages_for_budget(host_cache_gb, *shape, page, c["head_dim"], dtype)
+    host_pages = pages_for_budget(host_cache_gb / tp_size, *shape, page, c["head_dim"], dtype)
     config = SparseConfig(host_cache_gb=1.0)  # the defaults
     kept = kept_summaries(config.selector)  # the default selector's summaries
     staging = prefix_staging_tokens(config, context_len or c["max_position_embeddings"])
@@ -855,6 +865,9 @@ def server_args(system: str, args: argparse.Namespace) -> list[str]:
     if clash := _flags_in(extra + sparse + vanilla, KV_BUDGET_FLAGS):
         raise SystemExit(f"the server args set {', '.join(clash)}, which the benchmark sizes itself: "
                          "give --kv-hbm-gb / --sparse-host-cache-gb instead")  # fmt: skip
+    if clash := _flags_in(extra + sparse + vanilla, ("--tp-size", "--tensor-parallel-size")):
+        raise SystemExit(f"the server args set {', '.join(clash)}: give the benchmark's --tp-size, which sizes "
+                         "each system's KV per GPU")  # fmt: skip
     if clash := _flags_in(vanilla, KV_DTYPE_FLAGS):
         raise SystemExit(f"--vanilla-server-args sets {', '.join(clash)}: vanilla takes the sparse system's KV "
                          "dtype and scales, vanilla-bf16 bf16 (--systems)")  # fmt: skip
@@ -863,6 +876,7 @@ def server_args(system: str, args: argparse.Namespace) -> list[str]:
         "--load-format", "dummy",
         "--skip-tokenizer-init",
         *kv_budget_args(system, args),
+        *(["--tp-size", str(tp_size(args))] if tp_size(args) > 1 else []),
         "--chunked-prefill-size", "8192",
         *SYSTEM_SERVER_ARGS[system],
         *own,
@@ -956,6 +970,7 @@ def run_benchmark(plan: list[RatePlan], args: argparse.Namespace) -> dict:
         "invocations": [invocation],
         "results": results,
         "kv_hbm_budget_gb": args.kv_hbm_gb,
+        "tp_size": args.tp_size,
         "summary": document_summary(results, servers, args.kv_hbm_gb),
     }
 
@@ -1009,9 +1024,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=20.0,
         help="GPU memory (GiB) for KV "
-        "in every system: a vanilla token pool of this many bytes over its KV dtype's bytes per token; "
-        "sparse's page cache, summaries and staging",
+        "on each GPU in every system: a vanilla token pool of this many bytes over its KV dtype's bytes per "
+        "token (and GPU); sparse's page cache, summaries and staging",
     )
+    p.add_argument("--tp-size", type=int, default=1, help="SGLang's --tp-size for every server (GPUs per server)")
     p.add_argument(
         "--sparse-host-cache-gb",
         type=float,
@@ -1075,6 +1091,58 @@ def combine(out: Path, inputs: list[Path], ablations: dict[str, Path] | None = N
     return document
 
 
+def parallel_summary(tp2: dict, tp1: dict, tp_exact: dict | None, dp: dict | None) -> dict:
+    """The two-GPU summary: sparse TP=2 against vanilla TP=2 (``tp2``, one invocation with
+    ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run), each at
+    its highest long-generation rate, window throughput; and the GPU tests' records
+    (``tp_exact``: test_tp_gpu's exact-path agreement; ``dp``: test_dp_gpu's summary). A part not
+    given, or not run, is None."""
+
+    def top(doc: dict, system: str) -> dict | None:
+        runs = doc.get("results", {}).get("long-generation", {}).get(system) or []
+        return max(runs, key=lambda r: r["rate"], default=None)
+
+    sparse2, sparse1 = top(tp2, "sparse"), top(tp1, "sparse")
+    scaling = _ratio(sparse2, sparse1, "window_output_throughput") if sparse2 and sparse1 else None
+    ok_dp = None
+    if dp is not None:
+        d = dp["summary"]
+        ok_dp = (
+            d["replicas"] == 2
+            and d["statuses"] == [200]
+            and d["tracebacks_in_log"] == 0
+            and not any(v for leak in d["leaks_per_replica"] for v in leak.values())
+        )
+    return {
+        "tp2_greedy_equal": None if tp_exact is None else all(a["equal"] for a in tp_exact["agreement"]),
+        "tp2_throughput_ratio_vs_vanilla": tp2.get("summary", {}).get("throughput_ratio"),
+        "tp2_over_tp1_throughput": scaling,
+        "tp2_rate": None if sparse2 is None else sparse2["rate"],
+        "tp1_rate": None if sparse1 is None else sparse1["rate"],
+        "dp2_ok": ok_dp,
+    }
+
+
+def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path]) -> dict:
+    """``serving.py --parallel OUT TP2.json TP1.json [TEST.json ...]``: :func:`parallel_summary` in
+    one file with its inputs (the GPU tests' records by name: tp2-exact-gpu-test.json, dp-gpu-test.json)."""
+    docs = {p.name: json.loads(p.read_text()) for p in tests if p.exists()}  # a test not run: None
+    tp2_doc, tp1_doc = json.loads(tp2.read_text()), json.loads(tp1.read_text())
+    document = {
+        "device": tp2_doc.get("device"),
+        "date": tp2_doc.get("date"),
+        "commit": tp2_doc.get("commit"),
+        "summary": parallel_summary(
+            tp2_doc, tp1_doc, docs.get("tp2-exact-gpu-test.json"), docs.get("dp-gpu-test.json")
+        ),
+        "tp2": tp2_doc,
+        "tp1": tp1_doc,
+        "tests": docs,
+    }
+    save_result(document, out)
+    return document
+
+
 def main(argv: list[str] | None = None) -> None:
     if argv is None:
         argv = sys.argv[1:]
@@ -1093,6 +1161,12 @@ def main(argv: list[str] | None = None) -> None:
         document = combine(Path(argv[1]), inputs, ablations)
         print_table(document["results"])
         print(f"\nsummary: {json.dumps(document['summary'], indent=1)}\nwrote {argv[1]}")
+        return
+    if argv[:1] == ["--parallel"]:
+        if len(argv) < 4:
+            raise SystemExit("usage: serving.py --parallel OUT.json TP2.json TP1.json [GPU-TEST.json ...]")
+        document = write_parallel(Path(argv[1]), Path(argv[2]), Path(argv[3]), [Path(a) for a in argv[4:]])
+        print(f"summary: {json.dumps(document['summary'], indent=1)}\nwrote {argv[1]}")
         return
     args = parse_args(argv)
     plan = make_plan(args)

@@ -669,3 +669,48 @@ def test_merge_refuses_one_system_name_with_two_kv_dtypes():
         merge_documents(first, second)
     second["servers"]["vanilla"]["kv_cache_dtype"] = "bf16"
     assert merge_documents(first, second)["summary"]["baseline"] == "vanilla-bf16"
+
+
+def test_tensor_parallel_servers_get_the_same_kv_bytes_on_each_gpu():
+    """``--tp-size 2``: each server is told it, vanilla's pool holds twice the tokens (each GPU has
+    half the kv heads of every token in the same bytes), sparse's page cache is each GPU's (the
+    summaries of half the heads beside it); a --tp-size in the server args is refused."""
+    from benchmark.serving import server_args, sparse_gpu_cache_gb
+
+    one = parse_args(["--kv-hbm-gb", "20", "--sparse-host-cache-gb", "64"])
+    two = parse_args(["--kv-hbm-gb", "20", "--sparse-host-cache-gb", "64", "--tp-size", "2"])
+    flag = lambda words, name: words[words.index(name) + 1]  # noqa: E731
+    vanilla1, vanilla2 = server_args("vanilla", one), server_args("vanilla", two)
+    assert "--tp-size" not in vanilla1 and flag(vanilla2, "--tp-size") == "2"
+    assert int(flag(vanilla2, "--max-total-tokens")) == 2 * int(flag(vanilla1, "--max-total-tokens"))
+    sparse2 = server_args("sparse", two)
+    assert flag(sparse2, "--tp-size") == "2" and flag(sparse2, "--sparse-host-cache-gb") == "64"
+    # per GPU: half the heads of the same pages, so half the summaries and a larger page cache
+    other1 = 20 - sparse_gpu_cache_gb(20, 64)
+    assert float(flag(sparse2, "--sparse-gpu-cache-gb")) == pytest.approx(20 - other1 / 2, abs=2e-3)
+    with pytest.raises(SystemExit, match="--tp-size"):
+        server_args("sparse", parse_args(["--extra-server-args", "--tp-size 2"]))
+
+
+def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
+    from benchmark.serving import main
+
+    def doc(systems: dict, ratio=None) -> dict:
+        runs = {s: [{"rate": r, "window_output_throughput": t} for r, t in v] for s, v in systems.items()}
+        return {"device": "H100", "date": "d", "commit": "c", "results": {"long-generation": runs},
+                "summary": {"throughput_ratio": ratio}}  # fmt: skip
+
+    files = {
+        "tp2.json": doc({"vanilla": [(4.0, 1000.0)], "sparse": [(2.0, 2000.0), (4.0, 3500.0)]}, ratio=3.5),
+        "tp1.json": doc({"sparse": [(2.0, 2000.0)]}),
+        "tp2-exact-gpu-test.json": {"agreement": [{"equal": True}, {"equal": True}]},
+        "dp-gpu-test.json": {"summary": {"replicas": 2, "statuses": [200], "tracebacks_in_log": 0,
+                                         "leaks_per_replica": [{"slots": 0}, {"slots": 0}]}},
+    }  # fmt: skip
+    for name, body in files.items():
+        (tmp_path / name).write_text(json.dumps(body))
+    out = tmp_path / "parallel.json"
+    main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
+    summary = json.loads(out.read_text())["summary"]
+    assert summary == {"tp2_greedy_equal": True, "tp2_throughput_ratio_vs_vanilla": 3.5,
+                       "tp2_over_tp1_throughput": 1.75, "tp2_rate": 4.0, "tp1_rate": 2.0, "dp2_ok": True}  # fmt: skip

@@ -17,7 +17,8 @@
 # dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes),
 # tp (the two-GPU tensor-parallel tests),
 # serving (benchmark/serving.py, vanilla then sparse, long generation at 2 and long prompt at 0.8 req/s),
-# serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2).
+# serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2),
+# serving_tp (TP=2 sparse and vanilla, then sparse TP=1, and the parallel summary: nvidia-h100-x2; after tp and dp).
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
 export PYTHONPATH=/tmp/site:/root/repo/python:/root/repo SPARSE_SGLANG_DEFAULT_GGUF=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -106,6 +107,20 @@ job_serving_pair() {
   python3 benchmark/serving.py --combine "/root/o/${SERVING_FILE:-serving}.json" /root/o/serving-vanilla.json /root/o/serving-sparse.json
 }
 
+job_serving_tp() {
+  # the two-GPU serving run (nvidia-h100-x2): long generation, sparse TP=2 against vanilla TP=2 with
+  # the same KV bytes on each GPU, then sparse TP=1 on one GPU (scaling); then the parallel summary
+  local sparse="--cuda-graph-max-bs-decode 96 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8 ${SERVING_SPARSE_EXTRA:-}"
+  local common=(--traces long-generation --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "$sparse"
+    --out-dir /root/o --log-dir /root/o/serving-logs)
+  python3 benchmark/serving.py --systems vanilla,sparse --tp-size 2 --sparse-host-cache-gb "${TP2_HOST_GB:-184}" \
+    --rates-long-generation "${TP2_RATE:-4.0}" "${common[@]}" --merge-into /root/o/serving-tp2.json
+  CUDA_VISIBLE_DEVICES=0 python3 benchmark/serving.py --systems sparse --sparse-host-cache-gb 92 \
+    --rates-long-generation "${TP1_RATE:-2.0}" "${common[@]}" --merge-into /root/o/serving-tp1.json
+  python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F).json" /root/o/serving-tp2.json \
+    /root/o/serving-tp1.json /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json
+}
+
 run_stages() {
   IFS=',' read -ra stages <<< "$JOBS"
   for stage in "${stages[@]}"; do
@@ -123,6 +138,6 @@ run_stages() {
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages $(compgen -A function job_)
 export JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
-  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE
+  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE TP2_HOST_GB TP2_RATE TP1_RATE
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
