@@ -1125,13 +1125,15 @@ def parallel_summary(tp2: dict, tp1: dict, tp_exact: dict | None, dp: dict | Non
 
 def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path]) -> dict:
     """``serving.py --parallel OUT TP2.json TP1.json [TEST.json ...]``: :func:`parallel_summary` in
-    one file with its inputs (the GPU tests' records by name: tp2-exact-gpu-test.json, dp-gpu-test.json)."""
+    one file with its inputs (the GPU tests' records by name: tp2-exact-gpu-test.json, dp-gpu-test.json;
+    ``-`` for a serving run not made)."""
     docs = {p.name: json.loads(p.read_text()) for p in tests if p.exists()}  # a test not run: None
-    tp2_doc, tp1_doc = json.loads(tp2.read_text()), json.loads(tp1.read_text())
+    tp2_doc, tp1_doc = ({} if str(p) == "-" else json.loads(p.read_text()) for p in (tp2, tp1))  # "-": not run
+    first = tp2_doc or next(iter(docs.values()), {})
     document = {
-        "device": tp2_doc.get("device"),
-        "date": tp2_doc.get("date"),
-        "commit": tp2_doc.get("commit"),
+        "device": first.get("device"),
+        "date": first.get("date"),
+        "commit": first.get("commit"),
         "summary": parallel_summary(
             tp2_doc, tp1_doc, docs.get("tp2-exact-gpu-test.json"), docs.get("dp-gpu-test.json")
         ),
