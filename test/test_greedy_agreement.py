@@ -1,5 +1,7 @@
 """The comparison the GPU quality test applies to greedy completions of two servers."""
 
+from pathlib import Path
+
 import pytest
 
 from sparse_sglang.testing.greedy import completion, greedy_agreement
@@ -45,3 +47,27 @@ def test_an_early_stop_is_a_difference():
     ref = record([1, 2, 3], [-0.1] * 3, [[-0.1, -3.0]] * 3)
     got = greedy_agreement(ref, record([1, 2], [-0.1] * 2, [[-0.1, -3.0]] * 2))
     assert got.first_difference == 2 and not got.equal and got.reference_margin == pytest.approx(2.9)
+
+
+def test_random_weights_load_as_the_model_and_spread_the_logits(tmp_path):
+    """``write_llama3_8b_random`` writes every weight a Llama checkpoint has (transformers loads it
+    with none missing), and its next-token logits are not tied as dummy weights' are."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, write_llama3_8b_random
+
+    tiny = {**LLAMA3_8B_CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 4096}  # fmt: skip
+    path = write_llama3_8b_random(tmp_path / "tiny", num_layers=2, config=tiny)
+    model, info = LlamaForCausalLM.from_pretrained(path, output_loading_info=True, torch_dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.randint(3, 4096, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logprobs = model(ids).logits.log_softmax(-1)
+    top2 = logprobs.topk(2, dim=-1).values
+    margins = (top2[..., 0] - top2[..., 1]).flatten()
+    assert (margins > 0.05).float().mean() > 0.5, margins  # most steps far from a tie
+    # seeded: the same folder twice
+    again = write_llama3_8b_random(tmp_path / "again", num_layers=2, config=tiny)
+    assert (Path(path) / "model.safetensors").read_bytes() == (Path(again) / "model.safetensors").read_bytes()

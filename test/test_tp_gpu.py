@@ -6,7 +6,9 @@ The Llama-3-8B shape cut to 4 layers, dummy weights, greedy with log-probabiliti
 - with the budget covering every prompt and the exact shortcut off (the selection machinery runs,
   every page is attended), the tokens equal vanilla SGLang TP=2's;
 - with prompts three times the budget (real selection), TP=2 gives TP=1's tokens up to rounding
-  (the ranks sum their heads' attention in another order; :func:`greedy_agreement`).
+  (the ranks sum their heads' attention in another order; :func:`greedy_agreement`), on seeded
+  random weights of real spread: under dummy weights the first token is already a tie, and the
+  two runs would part before any decode step is compared.
 
 Also ``/get_server_info`` at TP=2: every rank's ``"sparse"`` entry and their sum. Needs two CUDA
 GPUs. Should the launcher refuse ``--tp-size`` above 1 the tests skip, saying so.
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 from sparse_sglang.testing.greedy import completion, greedy_agreement
-from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, write_llama3_8b_dummy
+from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, write_llama3_8b_dummy, write_llama3_8b_random
 from sparse_sglang.testing.provenance import save_gpu_test_record
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
 
@@ -47,6 +49,8 @@ pytestmark = [
 COMMON = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.5",
           "--cuda-graph-max-bs-decode", "8", "--disable-radix-cache"]  # fmt: skip
 SPARSE = [*COMMON, "--sparse-host-cache-gb", "16", "--sparse-token-budget", "1024"]
+SPARSE_REAL_WEIGHTS = SPARSE[2:]  # the same, less --load-format dummy
+assert COMMON[:2] == ["--load-format", "dummy"]
 NEW_TOKENS = 32
 
 
@@ -101,11 +105,17 @@ def test_tp2_with_every_page_attended_gives_vanilla_tp2s_tokens(model, tmp_path)
     assert all(a["equal"] for a in agreement), agreement
 
 
-def test_tp2_selects_and_answers_as_tp1(model, tmp_path):
+@pytest.fixture(scope="module")
+def random_model(model, tmp_path_factory):
+    return write_llama3_8b_random(tmp_path_factory.mktemp("tp") / "llama3-8b-random-4l", num_layers=4)
+
+
+def test_tp2_selects_and_answers_as_tp1(random_model, tmp_path):
     batch = prompts((3000, 3500), seed=1)  # about three budgets: real selection
-    tp1 = serve(SPARSE_MODULE, model, SPARSE, tmp_path / "sparse-tp1.log", batch)
+    tp1 = serve(SPARSE_MODULE, random_model, SPARSE_REAL_WEIGHTS, tmp_path / "sparse-tp1.log", batch)
     states = []
-    tp2 = serve(SPARSE_MODULE, model, [*SPARSE, "--tp-size", "2"], tmp_path / "sparse-tp2.log", batch, states)
+    tp2 = serve(SPARSE_MODULE, random_model, [*SPARSE_REAL_WEIGHTS, "--tp-size", "2"], tmp_path / "sparse-tp2.log",
+                batch, states)  # fmt: skip
     agreement = [greedy_agreement(a, b) for a, b in zip(tp1, tp2)]
     ranks = states[0]["sparse"]["tp_ranks"]
     info = {"d2h_tokens_per_rank": [r["d2h_tokens"] for r in ranks],
@@ -113,6 +123,8 @@ def test_tp2_selects_and_answers_as_tp1(model, tmp_path):
     save_gpu_test_record("tp2-vs-tp1-gpu-test.json", {"agreement": [a.as_dict() for a in agreement], "info": info})
     print(json.dumps([a.as_dict() for a in agreement]), json.dumps(info))
     assert all(a.within(logprob_tol=0.05, near_tie=0.05) for a in agreement), agreement
+    # the comparison bites: the runs share decode steps (not parted at a first-token tie)
+    assert all(a.equal or a.first_difference >= 8 for a in agreement), agreement
     # /get_server_info: each rank saved every prompt token (its own heads), and the sum is theirs
     assert all(t >= sum(map(len, batch)) for t in info["d2h_tokens_per_rank"]), info
     assert info["d2h_tokens_total"] == sum(info["d2h_tokens_per_rank"]), info

@@ -43,6 +43,48 @@ LLAMA3_8B_TOKEN_IDS = (1000, 100000)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
+def write_llama3_8b_random(
+    out_dir: str | Path, num_layers: int, seed: int = 0, config: dict = LLAMA3_8B_CONFIG, std: float = 0.02,
+    lm_head_std: float = 0.1,
+) -> str:  # fmt: skip
+    """A folder holding a Llama model of ``config``'s shape cut to ``num_layers`` layers, with
+    seeded random weights of real spread (normal, ``std``; norms 1) in ``model.safetensors``: serve
+    it without ``--load-format dummy`` (and with ``--skip-tokenizer-init``).
+
+    Why: SGLang's dummy weights are near zero, so the top two logits of a step tie (margin 0),
+    and two servers that round differently (TP=1 against TP=2) part at the first token, leaving
+    their decode steps uncompared. ``lm_head_std`` spreads the logits so ties are rare.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = {**config, "num_hidden_layers": num_layers}
+    hidden, inter, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, scale: float = std) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    weights = {"model.embed_tokens.weight": normal(c["vocab_size"], hidden, scale=1.0),
+               "model.norm.weight": ones(hidden), "lm_head.weight": normal(c["vocab_size"], hidden, scale=lm_head_std)}  # fmt: skip
+    for i in range(num_layers):
+        layer = f"model.layers.{i}"
+        weights.update({
+            f"{layer}.self_attn.q_proj.weight": normal(q, hidden), f"{layer}.self_attn.k_proj.weight": normal(kv, hidden),
+            f"{layer}.self_attn.v_proj.weight": normal(kv, hidden), f"{layer}.self_attn.o_proj.weight": normal(hidden, q),
+            f"{layer}.mlp.gate_proj.weight": normal(inter, hidden), f"{layer}.mlp.up_proj.weight": normal(inter, hidden),
+            f"{layer}.mlp.down_proj.weight": normal(hidden, inter),
+            f"{layer}.input_layernorm.weight": ones(hidden), f"{layer}.post_attention_layernorm.weight": ones(hidden),
+        })  # fmt: skip
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(c, indent=2))
+    return str(out)
+
+
 def write_llama3_8b_dummy(
     out_dir: str | Path,
     tokenizer_from: str | Path | None = None,
