@@ -109,13 +109,16 @@ job_serving_pair() {
 
 job_serving_tp() {
   # the two-GPU serving run (nvidia-h100-x2): long generation, sparse TP=2 against vanilla TP=2 with
-  # the same KV bytes on each GPU, then sparse TP=1 on one GPU (scaling); then the parallel summary
-  local sparse="--cuda-graph-max-bs-decode 96 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8 ${SERVING_SPARSE_EXTRA:-}"
-  local common=(--traces long-generation --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "$sparse"
-    --out-dir /root/o --log-dir /root/o/serving-logs)
+  # the same KV bytes on each GPU, then sparse TP=1 on one GPU (scaling); then the parallel summary.
+  # Each rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and runs about twice the
+  # requests: its CUDA graphs go twice as far.
+  local kv="--kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8"
+  local common=(--traces long-generation --out-dir /root/o --log-dir /root/o/serving-logs)
   python3 benchmark/serving.py --systems vanilla,sparse --tp-size 2 --sparse-host-cache-gb "${TP2_HOST_GB:-184}" \
+    --vanilla-server-args "--cuda-graph-max-bs-decode 128" --sparse-server-args "--cuda-graph-max-bs-decode 192 $kv ${SERVING_SPARSE_EXTRA:-}" \
     --rates-long-generation "${TP2_RATE:-4.0}" "${common[@]}" --merge-into /root/o/serving-tp2.json
   CUDA_VISIBLE_DEVICES=0 python3 benchmark/serving.py --systems sparse --sparse-host-cache-gb 92 \
+    --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "--cuda-graph-max-bs-decode 96 $kv ${SERVING_SPARSE_EXTRA:-}" \
     --rates-long-generation "${TP1_RATE:-2.0}" "${common[@]}" --merge-into /root/o/serving-tp1.json
   python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F).json" /root/o/serving-tp2.json \
     /root/o/serving-tp1.json /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json
