@@ -727,7 +727,8 @@ def print_dry_run(plan: list[RatePlan], args: argparse.Namespace) -> None:
         print(f"over --time-budget {args.time_budget:g} s: the last rates would be cut short or skipped")
     if not args.max_seconds_per_rate or args.max_seconds_per_rate < WINDOW_S:
         print(f"windows shorter than {WINDOW_S:g} s: the second half may not be steady state")
-    print(f"\nKV: {args.kv_hbm_gb:g} GiB of GPU memory for each system")
+    per_gpu = f" on each of its {args.tp_size} GPUs" if args.tp_size > 1 else ""
+    print(f"\nKV: {args.kv_hbm_gb:g} GiB of GPU memory for each system{per_gpu}")
     for system in args.systems:
         dtype = system_kv_dtype(system, args)
         if system in BASELINES:
