@@ -47,7 +47,7 @@ if triton is not None:
     def _candidate_lse_kernel(
         q_ptr, k_ptr, slots_ptr, count_ptr, out_ptr, scale, soft_cap,
         KC: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-        SOFT_CAP: tl.constexpr, HALF_Q: tl.constexpr,
+        SOFT_CAP: tl.constexpr,
     ):  # fmt: skip
         # One program per (row, candidate j): the page's keys [P, D] against the row's G queries.
         row = tl.program_id(0)
@@ -60,13 +60,8 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         k = tl.load(k_ptr + slot * P * D + offs_p[:, None] * D + offs_d[None, :], mask=valid, other=0.0)  # [P, D]
         q = tl.load(q_ptr + (row * G + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        if HALF_Q:
-            # 16-bit queries (the model's dtype): the keys in it too (bf16 / fp16 keys as they are,
-            # fp8 keys exactly), tensor cores, fp32 sums: every product is exact, as the reference's
-            logits = tl.dot(q, tl.trans(k.to(q.dtype)), out_dtype=tl.float32) * scale  # [GP, P]
-        else:
-            # fp32 queries: fp32 operands (a ranking near a tie must not turn on tf32's rounding)
-            logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        # fp32 operands and sums (exact, as the reference: a ranking near a tie must not turn on tf32)
+        logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [GP, P]
         if SOFT_CAP:
             logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
         top = tl.max(logits, axis=1)
@@ -86,8 +81,7 @@ def candidate_page_lse(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tens
     Parameters
     ----------
     q : torch.Tensor
-        ``[rows, G, D]`` the step's queries, a row's ``G`` query heads sharing its kv head; bf16 or
-        fp16 queries (the model's) meet the keys in that dtype on tensor cores, fp32 ones in fp32.
+        ``[rows, G, D]`` the step's queries, a row's ``G`` query heads sharing its kv head.
     k_cache : torch.Tensor
         ``[num_slots, page_size, D]`` the page cache's keys (any float dtype; fp8 keys are scaled
         by ``k_scale``).
@@ -109,7 +103,6 @@ def candidate_page_lse(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tens
     _candidate_lse_kernel[(rows, kc)](
         q.contiguous(), k_cache, slots.contiguous(), count.contiguous(), out, scale, float(logits_soft_cap or 0.0),
         KC=kc, G=group, GP=max(16, triton.next_power_of_2(group)), P=page, D=dim, SOFT_CAP=bool(logits_soft_cap),
-        HALF_Q=q.dtype in (torch.bfloat16, torch.float16),
     )  # fmt: skip
     return out
 
