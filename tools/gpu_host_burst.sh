@@ -39,16 +39,17 @@ job_decode() {  # the decode step, 8B shape: today's default selector and the sk
       --selector "$selector" --out-dir /root/o ${DECODE_ARGS:-}
   done
 }
-job_tests() {  # $GPU_TESTS: groups of test files separated by "|", the groups run side by side
-  # ($TESTS_GPUS, e.g. "0 1": group i on the i-th of those GPUs, round robin; unset: all on the job's GPUs)
+job_tests() {  # $GPU_TESTS: groups of pytest arguments separated by "|", the groups run side by side
+  # (shell words: a group may quote, -k "not smollm2"); $TESTS_GPUS, e.g. "0 1": group i on the
+  # i-th of those GPUs, round robin; unset: all on the job's GPUs
   local i=0 group
   IFS='|' read -ra groups <<< "${GPU_TESTS:-test/test_selection_real_kv_gpu.py}"
   read -ra gpus <<< "${TESTS_GPUS:-}"
   for group in "${groups[@]}"; do
     if [ ${#gpus[@]} -gt 0 ]; then
-      CUDA_VISIBLE_DEVICES=${gpus[$((i % ${#gpus[@]}))]} python3 -m pytest -m gpu -q -s $group > "/root/o/tests-$i.log" 2>&1 &
+      eval "CUDA_VISIBLE_DEVICES=${gpus[$((i % ${#gpus[@]}))]} python3 -m pytest -m gpu -q -s $group" > "/root/o/tests-$i.log" 2>&1 &
     else
-      python3 -m pytest -m gpu -q -s $group > "/root/o/tests-$i.log" 2>&1 &
+      eval "python3 -m pytest -m gpu -q -s $group" > "/root/o/tests-$i.log" 2>&1 &
     fi
     i=$((i + 1))
   done
