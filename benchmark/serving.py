@@ -752,20 +752,16 @@ def kv_budget_args(system: str, args: argparse.Namespace) -> list[str]:
     ``vanilla-bf16``: bf16), or the sparse page cache plus everything else sparse keeps on the
     GPU for KV (page summaries of the whole host store, prefix staging, page table), with all KV
     in ``--sparse-host-cache-gb`` of host memory."""
-    dtype, tp = system_kv_dtype(system, args), tp_size(args)
+    dtype = system_kv_dtype(system, args)
     if system in BASELINES:
         scales = last_flag(sparse_words(args), "--quantization-param-path") if dtype != "bf16" else None
-        tokens = vanilla_max_total_tokens(args.kv_hbm_gb, dtype, tp)
+        tokens = vanilla_max_total_tokens(args.kv_hbm_gb, dtype, args.tp_size)
         return ["--max-total-tokens", str(tokens), "--kv-cache-dtype", dtype,
                 *(["--quantization-param-path", scales] if scales else [])]  # fmt: skip
     cache_gb = sparse_gpu_cache_gb(
-        args.kv_hbm_gb, args.sparse_host_cache_gb, kv_dtype=torch_kv_dtype(dtype), tp_size=tp
+        args.kv_hbm_gb, args.sparse_host_cache_gb, kv_dtype=torch_kv_dtype(dtype), tp_size=args.tp_size
     )
     return ["--sparse-gpu-cache-gb", f"{cache_gb:.3f}", "--sparse-host-cache-gb", f"{args.sparse_host_cache_gb:g}"]
-
-
-def tp_size(args: argparse.Namespace) -> int:
-    return getattr(args, "tp_size", 1)
 
 
 def vanilla_max_total_tokens(kv_hbm_gb: float, dtype: str, tp_size: int = 1) -> int:
@@ -877,7 +873,7 @@ def server_args(system: str, args: argparse.Namespace) -> list[str]:
         "--load-format", "dummy",
         "--skip-tokenizer-init",
         *kv_budget_args(system, args),
-        *(["--tp-size", str(tp_size(args))] if tp_size(args) > 1 else []),
+        *(["--tp-size", str(args.tp_size)] if args.tp_size > 1 else []),
         "--chunked-prefill-size", "8192",
         *SYSTEM_SERVER_ARGS[system],
         *own,

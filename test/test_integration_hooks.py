@@ -280,35 +280,26 @@ def test_server_info_sums_the_sparse_numbers_of_data_parallel_replicas():
     assert "sparse_total" not in with_replica_total(one)[0]  # one replica: its entry is the total
 
 
-def test_server_info_gathers_every_tensor_parallel_ranks_entry_over_a_gloo_group():
+def test_server_info_gathers_every_tensor_parallel_ranks_entry_over_a_gloo_group(tmp_path):
     """Under ``--tp-size``, each rank's ``"sparse"`` entry reaches the answer (rank 0's), with their
     sum: a real two-process gloo group, each rank with its own numbers."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    with ctx.Pool(2) as pool:
-        got = pool.starmap(_gathered_entry, [(rank, port) for rank in range(2)])
+    init_file = str(tmp_path / "gloo-init")
+    with mp.get_context("spawn").Pool(2) as pool:
+        got = pool.starmap(_gathered_entry, [(rank, init_file) for rank in range(2)])
     assert got[0]["pages_loaded"] == 7  # rank 0's own entry answers
     assert [r["pages_loaded"] for r in got[0]["tp_ranks"]] == [7, 8]
     assert got[0]["tp_total"] == {"gpu_cache_slots": 200, "pages_loaded": 15}  # the ratio left out
     assert got[1]["tp_ranks"] == got[0]["tp_ranks"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _gathered_entry(rank: int, port: int) -> dict:
+def _gathered_entry(rank: int, init_file: str) -> dict:
     import torch.distributed as dist
 
     from sparse_sglang.integration.scheduler_state import gather_over, with_tp_ranks
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         entry = {"gpu_cache_slots": 100, "pages_loaded": 7 + rank, "hit_ratio": 0.5 + rank / 10}
         return with_tp_ranks(entry, gather_over(dist.group.WORLD))

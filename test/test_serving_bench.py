@@ -143,7 +143,7 @@ def test_kv_budget_flags_in_the_extra_server_args_are_refused(extra):
 
     from benchmark.serving import server_args
 
-    args = argparse.Namespace(kv_hbm_gb=20.0, sparse_host_cache_gb=16.0, extra_server_args=extra,
+    args = argparse.Namespace(kv_hbm_gb=20.0, tp_size=1, sparse_host_cache_gb=16.0, extra_server_args=extra,
                               sparse_server_args="", vanilla_server_args="")  # fmt: skip
     with pytest.raises(SystemExit, match="sizes itself"):
         server_args("sparse", args)
@@ -540,7 +540,7 @@ def test_the_kv_dtype_flags_are_read_as_sglang_reads_them_and_refused_for_vanill
     assert kv_dtype_name("--kv-cache-dtype bfloat16") == kv_dtype_name("") == "bf16"
     with pytest.raises(SystemExit, match="sizes"):
         kv_dtype_name("--kv-cache-dtype nvfp4")
-    args = argparse.Namespace(kv_hbm_gb=20.0, sparse_host_cache_gb=16.0, extra_server_args="",
+    args = argparse.Namespace(kv_hbm_gb=20.0, tp_size=1, sparse_host_cache_gb=16.0, extra_server_args="",
                               sparse_server_args="--kv-cache-dtype fp8_e4m3", vanilla_server_args="--kv-cache-dtype bf16")  # fmt: skip
     with pytest.raises(SystemExit, match="vanilla takes the sparse system's KV dtype"):
         server_args("vanilla", args)
