@@ -46,11 +46,18 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
 ]
 
-COMMON = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.5",
-          "--cuda-graph-max-bs-decode", "8", "--disable-radix-cache"]  # fmt: skip
-SPARSE = [*COMMON, "--sparse-host-cache-gb", "16", "--sparse-token-budget", "1024"]
-SPARSE_REAL_WEIGHTS = SPARSE[2:]  # the same, less --load-format dummy
-assert COMMON[:2] == ["--load-format", "dummy"]
+BASE = [
+    "--skip-tokenizer-init",
+    "--mem-fraction-static",
+    "0.5",
+    "--cuda-graph-max-bs-decode",
+    "8",
+    "--disable-radix-cache",
+]
+SPARSE_FLAGS = ["--sparse-host-cache-gb", "16", "--sparse-token-budget", "1024"]
+COMMON = ["--load-format", "dummy", *BASE]
+SPARSE = [*COMMON, *SPARSE_FLAGS]
+SPARSE_REAL_WEIGHTS = [*BASE, *SPARSE_FLAGS]  # a model folder with its weights
 NEW_TOKENS = 32
 
 
