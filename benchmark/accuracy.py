@@ -616,10 +616,31 @@ def reference(args) -> dict:
         )
     return {"kind": "reference", "name": f"reference-{args.budget}", "budget": args.budget,
             "bound_format": args.bound_format, "dense_layers": args.dense_layers, "items_digest": meta.get("digest"),
-            "commit": git_commit(), "outputs": outputs}  # fmt: skip
+            "commit": git_commit(), "outputs": outputs,
+            "by_family": reference_table(outputs, {i.id: i for i in chosen})}  # fmt: skip
 
 
 # Summary.
+
+
+def reference_table(outputs: list[dict], by_id: dict[str, Item]) -> dict:
+    """A reference run's ``outputs`` by family (and ``all``): each policy's mean RULER score
+    (``<policy>:score``) and, but for dense, the share of items whose answer (:func:`answer`)
+    equals dense's (``<policy>:agree``), with ``n``."""
+    cells: dict = {}
+    for row in outputs:
+        item = by_id[row["id"]]
+        dense = answer(item, row["dense"]["output"])
+        for family in (item.family, "all"):
+            cell = cells.setdefault(family, {})
+            for name, out in row.items():
+                if name == "id":
+                    continue
+                cell.setdefault(f"{name}:score", []).append(out["score"])
+                if name != "dense":
+                    cell.setdefault(f"{name}:agree", []).append(answer(item, out["output"]) == dense)
+    return {f: {**{k: round(_mean(v), 3) for k, v in cell.items()}, "n": len(cell["dense:score"])}
+            for f, cell in sorted(cells.items(), key=lambda kv: (kv[0] == "all", kv[0]))}  # fmt: skip
 
 
 def _mean(xs) -> float | None:
@@ -911,7 +932,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.name}: {len(done)}/{len(result['outputs'])} answered, mean score "
               f"{sum(o['score'] for o in done) / max(1, len(done)):.3f}, {result['seconds']} s")  # fmt: skip
     elif args.cmd == "reference":
-        Path(args.out).write_text(json.dumps(reference(args)))
+        result = reference(args)
+        Path(args.out).write_text(json.dumps(result))
+        for family, cell in result["by_family"].items():  # scores and agreement with dense, by family
+            print(f"{family:<16}" + " ".join(f"{k}={v}" for k, v in cell.items()))
 
 
 if __name__ == "__main__":

@@ -214,3 +214,20 @@ def test_grid_runs_agreement_cold_and_accuracy_batched(tmp_path, monkeypatch):
     assert (
         "--sparse-selector sketch" in flags["sparse-alone-512"] and "--sparse-selector" not in flags["dense-alone-2048"]
     )
+
+
+def test_reference_table_scores_each_policy_and_its_agreement_with_dense_by_family():
+    single = accuracy.Item("s", "niah_single", 2048, "", ["1234567"], "all", 8, detail={"kind": "numbers"})
+    qa = accuracy.Item("q", "qa", 2048, "", ["Lowest"], "part", 8)
+    outputs = [
+        {
+            "id": "s",
+            "dense": {"output": " 1234567.", "score": 1.0},
+            "oracle": {"output": "It is 1234567", "score": 1.0},
+        },
+        {"id": "q", "dense": {"output": " Lowest", "score": 1.0}, "oracle": {"output": " highest", "score": 0.0}},
+    ]
+    table = accuracy.reference_table(outputs, {"s": single, "q": qa})
+    assert list(table) == ["niah_single", "qa", "all"]  # families sorted, the total last
+    assert table["niah_single"] == {"dense:score": 1.0, "oracle:score": 1.0, "oracle:agree": 1.0, "n": 1}
+    assert table["all"] == {"dense:score": 1.0, "oracle:score": 0.5, "oracle:agree": 0.5, "n": 2}
