@@ -44,6 +44,7 @@ import orjson
 import requests
 
 from sparse_sglang.config import GIB
+from sparse_sglang.testing.greedy import GreedyAgreement, tp_agrees_with_tp1
 from sparse_sglang.testing.models import (
     LLAMA3_8B_CONFIG,
     LLAMA3_8B_TOKEN_IDS,
@@ -1088,19 +1089,25 @@ def combine(out: Path, inputs: list[Path], ablations: dict[str, Path] | None = N
     return document
 
 
-def parallel_summary(tp2: dict, tp1: dict, tp_exact: dict | None, dp: dict | None) -> dict:
+def parallel_summary(
+    tp2: dict, tp1: dict, tp_exact: dict | None, dp: dict | None, tp_vs_tp1: dict | None = None
+) -> dict:
     """The two-GPU summary: sparse TP=2 against vanilla TP=2 (``tp2``, one invocation with
     ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run), each at
-    its highest long-generation rate, window throughput; and the GPU tests' records
-    (``tp_exact``: test_tp_gpu's exact-path agreement; ``dp``: test_dp_gpu's summary). A part not
-    given, or not run, is None."""
+    its highest long-generation rate, output tokens/s in the window's second half (the steady state,
+    as ``throughput_ratio``); and the GPU tests' records (``tp_exact``: test_tp_gpu's exact-path
+    agreement; ``dp``: test_dp_gpu's summary; ``tp_vs_tp1``: TP=2 against TP=1 with real selection,
+    held to that test's bar). A part not given, or not run, is None."""
 
     def top(doc: dict, system: str) -> dict | None:
         runs = doc.get("results", {}).get("long-generation", {}).get(system) or []
         return max(runs, key=lambda r: r["rate"], default=None)
 
     sparse2, sparse1 = top(tp2, "sparse"), top(tp1, "sparse")
-    scaling = _ratio(sparse2, sparse1, "window_output_throughput") if sparse2 and sparse1 else None
+    scaling = _ratio(sparse2, sparse1, "late_output_throughput") if sparse2 and sparse1 else None
+    selects_as_tp1 = None
+    if tp_vs_tp1 is not None:
+        selects_as_tp1 = all(tp_agrees_with_tp1(GreedyAgreement(**a)) for a in tp_vs_tp1["agreement"])
     ok_dp = None
     if dp is not None:
         d = dp["summary"]
@@ -1114,6 +1121,7 @@ def parallel_summary(tp2: dict, tp1: dict, tp_exact: dict | None, dp: dict | Non
         "tp2_greedy_equal": None if tp_exact is None else all(a["equal"] for a in tp_exact["agreement"]),
         "tp2_throughput_ratio_vs_vanilla": tp2.get("summary", {}).get("throughput_ratio"),
         "tp2_over_tp1_throughput": scaling,
+        "tp2_selects_as_tp1": selects_as_tp1,
         "tp2_rate": None if sparse2 is None else sparse2["rate"],
         "tp1_rate": None if sparse1 is None else sparse1["rate"],
         "dp2_ok": ok_dp,
@@ -1122,7 +1130,8 @@ def parallel_summary(tp2: dict, tp1: dict, tp_exact: dict | None, dp: dict | Non
 
 def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path]) -> dict:
     """``serving.py --parallel OUT TP2.json TP1.json [TEST.json ...]``: :func:`parallel_summary` in
-    one file with its inputs (the GPU tests' records by name: tp2-exact-gpu-test.json, dp-gpu-test.json;
+    one file with its inputs (the GPU tests' records by name: tp2-exact-gpu-test.json, dp-gpu-test.json,
+    tp2-vs-tp1-gpu-test.json;
     ``-`` for a serving run not made)."""
     docs = {p.name: json.loads(p.read_text()) for p in tests if p.exists()}  # a test not run: None
     tp2_doc, tp1_doc = ({} if str(p) == "-" else json.loads(p.read_text()) for p in (tp2, tp1))  # "-": not run
@@ -1132,7 +1141,11 @@ def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path]) -> dict:
         "date": first.get("date"),
         "commit": first.get("commit"),
         "summary": parallel_summary(
-            tp2_doc, tp1_doc, docs.get("tp2-exact-gpu-test.json"), docs.get("dp-gpu-test.json")
+            tp2_doc,
+            tp1_doc,
+            docs.get("tp2-exact-gpu-test.json"),
+            docs.get("dp-gpu-test.json"),
+            docs.get("tp2-vs-tp1-gpu-test.json"),
         ),
         "tp2": tp2_doc,
         "tp1": tp1_doc,

@@ -17,7 +17,9 @@
 # dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes),
 # tp (the two-GPU tensor-parallel tests),
 # serving (benchmark/serving.py, vanilla then sparse, long generation at 2 and long prompt at 0.8 req/s),
-# serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2),
+# serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2; $PAIR_TRACES, e.g.
+# "long-generation 2.0": fewer traces),
+# ($SERVING_WINDOW: the serving jobs' window in seconds, default 400)
 # serving_tp (TP=2 sparse and vanilla, then sparse TP=1, and the parallel summary: nvidia-h100-x2; after tp and dp).
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
@@ -93,9 +95,10 @@ job_serving_pair() {
   # GPU 1 side by side (the same card type, one host), each into its own file, then one file
   local sparse="--cuda-graph-max-bs-decode 96 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8 ${SERVING_SPARSE_EXTRA:-}"
   local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "$sparse"
-    --out-dir /root/o --log-dir /root/o/serving-logs)
+    --max-seconds-per-rate "${SERVING_WINDOW:-400}" --out-dir /root/o --log-dir /root/o/serving-logs)
   local trace rate gpu system
-  for trace in "long-generation 2.0" "long-prompt 0.8"; do
+  IFS=',' read -ra pairs <<< "${PAIR_TRACES:-long-generation 2.0,long-prompt 0.8}"
+  for trace in "${pairs[@]}"; do
     read -r trace rate <<< "$trace"
     gpu=0
     for system in vanilla sparse; do
@@ -110,19 +113,21 @@ job_serving_pair() {
 
 job_serving_tp() {
   # the two-GPU serving run (nvidia-h100-x2): long generation, sparse TP=2 against vanilla TP=2 with
-  # the same KV bytes on each GPU, then sparse TP=1 on one GPU (scaling); then the parallel summary.
-  # Each rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and runs about twice the
-  # requests: its CUDA graphs go twice as far.
+  # the same KV bytes on each GPU, then sparse TP=1 on one GPU (scaling; $TP1_JSON: a file holding
+  # that run already, e.g. serving_pair's serving-sparse.json, the same flags and rate); then the
+  # parallel summary. Each rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and
+  # runs about twice the requests: its CUDA graphs go twice as far.
   local kv="--kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8"
-  local common=(--traces long-generation --out-dir /root/o --log-dir /root/o/serving-logs)
+  local common=(--traces long-generation --max-seconds-per-rate "${SERVING_WINDOW:-400}" --out-dir /root/o --log-dir /root/o/serving-logs)
   python3 benchmark/serving.py --systems vanilla,sparse --tp-size 2 --sparse-host-cache-gb "${TP2_HOST_GB:-184}" \
     --vanilla-server-args "--cuda-graph-max-bs-decode 128" --sparse-server-args "--cuda-graph-max-bs-decode 192 $kv ${SERVING_SPARSE_EXTRA:-}" \
     --rates-long-generation "${TP2_RATE:-4.0}" "${common[@]}" --merge-into /root/o/serving-tp2.json
-  CUDA_VISIBLE_DEVICES=0 python3 benchmark/serving.py --systems sparse --sparse-host-cache-gb 92 \
+  local tp1=${TP1_JSON:-/root/o/serving-tp1.json}
+  [ -n "${TP1_JSON:-}" ] || CUDA_VISIBLE_DEVICES=0 python3 benchmark/serving.py --systems sparse --sparse-host-cache-gb 92 \
     --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "--cuda-graph-max-bs-decode 96 $kv ${SERVING_SPARSE_EXTRA:-}" \
-    --rates-long-generation "${TP1_RATE:-2.0}" "${common[@]}" --merge-into /root/o/serving-tp1.json
+    --rates-long-generation "${TP1_RATE:-2.0}" "${common[@]}" --merge-into "$tp1"
   python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F).json" /root/o/serving-tp2.json \
-    /root/o/serving-tp1.json /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json
+    "$tp1" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
 }
 
 run_stages() {
@@ -142,6 +147,6 @@ run_stages() {
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages $(compgen -A function job_)
 export JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
-  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE TP2_HOST_GB TP2_RATE TP1_RATE
+  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW PAIR_TRACES TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started

@@ -71,3 +71,18 @@ def greedy_agreement(reference: dict, other: dict) -> GreedyAgreement:
     elif first is not None:
         margin = float("inf")  # nothing to tell a tie by: not one
     return GreedyAgreement(first is None, first, gap, margin)
+
+
+# TP=2 against TP=1 with real selection: the ranks sum their heads' attention in another order, so
+# the tokens agree up to rounding, and the runs must share enough decode steps for that to bite
+# (not part at a first-token tie).
+TP_LOGPROB_TOL = 0.05
+TP_NEAR_TIE = 0.05
+TP_MIN_SHARED_TOKENS = 8
+
+
+def tp_agrees_with_tp1(agreement: GreedyAgreement) -> bool:
+    """TP=2's completion against TP=1's (the reference) of one prompt: equal up to rounding, and
+    the same for at least :data:`TP_MIN_SHARED_TOKENS` tokens."""
+    shared = agreement.equal or agreement.first_difference >= TP_MIN_SHARED_TOKENS
+    return agreement.within(TP_LOGPROB_TOL, TP_NEAR_TIE) and shared
