@@ -565,7 +565,8 @@ def reference(args) -> dict:
     from sparse_sglang.testing.provenance import git_commit
 
     meta, items = load_items(Path(args.items))
-    keep = budget_lengths(args.budget) if args.budget else {n: 1.0 for n in LENGTHS}
+    compressions = tuple(int(c) for c in args.compressions.split(",")) if args.compressions else COMPRESSIONS
+    keep = budget_lengths(args.budget, compressions=compressions) if args.budget else {n: 1.0 for n in LENGTHS}
     if args.lengths:
         keep = {n: r for n, r in keep.items() if str(n) in args.lengths.split(",")}
     if args.families:
@@ -615,7 +616,8 @@ def reference(args) -> dict:
             f"  {item.id}: " + " | ".join(f"{n}: {r['output'][:40]!r}" for n, r in row.items() if n != "id"), flush=True
         )
     return {"kind": "reference", "name": f"reference-{args.budget}", "budget": args.budget,
-            "bound_format": args.bound_format, "dense_layers": args.dense_layers, "items_digest": meta.get("digest"),
+            "compressions": list(compressions), "bound_format": args.bound_format, "dense_layers": args.dense_layers,
+            "items_digest": meta.get("digest"),
             "commit": git_commit(), "outputs": outputs,
             "by_family": reference_table(outputs, {i.id: i for i in chosen})}  # fmt: skip
 
@@ -878,6 +880,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--page-size", type=int, default=32)
     r.add_argument("--policy", action="append", default=[], help="more policies: name=field:value,... (quality.Policy)")
     r.add_argument("--lengths", default="", help="comma-separated item lengths")
+    r.add_argument("--compressions", default="", help="comma-separated context/budget ratios whose lengths run "
+                   f"(default {','.join(map(str, COMPRESSIONS))}, the grid's; e.g. 2 for a milder setting)")  # fmt: skip
     r.add_argument("--model-path", default=None)
     sm = sub.add_parser("summarize", help="combine serve/reference outputs into accuracy-<date>.json")
     sm.add_argument("runs", nargs="+")

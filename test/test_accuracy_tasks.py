@@ -143,6 +143,7 @@ def test_budgets_give_the_compressions_asked():
     assert accuracy.budget_lengths(512) == pytest.approx({2048: 4.0, 4096: 8.0, 8000: 15.625})
     assert accuracy.budget_lengths(2048) == pytest.approx({8000: 3.90625})
     assert 2048 not in accuracy.budget_lengths(64)  # under sink + recent pages: not run
+    assert accuracy.budget_lengths(1024, compressions=(2,)) == pytest.approx({2048: 2.0})  # reference --compressions 2
     for budget in accuracy.BUDGETS:
         for ratio in accuracy.budget_lengths(budget).values():
             assert 0.97 * accuracy.nominal(ratio) <= ratio <= accuracy.nominal(ratio)
