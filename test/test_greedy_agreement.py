@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from sparse_sglang.testing.greedy import completion, greedy_agreement
+from sparse_sglang.testing.greedy import (
+    TP_LOGPROB_TOL,
+    GreedyAgreement,
+    completion,
+    greedy_agreement,
+    tp_agrees_with_tp1,
+    tp_logprob_tolerance,
+)
 
 
 def record(ids, logprobs, top2):
@@ -41,6 +48,17 @@ def test_same_tokens_with_logprobs_far_apart_do_not_agree():
     ref = record([1, 2], [-0.1, -0.2], [[-0.1, -3.0]] * 2)
     got = greedy_agreement(ref, record([1, 2], [-0.1, -1.5], [[-0.1, -3.0]] * 2))
     assert got.equal and not got.within(logprob_tol=0.05, near_tie=0.1)
+
+
+def test_tp_bar_is_vanillas_own_tp_rounding_doubled_and_needs_shared_steps():
+    floor = [GreedyAgreement(True, None, 0.2, None), GreedyAgreement(False, 3, 0.1, 0.0)]
+    assert tp_logprob_tolerance(floor) == pytest.approx(0.4)
+    assert tp_logprob_tolerance([GreedyAgreement(True, None, 0.001, None)]) == TP_LOGPROB_TOL
+    assert tp_agrees_with_tp1(GreedyAgreement(True, None, 0.35, None), logprob_tol=0.4)
+    assert not tp_agrees_with_tp1(GreedyAgreement(True, None, 0.45, None), logprob_tol=0.4)
+    assert tp_agrees_with_tp1(GreedyAgreement(False, 21, 0.3, 0.0), logprob_tol=0.4)  # a tie after 21 steps
+    assert not tp_agrees_with_tp1(GreedyAgreement(False, 2, 0.0, 0.0), logprob_tol=0.4)  # parted before it bit
+    assert not tp_agrees_with_tp1(GreedyAgreement(False, 21, 0.0, 1.5), logprob_tol=0.4)  # a sure step switched
 
 
 def test_an_early_stop_is_a_difference():

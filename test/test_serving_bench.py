@@ -706,8 +706,8 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
         "tp2-exact-gpu-test.json": {"agreement": [{"equal": True}, {"equal": True}]},
         "dp-gpu-test.json": {"summary": {"replicas": 2, "statuses": [200], "tracebacks_in_log": 0,
                                          "leaks_per_replica": [{"slots": 0}, {"slots": 0}]}},
-        "tp2-vs-tp1-gpu-test.json": {"agreement": [
-            {"equal": True, "first_difference": None, "max_logprob_gap": 0.01, "reference_margin": None},
+        "tp2-vs-tp1-gpu-test.json": {"logprob_tol": 0.4, "agreement": [
+            {"equal": True, "first_difference": None, "max_logprob_gap": 0.3, "reference_margin": None},
             {"equal": False, "first_difference": 20, "max_logprob_gap": 0.02, "reference_margin": 0.01}]},
     }  # fmt: skip
     for name, body in files.items():

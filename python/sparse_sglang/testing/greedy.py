@@ -73,16 +73,27 @@ def greedy_agreement(reference: dict, other: dict) -> GreedyAgreement:
     return GreedyAgreement(first is None, first, gap, margin)
 
 
-# TP=2 against TP=1 with real selection: the ranks sum their heads' attention in another order, so
-# the tokens agree up to rounding, and the runs must share enough decode steps for that to bite
-# (not part at a first-token tie).
+# TP=2 against TP=1 with real selection: the ranks sum their heads' attention (and the row-split
+# projections) in another order, so the tokens agree up to rounding, and the runs must share
+# enough decode steps for that to bite (not part at a first-token tie). How far rounding moves a
+# logprob depends on the model (random weights amplify it layer by layer), so the logprob bar is
+# measured: vanilla SGLang's own TP=1 against TP=2 on the same model and prompts, doubled (a
+# rounding difference of the query may also swap a page at the selection's boundary), and never
+# below TP_LOGPROB_TOL.
 TP_LOGPROB_TOL = 0.05
 TP_NEAR_TIE = 0.05
 TP_MIN_SHARED_TOKENS = 8
 
 
-def tp_agrees_with_tp1(agreement: GreedyAgreement) -> bool:
-    """TP=2's completion against TP=1's (the reference) of one prompt: equal up to rounding, and
-    the same for at least :data:`TP_MIN_SHARED_TOKENS` tokens."""
+def tp_logprob_tolerance(vanilla: list[GreedyAgreement]) -> float:
+    """The logprob gap sparse TP=2 may show against sparse TP=1: twice the largest ``vanilla``
+    (SGLang's TP=2 against its TP=1, same prompts) shows, at least :data:`TP_LOGPROB_TOL`."""
+    return max([TP_LOGPROB_TOL, *(2 * a.max_logprob_gap for a in vanilla)])
+
+
+def tp_agrees_with_tp1(agreement: GreedyAgreement, logprob_tol: float = TP_LOGPROB_TOL) -> bool:
+    """TP=2's completion against TP=1's (the reference) of one prompt: equal up to rounding
+    (logprobs within ``logprob_tol``, any difference at a near tie), and the same for at least
+    :data:`TP_MIN_SHARED_TOKENS` tokens."""
     shared = agreement.equal or agreement.first_difference >= TP_MIN_SHARED_TOKENS
-    return agreement.within(TP_LOGPROB_TOL, TP_NEAR_TIE) and shared
+    return agreement.within(logprob_tol, TP_NEAR_TIE) and shared
