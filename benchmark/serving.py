@@ -857,6 +857,24 @@ def without_flags(words: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
+def check_kv_scales(words: list[str], tp_size: int) -> None:
+    """Refuse a ``--quantization-param-path`` whose KV scales are for another number of
+    tensor-parallel ranks: SGLang would log an error and run every rank at scale 1.0, which turns
+    the dummy weights' tiny keys into fp8 zeros (every page scores alike), and the run would time
+    another workload than the one named."""
+    path = last_flag(words, "--quantization-param-path")
+    if path is None:
+        return
+    try:
+        ranks = len(json.loads(Path(path).read_text())["kv_cache"]["scaling_factor"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"--quantization-param-path {path}: not a KV scales file SGLang reads ({err})") from None
+    if ranks != tp_size:
+        raise SystemExit(f"--quantization-param-path {path} holds KV scales for {ranks} tensor-parallel rank(s) "
+                         f"and the servers run --tp-size {tp_size}: SGLang would run every rank at scale 1.0; "
+                         f"give a file with {tp_size} (benchmark/kv-scales-llama3-8b-dummy-tp2.json for 2)")  # fmt: skip
+
+
 def server_args(system: str, args: argparse.Namespace) -> list[str]:
     extra, sparse, vanilla = (shlex.split(a) for a in (args.extra_server_args, args.sparse_server_args,
                                                        args.vanilla_server_args))  # fmt: skip
@@ -870,6 +888,7 @@ def server_args(system: str, args: argparse.Namespace) -> list[str]:
         raise SystemExit(f"--vanilla-server-args sets {', '.join(clash)}: vanilla takes the sparse system's KV "
                          "dtype and scales, vanilla-bf16 bf16 (--systems)")  # fmt: skip
     own = [*extra, *sparse] if system == "sparse" else [*without_flags(extra, KV_DTYPE_FLAGS), *vanilla]
+    check_kv_scales(sparse_words(args), args.tp_size)  # vanilla takes the sparse system's scales
     return [
         "--load-format", "dummy",
         "--skip-tokenizer-init",

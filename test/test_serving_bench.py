@@ -515,18 +515,21 @@ def test_dry_run_gives_vanilla_the_sparse_kv_dtype_and_vanilla_bf16_the_same_byt
     main(["--dry-run", "--systems", "vanilla,vanilla-bf16,sparse", "--traces", "long-generation",
           "--rates-long-generation", "2.0", "--num-requests", "2", "--sparse-host-cache-gb", "16",
           "--extra-server-args", "--cuda-graph-max-bs-decode 64 --kv-cache-dtype fp8_e4m3",
-          "--sparse-server-args", "--quantization-param-path scales.json --sparse-reselect-interval 8"])  # fmt: skip
+          "--sparse-server-args", "--quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8"])  # fmt: skip
     out = capsys.readouterr().out
     assert "vanilla: fp8_e4m3 KV, 65536 bytes per token: a pool of 327680 tokens" in out
     assert "vanilla-bf16: bf16 KV, 131072 bytes per token: a pool of 163840 tokens" in out
     vanilla, bf16, sparse = (_line(out, s) for s in ("vanilla", "vanilla-bf16", "sparse"))
-    assert "--max-total-tokens 327680 --kv-cache-dtype fp8_e4m3 --quantization-param-path scales.json" in vanilla
+    assert (
+        "--max-total-tokens 327680 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json"
+        in vanilla
+    )
     assert "--max-total-tokens 163840 --kv-cache-dtype bf16" in bf16
     for line in (vanilla, bf16):
         # The extra args reach every server, less the KV dtype the benchmark sets; sparse's own stay its own.
         assert "--cuda-graph-max-bs-decode 64" in line and "--sparse-reselect-interval" not in line
         assert line.count("--kv-cache-dtype") == 1 and "--attention-backend flashinfer" in line
-    assert "scales.json" not in bf16
+    assert "kv-scales" not in bf16
     assert "--kv-cache-dtype fp8_e4m3" in sparse and "--sparse-reselect-interval 8" in sparse
     assert "--max-total-tokens" not in sparse
 
@@ -690,6 +693,25 @@ def test_tensor_parallel_servers_get_the_same_kv_bytes_on_each_gpu():
     assert float(flag(sparse2, "--sparse-gpu-cache-gb")) == pytest.approx(20 - other1 / 2, abs=2e-3)
     with pytest.raises(SystemExit, match="--tp-size"):
         server_args("sparse", parse_args(["--extra-server-args", "--tp-size 2"]))
+
+
+def test_kv_scales_for_another_tp_size_are_refused_before_a_server_starts():
+    """SGLang runs a rank whose scales a file lacks at 1.0 (the dummy keys become fp8 zeros), so
+    the benchmark refuses a scales file whose ranks are not the servers' --tp-size."""
+    from benchmark.serving import server_args
+
+    def args(path: str, tp: int):
+        kv = f"--kv-cache-dtype fp8_e4m3 --quantization-param-path {path}"
+        return parse_args(["--sparse-server-args", kv, "--tp-size", str(tp)])
+
+    one, two = "benchmark/kv-scales-llama3-8b-dummy.json", "benchmark/kv-scales-llama3-8b-dummy-tp2.json"
+    for system in ("vanilla", "sparse"):
+        assert "--quantization-param-path" in server_args(system, args(one, 1))
+        assert two in server_args(system, args(two, 2))
+        with pytest.raises(SystemExit, match="--quantization-param-path .* 1 tensor-parallel rank.* --tp-size 2"):
+            server_args(system, args(one, 2))
+    with pytest.raises(SystemExit, match="not a KV scales file"):
+        server_args("sparse", args("pyproject.toml", 1))
 
 
 def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):

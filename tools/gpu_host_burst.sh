@@ -117,14 +117,15 @@ job_serving_tp() {
   # that run already, e.g. serving_pair's serving-sparse.json, the same flags and rate); then the
   # parallel summary. Each rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and
   # runs about twice the requests: its CUDA graphs go twice as far.
-  local kv="--kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8"
+  local kv="--kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy-tp2.json --sparse-reselect-interval 8"
+  local kv1=${kv/-tp2.json/.json}  # TP=1's scales: SGLang reads a file's scales per rank
   local common=(--traces long-generation --max-seconds-per-rate "${SERVING_WINDOW:-400}" --out-dir /root/o --log-dir /root/o/serving-logs)
   python3 benchmark/serving.py --systems vanilla,sparse --tp-size 2 --sparse-host-cache-gb "${TP2_HOST_GB:-184}" \
     --vanilla-server-args "--cuda-graph-max-bs-decode 128" --sparse-server-args "--cuda-graph-max-bs-decode 192 $kv ${SERVING_SPARSE_EXTRA:-}" \
     --rates-long-generation "${TP2_RATE:-4.0}" "${common[@]}" --merge-into /root/o/serving-tp2.json
   local tp1=${TP1_JSON:-/root/o/serving-tp1.json}
   [ -n "${TP1_JSON:-}" ] || CUDA_VISIBLE_DEVICES=0 python3 benchmark/serving.py --systems sparse --sparse-host-cache-gb 92 \
-    --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "--cuda-graph-max-bs-decode 96 $kv ${SERVING_SPARSE_EXTRA:-}" \
+    --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "--cuda-graph-max-bs-decode 96 $kv1 ${SERVING_SPARSE_EXTRA:-}" \
     --rates-long-generation "${TP1_RATE:-2.0}" "${common[@]}" --merge-into "$tp1"
   python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F).json" /root/o/serving-tp2.json \
     "$tp1" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
