@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ with warnings.catch_warnings():
     from sparse_sglang.integration.server_args import CLIError, SparseServerArgs, build_parser, prepare_server_args
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.models import write_llama3_8b_dummy
+
+REPO = Path(__file__).resolve().parents[1]
 
 # ServerArgs resolves its defaults against an accelerator; this machine has none.
 CPU = ["--device", "cpu"]
@@ -230,6 +233,23 @@ def test_server_args_built_in_code_route_the_same_way(model_dir):
     assert SparseServerArgs(model_path=model_dir, device="cpu", dp_size=2).dp_size == 2
     with pytest.raises(ValueError, match=r"^page_size=64: .*set sparse\.page_size 64"):
         SparseServerArgs(model_path=model_dir, device="cpu", page_size=64)
+
+
+def test_fp8_kv_scales_must_cover_every_tp_rank(model_dir):
+    # SGLang runs a rank at scale 1.0 when the file lacks its scales: refused before anything starts
+    one = str(REPO / "benchmark" / "kv-scales-llama3-8b-dummy.json")
+    two = str(REPO / "benchmark" / "kv-scales-llama3-8b-dummy-tp2.json")
+    fp8 = {"model_path": model_dir, "device": "cpu", "kv_cache_dtype": "fp8_e4m3"}
+    assert SparseServerArgs(**fp8, quantization_param_path=one).quantization_param_path == one
+    assert SparseServerArgs(**fp8, quantization_param_path=two, tp_size=2).tp_size == 2
+    with pytest.raises(ValueError, match=r"^quantization_param_path=.*rank\(s\) 0; --tp-size 2 needs exactly 0, 1"):
+        SparseServerArgs(**fp8, quantization_param_path=one, tp_size=2)
+    with pytest.raises(ValueError, match=r"^quantization_param_path=.*rank\(s\) 0, 1; --tp-size 1 needs exactly 0 "):
+        SparseServerArgs(**fp8, quantization_param_path=two)
+    with pytest.raises(ValueError, match=r"^quantization_param_path='/nonexistent.json': not a KV scales file"):
+        SparseServerArgs(**fp8, quantization_param_path="/nonexistent.json")
+    # SGLang reads the file for fp8_e4m3 KV only
+    assert SparseServerArgs(model_path=model_dir, device="cpu", quantization_param_path=two).tp_size == 1
 
 
 def test_engine_is_sglangs_engine_with_our_args_and_scheduler():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -122,6 +123,7 @@ class SparseServerArgs(ServerArgs):
             raise ServerArgRefused("enable_dp_attention", True, "not supported with sparse decode (each --dp-size "
                                    f"replica serves whole requests), or set {mention('enabled')} false")  # fmt: skip
         self.page_size = page
+        self._check_kv_scales()
         if self.sparse.selector == "sketch":
             self._resolve_key_basis()
         # SGLang's overlap scheduler plans step N+1 while step N runs: the backend reads request
@@ -146,6 +148,26 @@ class SparseServerArgs(ServerArgs):
                     "--sparse-cache-row-ratio to keep graphs)",
                     self.sparse.token_budget)  # fmt: skip
                 self.disable_decode_cuda_graph = True
+
+    def _check_kv_scales(self) -> None:
+        """An fp8 KV scales file (``--quantization-param-path``) must hold every TP rank's scales.
+        SGLang reads it per rank and, when it cannot (a missing file, another TP size), logs an
+        error and runs at scale 1.0. Keys then lose their spread to fp8 rounding, and page
+        scores with them, so a file the user named but the server cannot use is refused here."""
+        path = self.quantization_param_path
+        if path is None or self.kv_cache_dtype != "fp8_e4m3":  # SGLang reads it for fp8_e4m3 only
+            return
+        try:
+            ranks = set(json.loads(Path(path).read_text())["kv_cache"]["scaling_factor"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ServerArgRefused(
+                "quantization_param_path", path, f"not a KV scales file ({_one_line(err)})"
+            ) from None
+        wanted = {str(rank) for rank in range(self.tp_size)}
+        if ranks != wanted:
+            raise ServerArgRefused("quantization_param_path", path, f"holds KV scales for tensor-parallel rank(s) "
+                                   f"{', '.join(sorted(ranks, key=str))}; --tp-size {self.tp_size} needs exactly "
+                                   f"{', '.join(sorted(wanted))} (SGLang would run at scale 1.0)")  # fmt: skip
 
     def _resolve_key_basis(self) -> None:
         """The sketch selector's key basis file, resolved once here (the scheduler loads it):
