@@ -219,6 +219,10 @@ class SparseConfig:
         None,
         help="Layer-segmented prefill: size each segment so one decode step plus the segment take about this long (milliseconds, measured as the server runs); unset = --sparse-max-inject-tokens alone.",
     )
+    interleave_prefill: bool = knob(
+        False,
+        help="While requests decode, run one decode step between any two prefill batches, so decodes wait for at most one prefill chunk (SGLang's --chunked-prefill-size bounds its time) instead of every pending chunk; SGLang's overlap scheduler stays on. Layer-segmented prefill is the finer-grained alternative.",
+    )
     prefix_staging_tokens: int = knob(
         16384,
         help="Cached-prefix tokens a prefill stages from the host into GPU memory at once, per layer: a longer prefix is attended in pieces of half this size, one loading while the other is attended.",
@@ -326,6 +330,11 @@ class SparseConfig:
         if self.tbt_target_ms is not None and not self.segmented_prefill:
             raise SparseConfigError(
                 "tbt_target_ms", f"paces layer-segmented prefill: set {mention('segmented_prefill')} true"
+            )
+        if self.interleave_prefill and self.segmented_prefill:
+            raise SparseConfigError(
+                "interleave_prefill",
+                f"{mention('segmented_prefill')} already runs a decode step beside each layer segment: set one of them",
             )
         if self.prefix_staging_tokens < 2 * self.page_size:  # two buffers of a page at least
             raise SparseConfigError("prefix_staging_tokens",

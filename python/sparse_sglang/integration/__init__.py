@@ -34,6 +34,7 @@ def install() -> None:
     from sparse_sglang.integration.input_length import patch_validate_input_length
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
     from sparse_sglang.integration.metrics import patch_report_decode_stats
+    from sparse_sglang.integration.prefill_interleave import patch_get_new_batch_prefill
     from sparse_sglang.integration.request_intake import patch_handle_generate_request
     from sparse_sglang.integration.request_validation import (
         patch_normalize_batch_and_arguments,
@@ -61,6 +62,7 @@ def install() -> None:
     patch_abort_request()
     patch_check_decode_mem()
     patch_event_loop_normal()
+    patch_get_new_batch_prefill()
     patch_release_req()
     _installed = True
     logger.info("sparse-sglang installed into SGLang (%d hooks)", len(HOOKS))

@@ -1,0 +1,89 @@
+"""A decode step between prefill chunks through the real server (``--sparse-interleave-prefill``).
+
+While background requests decode, a long prompt arrives and is prefilled in three chunks; with the
+knob, a decode step of the background requests runs after each chunk instead of the next chunk
+(the server's ``prefills_held`` counter counts the rounds a pending prefill waited). The chunked request waits stashed
+between its chunks, a path SGLang's own rounds take only briefly, so the test holds its result to
+the same prompt sent alone (nothing decodes: no round held):
+
+- the same log-probability of every prompt token and the same greedy tokens;
+- the background requests get every token they asked for, and nothing is left held afterwards.
+
+The Llama-3-8B shape with dummy weights. Results go to
+``$SPARSE_SGLANG_RESULTS_DIR/prefill-interleave-gpu-test.json`` when that is set.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from benchmark.soak import settled, sparse_state
+from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
+from sparse_sglang.testing.provenance import save_gpu_test_record
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, generate_ids
+
+pytestmark = pytest.mark.gpu
+
+CHUNK_TOKENS = 2048
+PROMPT_TOKENS = 6000  # chunks of 2048 + 2048 + 1904 tokens
+BACKGROUND = 4  # requests decoding while it prefills
+BACKGROUND_PROMPT, BACKGROUND_NEW = 300, 1200
+NEW_TOKENS = 32
+ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.7",
+        "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs-decode", "8",
+        "--chunked-prefill-size", str(CHUNK_TOKENS), "--sparse-interleave-prefill", "true"]  # fmt: skip
+
+
+def prompt_logprobs(out: dict) -> list[float]:
+    return [entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]]  # the first token has none
+
+
+def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp_path):
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(*LLAMA3_8B_TOKEN_IDS) for _ in range(n)]  # noqa: E731
+    prompt, background = ids(PROMPT_TOKENS), [ids(BACKGROUND_PROMPT) for _ in range(BACKGROUND)]
+    model = write_llama3_8b_dummy(tmp_path / "llama3-8b-dummy")
+    with ServerProcess(SPARSE_MODULE, model, ARGS, log_path=tmp_path / "server.log") as server:
+        url = server.url
+        generate_ids(url, background[0], 4)  # first-request costs out of the way
+        assert flush_cache(url)
+        idle = sparse_state(url)
+        with ThreadPoolExecutor(BACKGROUND) as pool:
+            decoding = [pool.submit(generate_ids, url, b, BACKGROUND_NEW) for b in background]
+            time.sleep(2.0)  # they are past their prefill and decoding
+            held_before = sparse_state(url)["prefills_held"]
+            during = generate_ids(url, prompt, NEW_TOKENS, logprobs=True)
+            held = sparse_state(url)["prefills_held"] - held_before
+            still_decoding = sum(not f.done() for f in decoding)
+            background_out = [f.result() for f in decoding]
+        leaked = settled(server, idle)
+        held_before_alone = sparse_state(url)["prefills_held"]
+        alone = generate_ids(url, prompt, NEW_TOKENS, logprobs=True)  # nothing decodes: SGLang's rounds
+        held_alone = sparse_state(url)["prefills_held"] - held_before_alone
+    assert server.stopped_cleanly, server.log_tail()
+
+    diffs = [abs(a - b) for a, b in zip(prompt_logprobs(during), prompt_logprobs(alone))]
+    summary = {
+        "prompt_tokens": len(prompt),
+        "chunk_tokens": CHUNK_TOKENS,
+        "rounds_held_while_background_decoded": held,
+        "rounds_held_alone": held_alone,
+        "background_still_decoding_after_the_prompt": still_decoding,
+        "greedy_equal": during["output_ids"] == alone["output_ids"],
+        "prompt_logprob_max_abs_diff": max(diffs),
+        "background_tokens": [len(o["output_ids"]) for o in background_out],
+        **leaked,
+    }
+    save_gpu_test_record("prefill-interleave-gpu-test.json", {"args": ARGS, "summary": summary})
+    print(json.dumps(summary))
+    # the second and third chunks each waited for a decode step while the background decoded
+    assert still_decoding == BACKGROUND and held >= 2, summary
+    assert held_alone == 0, summary
+    assert summary["prompt_logprob_max_abs_diff"] <= 1e-3 and summary["greedy_equal"], summary
+    assert all(n == BACKGROUND_NEW for n in summary["background_tokens"]), summary
+    assert not any(leaked.values()), summary
