@@ -26,6 +26,9 @@ rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
 export PYTHONPATH=/tmp/site:/root/repo/python:/root/repo SPARSE_SGLANG_DEFAULT_GGUF=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
   PYTHONUNBUFFERED=1 SPARSE_SGLANG_RESULTS_DIR=/root/o
 echo "export PYTHONPATH=$PYTHONPATH SPARSE_SGLANG_DEFAULT_GGUF=$SPARSE_SGLANG_DEFAULT_GGUF PYTHONUNBUFFERED=1 SPARSE_SGLANG_RESULTS_DIR=/root/o SPARSE_SGLANG_COMMIT=$SPARSE_SGLANG_COMMIT" > /root/env.sh
+# FlashInfer modules built ahead on a CPU machine (tools/flashinfer_aot.py; carry .gpu-carry/aot):
+# loaded instead of compiled on first use
+for d in .gpu-carry/aot/*/; do [ -d "$d" ] && mkdir -p "/tmp/site/flashinfer/data/aot/$(basename "$d")" && cp "$d"*.so "$_"; done
 python3 -m sgl_kernels_ext.build > /root/o/build.log 2>&1 || { tail -30 /root/o/build.log; exit 1; }
 python3 -c "from sparse_sglang.default_model import default_model_path; print(default_model_path())"
 

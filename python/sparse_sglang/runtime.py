@@ -111,7 +111,7 @@ class SparseRuntime:
             "segmented_prefill": dataclasses.asdict(self.stats.segmented_prefill)
             if self.config.segmented_prefill
             else None,
-            # prefill rounds given to a decode step first (--sparse-interleave-prefill)
+            # rounds a pending prefill waited for a decode step (--sparse-interleave-prefill)
             "prefills_held": self.stats.prefills_held if self.config.interleave_prefill else None,
         }
 

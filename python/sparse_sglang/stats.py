@@ -36,6 +36,4 @@ class SparseStats:
     working_set: WorkingSetCounts = field(default_factory=WorkingSetCounts)
     segmented_prefill: SegmentedPrefillCounts = field(default_factory=SegmentedPrefillCounts)
     coarse_first_steps: int = 0  # decode steps planned coarse-first (the decoder; --sparse-coarse-pages)
-    prefills_held: int = (
-        0  # prefill rounds that let a decode step go first (the scheduler; --sparse-interleave-prefill)
-    )
+    prefills_held: int = 0  # rounds a pending prefill waited for a decode step (--sparse-interleave-prefill)

@@ -8,12 +8,11 @@ one finishes, those waits are the serving trace's p99 time between tokens.
 
 With the knob on, the round after a prefill batch forms no prefill while requests are decoding
 and a prefill is pending: the decode step runs, and the next chunk (or the next new request) in
-the round after it. A
-running request then waits for at most one prefill batch between two of its tokens, at most
-``--chunked-prefill-size`` tokens of compute. Nothing is dropped or reordered: the chunked request
+the round after it. A running request then waits for at most one prefill batch between two of its
+tokens, at most ``--chunked-prefill-size`` tokens of compute. Nothing is dropped or reordered: the chunked request
 stays stashed as SGLang leaves it between rounds (its ``prefix_indices`` already cover the chunk,
 so the next round does not stash it twice), and waiting requests keep their order. The decision
-reads only the scheduler's own last batch and running batch, which every TP rank holds alike, so
+reads only the scheduler's own batches and queue, which every TP rank holds alike, so
 the ranks agree without communication. Unlike layer-segmented prefill (which drives SGLang's
 normal loop), this keeps SGLang's overlap scheduler.
 """
