@@ -12,6 +12,12 @@ writing its result (the serving benchmark) leaves these.
     python benchmark/server_log.py NAME=LOG[@COMMIT] [...] [--baseline NAME] [--device NAME] [--out JSON]
                                    [--hit-by-batch PNG]   # hit ratio and H2D vs batch size, per log
                                    [--first-seconds S]    # also: tokens decoded in each log's first S s
+                                   [--step-fit]           # also: the decode step against the batch, the prefill's share
+
+``--step-fit`` fits every interval between two decode lines (40 decode steps at ``R`` running
+requests, plus the prefill chunks logged in between) as ``40 x (a + b R) + c x prefill tokens``:
+``a + b R`` is the decode step alone and ``c`` the prefill's seconds per token, so the fit says
+what a decode step costs per request and what share of the log's time went to prefill.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import sys
 from pathlib import Path
 
 DECODE = re.compile(r"Decode batch, #running-req: (\d+),.*gen throughput \(token/s\): ([\d.]+)")
+PREFILL = re.compile(r"Prefill batch, #new-seq: \d+, #new-token: (\d+)")
+BATCH_BANDS = ((0, 20), (20, 40), (40, 60), (60, 80), (80, 100), (100, 200))
 SPARSE = re.compile(r"Sparse KV, cache hit: ([\d.]+), H2D pages/step: ([\d.]+), H2D GB/s: ([\d.]+)")
 INTERVAL = re.compile(r"decode_log_interval=(\d+)")
 STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\]")
@@ -49,6 +57,54 @@ def steady_state(text: str) -> dict:
                     "h2d_pages_per_step": round(sum(x[1] for x in tail) / len(tail)),
                     "h2d_gb_per_s": round(sum(x[2] for x in tail) / len(tail), 2)})  # fmt: skip
     return out
+
+
+def decode_intervals(text: str, interval: int) -> list[tuple[int, float, int]]:
+    """(running requests, seconds, prefill tokens logged in between) per pair of decode lines; the
+    first decode line's interval (from the server's start) is dropped."""
+    out, prefill = [], 0
+    for line in text.splitlines():
+        if m := PREFILL.search(line):
+            prefill += int(m.group(1))
+        elif m := DECODE.search(line):
+            running, rate = int(m.group(1)), float(m.group(2))
+            if rate > 0:
+                out.append((running, interval * running / rate, prefill))
+            prefill = 0
+    return out[1:]
+
+
+def step_fit(text: str) -> dict:
+    """The decode step and the prefill's cost fitted over a log's intervals (``--step-fit``, the
+    module doc), with decode-only intervals' median step by batch size as a check on the fit."""
+    import numpy as np
+
+    interval = int(m.group(1)) if (m := INTERVAL.search(text)) else 40
+    rows = decode_intervals(text, interval)
+    running = np.array([r for r, _, _ in rows], dtype=float)
+    seconds = np.array([s for _, s, _ in rows])
+    prefill = np.array([p for _, _, p in rows], dtype=float)
+    design = np.stack([np.full_like(running, interval), interval * running, prefill], axis=1)
+    (a, b, c), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    decode_only = [(r, s / interval) for r, s, p in rows if p == 0]
+    bands = {}
+    for lo, hi in BATCH_BANDS:
+        steps = [s for r, s in decode_only if lo <= r < hi]
+        if steps:
+            bands[f"{lo}-{hi - 1}"] = {
+                "median_step_ms": round(1e3 * float(np.median(steps)), 2),
+                "intervals": len(steps),
+            }
+    return {
+        "intervals": len(rows),
+        "step_ms_fixed": round(1e3 * a, 2),
+        "step_ms_per_request": round(1e3 * b, 4),
+        "prefill_s_per_10k_tokens": round(1e4 * c, 4),
+        "prefill_tokens": int(prefill.sum()),
+        "seconds": round(float(seconds.sum()), 1),
+        "prefill_share": round(float(c * prefill.sum() / seconds.sum()), 3),
+        "decode_only_by_batch": bands,
+    }
 
 
 def first_seconds(text: str, seconds: float) -> dict:
@@ -133,6 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "(hit ratio and H2D pages per step) into the JSON and plot them here")  # fmt: skip
     parser.add_argument("--first-seconds", type=float, metavar="S", help="also each log's decode throughput over "
                         "the S seconds after its first decode line (the same span for every log)")  # fmt: skip
+    parser.add_argument("--step-fit", action="store_true", help="also fit each log's decode step against its batch "
+                        "and its prefill's cost and share of the time (the module doc)")  # fmt: skip
     args = parser.parse_args(argv)
     runs, texts = {}, {}
     for item in args.logs:
@@ -142,6 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
         runs[name] = {"log": path, "commit": commit or None, **steady_state(texts[name])}
         if args.first_seconds:
             runs[name]["first_seconds"] = first_seconds(texts[name], args.first_seconds)
+        if args.step_fit:
+            runs[name]["step_fit"] = step_fit(texts[name])
     result = {"device": args.device, "date": datetime.date.today().isoformat(), "command": shlex.join(sys.orig_argv),
               "runs": runs}  # fmt: skip
     if args.hit_by_batch:

@@ -444,6 +444,28 @@ def test_server_log_steady_state_is_time_weighted_over_the_second_half():
     assert (got["cache_hit_ratio"], got["h2d_pages_per_step"]) == (0.5, 6)
 
 
+def test_server_log_step_fit_recovers_the_decode_step_and_the_prefill_cost():
+    from benchmark.server_log import decode_intervals, step_fit
+
+    # SGLang-formatted lines of a server whose decode step (6 ms + 0.16 ms a request) and prefill
+    # (3.6e-5 s a token) are exactly these
+    decode = "[t] Decode batch, #running-req: {}, #token: 1, token usage: 0.5, cuda graph: True, gen throughput (token/s): {:.6f}, #queue-req: 3"  # noqa: E501
+    lines = [decode.format(10, 100.0)]  # from the start: dropped
+    for running, prefill in [(10, 0), (20, 8192), (40, 0), (80, 4096), (60, 12288), (30, 0)]:
+        if prefill:
+            lines.append(f"[t] Prefill batch, #new-seq: 1, #new-token: {prefill}, #cached-token: 0, token usage: 0.5")
+        seconds = 40 * (0.006 + 0.00016 * running) + 3.6e-5 * prefill
+        lines.append(decode.format(running, 40 * running / seconds))
+    text = "\n".join(lines)
+    assert len(decode_intervals(text, 40)) == 6
+    fit = step_fit(text)
+    assert fit["step_ms_fixed"] == pytest.approx(6.0, abs=0.01)
+    assert fit["step_ms_per_request"] == pytest.approx(0.16, abs=1e-4)
+    assert fit["prefill_s_per_10k_tokens"] == pytest.approx(0.36, abs=1e-3)
+    assert fit["prefill_tokens"] == 8192 + 4096 + 12288 and 0 < fit["prefill_share"] < 1
+    assert fit["decode_only_by_batch"]["40-59"] == {"median_step_ms": pytest.approx(12.4, abs=0.01), "intervals": 1}
+
+
 def test_server_log_hit_ratio_by_batch_pairs_each_interval_with_its_batch(tmp_path):
     from benchmark.server_log import hit_ratio_by_batch, main
 
