@@ -858,21 +858,16 @@ def without_flags(words: list[str], flags: tuple[str, ...]) -> list[str]:
 
 
 def check_kv_scales(words: list[str], tp_size: int) -> None:
-    """Refuse a ``--quantization-param-path`` whose KV scales are for another number of
-    tensor-parallel ranks: SGLang would log an error and run every rank at scale 1.0, which turns
-    the dummy weights' tiny keys into fp8 zeros (every page scores alike), and the run would time
-    another workload than the one named."""
+    """Refuse a ``--quantization-param-path`` the servers could not use at ``tp_size`` (the
+    launcher's rule, :func:`~sparse_sglang.integration.server_args.kv_scales_problem`, applied to
+    vanilla too): SGLang would run at scale 1.0, the dummy weights' tiny keys would become fp8
+    zeros (every page scores alike), and the run would time another workload than the one named."""
+    from sparse_sglang.integration.server_args import kv_scales_problem
+
     path = last_flag(words, "--quantization-param-path")
-    if path is None:
-        return
-    try:
-        ranks = len(json.loads(Path(path).read_text())["kv_cache"]["scaling_factor"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise SystemExit(f"--quantization-param-path {path}: not a KV scales file SGLang reads ({err})") from None
-    if ranks != tp_size:
-        raise SystemExit(f"--quantization-param-path {path} holds KV scales for {ranks} tensor-parallel rank(s) "
-                         f"and the servers run --tp-size {tp_size}: SGLang would run every rank at scale 1.0; "
-                         f"give a file with {tp_size} (benchmark/kv-scales-llama3-8b-dummy-tp2.json for 2)")  # fmt: skip
+    if problem := kv_scales_problem(path, tp_size):
+        raise SystemExit(f"--quantization-param-path {path}: {problem} "
+                         "(benchmark/kv-scales-llama3-8b-dummy-tp2.json holds two ranks)")  # fmt: skip
 
 
 def server_args(system: str, args: argparse.Namespace) -> list[str]:

@@ -150,24 +150,12 @@ class SparseServerArgs(ServerArgs):
                 self.disable_decode_cuda_graph = True
 
     def _check_kv_scales(self) -> None:
-        """An fp8 KV scales file (``--quantization-param-path``) must hold every TP rank's scales.
-        SGLang reads it per rank and, when it cannot (a missing file, another TP size), logs an
-        error and runs at scale 1.0. Keys then lose their spread to fp8 rounding, and page
-        scores with them, so a file the user named but the server cannot use is refused here."""
-        path = self.quantization_param_path
-        if path is None or self.kv_cache_dtype != "fp8_e4m3":  # SGLang reads it for fp8_e4m3 only
+        """An fp8 KV scales file the server cannot use is refused here (:func:`kv_scales_problem`)."""
+        if self.kv_cache_dtype != "fp8_e4m3":  # SGLang reads the file for fp8_e4m3 only
             return
-        try:
-            ranks = set(json.loads(Path(path).read_text())["kv_cache"]["scaling_factor"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ServerArgRefused(
-                "quantization_param_path", path, f"not a KV scales file ({_one_line(err)})"
-            ) from None
-        wanted = {str(rank) for rank in range(self.tp_size)}
-        if ranks != wanted:
-            raise ServerArgRefused("quantization_param_path", path, f"holds KV scales for tensor-parallel rank(s) "
-                                   f"{', '.join(sorted(ranks, key=str))}; --tp-size {self.tp_size} needs exactly "
-                                   f"{', '.join(sorted(wanted))} (SGLang would run at scale 1.0)")  # fmt: skip
+        problem = kv_scales_problem(self.quantization_param_path, self.tp_size)
+        if problem:
+            raise ServerArgRefused("quantization_param_path", self.quantization_param_path, problem)
 
     def _resolve_key_basis(self) -> None:
         """The sketch selector's key basis file, resolved once here (the scheduler loads it):
@@ -188,6 +176,25 @@ class SparseServerArgs(ServerArgs):
                                    f"key basis: run `python -m sparse_sglang.calibrate --model-path {self.model_path}` "
                                    f"(writes {BASIS_FILE} there), or pass {mention('key_basis')} FILE")  # fmt: skip
         self.sparse = dataclasses.replace(self.sparse, key_basis=str(found))
+
+
+def kv_scales_problem(path: str | None, tp_size: int) -> str | None:
+    """Why SGLang could not use the KV scales file ``path`` (``--quantization-param-path``) at
+    ``tp_size``, or None. SGLang reads its scales per TP rank and, when it cannot (a missing file,
+    another TP size), logs an error and runs at scale 1.0: keys lose their spread to fp8 rounding,
+    and page scores with them. Shared by the launcher and the serving benchmark (whose vanilla
+    servers are plain SGLang)."""
+    if path is None:
+        return None
+    try:
+        ranks = set(json.loads(Path(path).read_text())["kv_cache"]["scaling_factor"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"not a KV scales file ({_one_line(err)})"
+    wanted = {str(rank) for rank in range(tp_size)}
+    if ranks != wanted:
+        return (f"holds KV scales for tensor-parallel rank(s) {', '.join(sorted(ranks))}; --tp-size {tp_size} "
+                f"needs exactly {', '.join(sorted(wanted))} (SGLang would run at scale 1.0)")  # fmt: skip
+    return None
 
 
 def _is_default_model(model_path: str) -> bool:
