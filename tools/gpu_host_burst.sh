@@ -120,8 +120,9 @@ job_serving_tp() {
   # that run already, e.g. serving_pair's serving-sparse.json, the same flags and rate); then the
   # parallel summary. Each rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and
   # runs about twice the requests: its CUDA graphs go twice as far.
+  # the same KV scales, for two ranks and for one (SGLang reads a file's scales per rank)
   local kv="--kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy-tp2.json --sparse-reselect-interval 8"
-  local kv1=${kv/-tp2.json/.json}  # TP=1's scales: SGLang reads a file's scales per rank
+  local kv1="--kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8"
   local common=(--traces long-generation --max-seconds-per-rate "${SERVING_WINDOW:-400}" --out-dir /root/o --log-dir /root/o/serving-logs)
   python3 benchmark/serving.py --systems vanilla,sparse --tp-size 2 --sparse-host-cache-gb "${TP2_HOST_GB:-184}" \
     --vanilla-server-args "--cuda-graph-max-bs-decode 128" --sparse-server-args "--cuda-graph-max-bs-decode 192 $kv ${SERVING_SPARSE_EXTRA:-}" \
