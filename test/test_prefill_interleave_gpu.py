@@ -25,7 +25,7 @@ import pytest
 from benchmark.soak import settled, sparse_state
 from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import save_gpu_test_record
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, generate_ids
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, generate_ids, prompt_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -37,10 +37,6 @@ NEW_TOKENS = 32
 ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-static", "0.7",
         "--sparse-host-cache-gb", "12", "--cuda-graph-max-bs-decode", "8",
         "--chunked-prefill-size", str(CHUNK_TOKENS), "--sparse-interleave-prefill", "true"]  # fmt: skip
-
-
-def prompt_logprobs(out: dict) -> list[float]:
-    return [entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]]  # the first token has none
 
 
 def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp_path):

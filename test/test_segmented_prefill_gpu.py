@@ -31,7 +31,7 @@ import requests
 from benchmark.soak import settled, sparse_state
 from sparse_sglang.testing.models import LLAMA3_8B_TOKEN_IDS, write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import save_gpu_test_record
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, generate_ids
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, generate_ids, prompt_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -65,10 +65,6 @@ def model_and_prompts(name: str, tmp_path: Path) -> tuple[str, list[str], list[l
     pieces += [tokens[20000 + i * 500 : 20000 + i * 500 + BACKGROUND_PROMPT] for i in range(BACKGROUND)]
     assert all(len(p) for p in pieces)
     return model, [], pieces
-
-
-def prompt_logprobs(out: dict) -> list[float]:
-    return [entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]]  # the first token has none
 
 
 def segmented(url: str) -> dict:

@@ -35,6 +35,12 @@ def generate_ids(url: str, ids: list[int], new_tokens: int, rid: str | None = No
     return response.json()
 
 
+def prompt_logprobs(response: dict) -> list[float]:
+    """The log-probability of every prompt token but the first (which has none) in a
+    :func:`generate_ids` answer asked with ``logprobs``."""
+    return [entry[0] for entry in response["meta_info"]["input_token_logprobs"][1:]]
+
+
 def greedy_comparison(reference: list[dict], other: list[dict]) -> dict:
     """Whether each pair of ``/generate`` answers has the same output tokens, and the largest
     difference of their output log-probabilities (answers asked with ``logprobs``)."""
