@@ -3,7 +3,8 @@
 # out of the call's folder (later calls replace it), build the native kernels, then run $JOBS
 # detached. $JOBS is stages separated by commas, each stage jobs separated by spaces: a stage's jobs
 # run side by side, and a stage starts when the one before it has ended (so a timing job can have
-# the machine to itself; on a two-GPU machine "tests@0 grid@1" gives each job one GPU). Results
+# the machine to itself; on a two-GPU machine "tests@0 grid@1" gives each job one GPU, on a four-GPU
+# one "serving_pair@0/1 tests+serving_tp@2/3" runs two chains of two-GPU jobs side by side). Results
 # gather in /root/o; collect them with `tar czf $OUT/o.tgz -C /root o` in a later call;
 # /root/o/stage.log says which stage runs.
 #   SPARSE_SGLANG_COMMIT=<commit> JOBS="pin,startup,soak fuzz" bash tools/gpu_host_burst.sh
@@ -20,7 +21,8 @@
 # serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2; $PAIR_TRACES, e.g.
 # "long-generation 2.0": fewer traces),
 # ($SERVING_WINDOW: the serving jobs' window in seconds, default 400)
-# serving_tp (TP=2 sparse and vanilla, then sparse TP=1, and the parallel summary: nvidia-h100-x2; after tp and dp).
+# serving_tp (TP=2 sparse and vanilla, then sparse TP=1, and the parallel summary: nvidia-h100-x2; after tp and dp;
+# $TP_SPARSE_EXTRA: more sparse flags for these, apart from the single-GPU headline's; $TP_WINDOW: their window).
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
 export PYTHONPATH=/tmp/site:/root/repo/python:/root/repo SPARSE_SGLANG_DEFAULT_GGUF=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -62,7 +64,7 @@ job_tests() {  # $GPU_TESTS: groups of pytest arguments separated by "|", the gr
   tail -n 3 /root/o/tests-*.log
 }
 job_dp() { python3 -m pytest -m gpu -q -s test/test_dp_gpu.py; }  # a two-GPU machine (nvidia-h100-x2)
-job_tp() { python3 -m pytest -m gpu -q -s test/test_tp_gpu.py; }  # the same; skips while --tp-size is refused
+job_tp() { eval "python3 -m pytest -m gpu -q -s test/test_tp_gpu.py ${TP_TEST_ARGS:-}"; }  # the same ($TP_TEST_ARGS, e.g. -k tp1)
 job_fuzz() {
   python3 benchmark/fuzz.py --launch --requests "${FUZZ_REQUESTS:-5000}" --extra-server-args \
     "--sparse-host-cache-gb 4 --mem-fraction-static 0.1" --out-dir /root/o --log-dir /root/o/fuzz-logs
@@ -99,13 +101,14 @@ job_serving_pair() {
   local sparse="--cuda-graph-max-bs-decode 96 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8 ${SERVING_SPARSE_EXTRA:-}"
   local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "$sparse"
     --max-seconds-per-rate "${SERVING_WINDOW:-400}" --out-dir /root/o --log-dir /root/o/serving-logs)
-  local trace rate gpu system
+  local trace rate gpu system devices
+  IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the job's two GPUs
   IFS=',' read -ra pairs <<< "${PAIR_TRACES:-long-generation 2.0,long-prompt 0.8}"
   for trace in "${pairs[@]}"; do
     read -r trace rate <<< "$trace"
     gpu=0
     for system in vanilla sparse; do
-      CUDA_VISIBLE_DEVICES=$gpu python3 benchmark/serving.py --systems "$system" --traces "$trace" "--rates-$trace" "$rate" \
+      CUDA_VISIBLE_DEVICES=${devices[$gpu]} python3 benchmark/serving.py --systems "$system" --traces "$trace" "--rates-$trace" "$rate" \
         "${common[@]}" --merge-into "/root/o/serving-$system.json" > "/root/o/serving-$system-$trace.log" 2>&1 &
       gpu=$((gpu + 1))
     done
@@ -123,13 +126,15 @@ job_serving_tp() {
   # the same KV scales, for two ranks and for one (SGLang reads a file's scales per rank)
   local kv="--kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy-tp2.json --sparse-reselect-interval 8"
   local kv1="--kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8"
-  local common=(--traces long-generation --max-seconds-per-rate "${SERVING_WINDOW:-400}" --out-dir /root/o --log-dir /root/o/serving-logs)
+  local common=(--traces long-generation --max-seconds-per-rate "${TP_WINDOW:-${SERVING_WINDOW:-400}}" --out-dir /root/o
+    --log-dir /root/o/serving-tp-logs)
   python3 benchmark/serving.py --systems vanilla,sparse --tp-size 2 --sparse-host-cache-gb "${TP2_HOST_GB:-184}" \
-    --vanilla-server-args "--cuda-graph-max-bs-decode 128" --sparse-server-args "--cuda-graph-max-bs-decode 192 $kv ${SERVING_SPARSE_EXTRA:-}" \
+    --vanilla-server-args "--cuda-graph-max-bs-decode 128" --sparse-server-args "--cuda-graph-max-bs-decode 192 $kv ${TP_SPARSE_EXTRA:-}" \
     --rates-long-generation "${TP2_RATE:-4.0}" "${common[@]}" --merge-into /root/o/serving-tp2.json
   local tp1=${TP1_JSON:-/root/o/serving-tp1.json}
-  [ -n "${TP1_JSON:-}" ] || CUDA_VISIBLE_DEVICES=0 python3 benchmark/serving.py --systems sparse --sparse-host-cache-gb 92 \
-    --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "--cuda-graph-max-bs-decode 96 $kv1 ${SERVING_SPARSE_EXTRA:-}" \
+  local devices=${CUDA_VISIBLE_DEVICES:-0}
+  [ -n "${TP1_JSON:-}" ] || CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse --sparse-host-cache-gb 92 \
+    --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "--cuda-graph-max-bs-decode 96 $kv1 ${TP_SPARSE_EXTRA:-}" \
     --rates-long-generation "${TP1_RATE:-2.0}" "${common[@]}" --merge-into "$tp1"
   python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F).json" /root/o/serving-tp2.json \
     "$tp1" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
@@ -139,11 +144,18 @@ run_stages() {
   IFS=',' read -ra stages <<< "$JOBS"
   for stage in "${stages[@]}"; do
     echo "$(date +%T) stage: $stage" >> /root/o/stage.log
-    for job in $stage; do  # job@N: on GPU N only (a two-GPU machine runs two jobs side by side)
-      local name=${job%@*}
-      if [ "$name" = "$job" ]; then "job_$name" > "/root/o/$name.log" 2>&1 &
-      else (export CUDA_VISIBLE_DEVICES=${job#*@}; "job_$name") > "/root/o/$name.log" 2>&1 &
-      fi
+    # job@N: on GPU N only (a two-GPU machine runs two jobs side by side); job@2/3: on GPUs 2 and 3;
+    # a+b@2/3: a, then b, on GPUs 2 and 3 (a four-GPU machine runs two two-GPU chains side by side)
+    for job in $stage; do
+      local chain=${job%@*}
+      (
+        if [ "$chain" != "$job" ]; then gpus=${job#*@}; export CUDA_VISIBLE_DEVICES=${gpus//\//,}; fi
+        IFS='+' read -ra names <<< "$chain"
+        for name in "${names[@]}"; do
+          echo "$(date +%T) job: $name${CUDA_VISIBLE_DEVICES:+ on GPUs $CUDA_VISIBLE_DEVICES}" >> /root/o/stage.log
+          "job_$name" > "/root/o/$name.log" 2>&1
+        done
+      ) &
     done
     wait
   done
@@ -152,6 +164,6 @@ run_stages() {
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages $(compgen -A function job_)
 export JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
-  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW PAIR_TRACES TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON
+  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW PAIR_TRACES TP_SPARSE_EXTRA TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
