@@ -1108,8 +1108,8 @@ def parallel_summary(
 ) -> dict:
     """The two-GPU summary: sparse TP=2 against vanilla TP=2 (``tp2``, one invocation with
     ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run), each at
-    its highest long-generation rate, output tokens/s in the window's second half (the steady state,
-    as ``throughput_ratio``); and the GPU tests' records (``tp_exact``: test_tp_gpu's exact-path
+    its highest long-generation rate (against vanilla: at the same rate), output tokens/s in the
+    window's second half (the steady state, as ``throughput_ratio``); and the GPU tests' records (``tp_exact``: test_tp_gpu's exact-path
     agreement; ``dp``: test_dp_gpu's summary; ``tp_vs_tp1``: TP=2 against TP=1 with real selection,
     held to that test's bar). A part not given, or not run, is None."""
 
@@ -1117,8 +1117,10 @@ def parallel_summary(
         runs = doc.get("results", {}).get("long-generation", {}).get(system) or []
         return max(runs, key=lambda r: r["rate"], default=None)
 
-    sparse2, sparse1 = top(tp2, "sparse"), top(tp1, "sparse")
+    sparse2, sparse1, vanilla2 = top(tp2, "sparse"), top(tp1, "sparse"), top(tp2, "vanilla")
     scaling = _ratio(sparse2, sparse1, "late_output_throughput") if sparse2 and sparse1 else None
+    same_rate = sparse2 and vanilla2 and sparse2["rate"] == vanilla2["rate"]
+    vs_vanilla = _ratio(sparse2, vanilla2, "late_output_throughput") if same_rate else None
     selects_as_tp1 = None
     if tp_vs_tp1 is not None:
         tol = tp_vs_tp1.get("logprob_tol", TP_LOGPROB_TOL)  # the test's measured bar
@@ -1134,7 +1136,7 @@ def parallel_summary(
         )
     return {
         "tp2_greedy_equal": None if tp_exact is None else all(a["equal"] for a in tp_exact["agreement"]),
-        "tp2_throughput_ratio_vs_vanilla": tp2.get("summary", {}).get("throughput_ratio"),
+        "tp2_throughput_ratio_vs_vanilla": vs_vanilla,
         "tp2_over_tp1_throughput": scaling,
         "tp2_selects_as_tp1": selects_as_tp1,
         "tp2_rate": None if sparse2 is None else sparse2["rate"],
