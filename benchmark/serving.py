@@ -44,7 +44,7 @@ import orjson
 import requests
 
 from sparse_sglang.config import GIB
-from sparse_sglang.testing.greedy import TP_LOGPROB_TOL, GreedyAgreement, tp_agrees_with_tp1
+from sparse_sglang.testing.greedy import GreedyAgreement, tp_steps_agree
 from sparse_sglang.testing.models import (
     LLAMA3_8B_CONFIG,
     LLAMA3_8B_TOKEN_IDS,
@@ -1111,7 +1111,8 @@ def parallel_summary(
     its highest long-generation rate (against vanilla: at the same rate), output tokens/s in the
     window's second half (the steady state, as ``throughput_ratio``); and the GPU tests' records (``tp_exact``: test_tp_gpu's exact-path
     agreement; ``dp``: test_dp_gpu's summary; ``tp_vs_tp1``: TP=2 against TP=1 with real selection,
-    held to that test's bar). A part not given, or not run, is None."""
+    step by step, held to that test's bar). A part not given, or not run, is None (so is a
+    ``tp_vs_tp1`` record of the earlier free-running comparison)."""
 
     def top(doc: dict, system: str) -> dict | None:
         runs = doc.get("results", {}).get("long-generation", {}).get(system) or []
@@ -1122,9 +1123,9 @@ def parallel_summary(
     same_rate = sparse2 and vanilla2 and sparse2["rate"] == vanilla2["rate"]
     vs_vanilla = _ratio(sparse2, vanilla2, "late_output_throughput") if same_rate else None
     selects_as_tp1 = None
-    if tp_vs_tp1 is not None:
-        tol = tp_vs_tp1.get("logprob_tol", TP_LOGPROB_TOL)  # the test's measured bar
-        selects_as_tp1 = all(tp_agrees_with_tp1(GreedyAgreement(**a), tol) for a in tp_vs_tp1["agreement"])
+    if tp_vs_tp1 is not None and "forced_steps" in tp_vs_tp1:  # earlier records compared free-running completions
+        steps = [a and GreedyAgreement(**a) for a in tp_vs_tp1["forced_steps"]]
+        selects_as_tp1 = tp_steps_agree(steps, tp_vs_tp1["logprob_tol"])  # the test's measured bar
     ok_dp = None
     if dp is not None:
         d = dp["summary"]

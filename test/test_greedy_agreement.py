@@ -8,9 +8,10 @@ from sparse_sglang.testing.greedy import (
     TP_LOGPROB_TOL,
     GreedyAgreement,
     completion,
+    forced_steps,
     greedy_agreement,
-    tp_agrees_with_tp1,
     tp_logprob_tolerance,
+    tp_steps_agree,
 )
 
 
@@ -50,15 +51,36 @@ def test_same_tokens_with_logprobs_far_apart_do_not_agree():
     assert got.equal and not got.within(logprob_tol=0.05, near_tie=0.1)
 
 
-def test_tp_bar_is_vanillas_own_tp_rounding_doubled_and_needs_shared_steps():
-    floor = [GreedyAgreement(True, None, 0.2, None), GreedyAgreement(False, 3, 0.1, 0.0)]
+def two_tokens(prefill: int, token: int, logprob: float, margin: float) -> dict:
+    """A two-token completion: ``prefill`` from the dense prefill, then one decode step."""
+    return record([prefill, token], [-0.1, logprob], [[-0.1, -3.0], [logprob, logprob - margin]])
+
+
+def test_forced_steps_compare_each_decode_step_where_the_prefills_agree():
+    ref = [two_tokens(5, 7, -0.2, 1.0), two_tokens(5, 8, -0.3, 0.02), two_tokens(6, 9, -0.1, 1.0)]
+    other = [two_tokens(5, 7, -0.25, 1.0), two_tokens(5, 4, -0.31, 0.02), two_tokens(3, 9, -0.1, 1.0)]
+    same, switched, not_compared = forced_steps(ref, other)
+    assert same.equal and same.max_logprob_gap == pytest.approx(0.05)
+    assert not switched.equal and switched.first_difference == 0 and switched.reference_margin == pytest.approx(0.02)
+    assert not_compared is None  # the prefills chose different tokens: the decode contexts differ
+    with pytest.raises(ValueError, match="3 forced contexts against 2"):
+        forced_steps(ref, other[:2])
+
+
+def test_tp_bar_is_vanillas_own_tp_rounding_doubled():
+    floor = [GreedyAgreement(True, None, 0.2, None), GreedyAgreement(False, 0, 0.0, 0.01), None]
     assert tp_logprob_tolerance(floor) == pytest.approx(0.4)
     assert tp_logprob_tolerance([GreedyAgreement(True, None, 0.001, None)]) == TP_LOGPROB_TOL
-    assert tp_agrees_with_tp1(GreedyAgreement(True, None, 0.35, None), logprob_tol=0.4)
-    assert not tp_agrees_with_tp1(GreedyAgreement(True, None, 0.45, None), logprob_tol=0.4)
-    assert tp_agrees_with_tp1(GreedyAgreement(False, 21, 0.3, 0.0), logprob_tol=0.4)  # a tie after 21 steps
-    assert not tp_agrees_with_tp1(GreedyAgreement(False, 2, 0.0, 0.0), logprob_tol=0.4)  # parted before it bit
-    assert not tp_agrees_with_tp1(GreedyAgreement(False, 21, 0.0, 1.5), logprob_tol=0.4)  # a sure step switched
+    same = GreedyAgreement(True, None, 0.35, None)
+    assert tp_steps_agree([same] * 4, logprob_tol=0.4)
+    assert not tp_steps_agree([same] * 3 + [GreedyAgreement(True, None, 0.45, None)], logprob_tol=0.4)
+    # a switch where the reference's top two are within the bar is rounding; a sure step switched is not
+    assert tp_steps_agree([same] * 3 + [GreedyAgreement(False, 0, 0.0, 0.3)], logprob_tol=0.4)
+    assert not tp_steps_agree([same] * 3 + [GreedyAgreement(False, 0, 0.0, 1.5)], logprob_tol=0.4)
+    # too few steps compared (the dense prefills parted), or none at all: the test did not bite
+    assert tp_steps_agree([same] * 3 + [None], logprob_tol=0.4)
+    assert not tp_steps_agree([same] * 2 + [None] * 2, logprob_tol=0.4)
+    assert not tp_steps_agree([], logprob_tol=0.4)
 
 
 def test_an_early_stop_is_a_difference():

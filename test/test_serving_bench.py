@@ -753,9 +753,11 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
         "tp2-exact-gpu-test.json": {"agreement": [{"equal": True}, {"equal": True}]},
         "dp-gpu-test.json": {"summary": {"replicas": 2, "statuses": [200], "tracebacks_in_log": 0,
                                          "leaks_per_replica": [{"slots": 0}, {"slots": 0}]}},
-        "tp2-vs-tp1-gpu-test.json": {"logprob_tol": 0.4, "agreement": [
+        "tp2-vs-tp1-gpu-test.json": {"logprob_tol": 0.4, "forced_steps": [
             {"equal": True, "first_difference": None, "max_logprob_gap": 0.3, "reference_margin": None},
-            {"equal": False, "first_difference": 20, "max_logprob_gap": 0.02, "reference_margin": 0.01}]},
+            {"equal": False, "first_difference": 0, "max_logprob_gap": 0.0, "reference_margin": 0.01},
+            {"equal": True, "first_difference": None, "max_logprob_gap": 0.1, "reference_margin": None},
+            None]},
     }  # fmt: skip
     for name, body in files.items():
         (tmp_path / name).write_text(json.dumps(body))
@@ -765,8 +767,12 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
     assert summary == {"tp2_greedy_equal": True, "tp2_throughput_ratio_vs_vanilla": 3.5,
                        "tp2_over_tp1_throughput": 1.75, "tp2_selects_as_tp1": True, "tp2_rate": 4.0,
                        "tp1_rate": 2.0, "dp2_ok": True}  # fmt: skip
-    # parted at a first-token tie: the comparison did not bite
-    files["tp2-vs-tp1-gpu-test.json"]["agreement"][1]["first_difference"] = 0
+    # a step TP=1 was sure of switched: not rounding
+    files["tp2-vs-tp1-gpu-test.json"]["forced_steps"][1]["reference_margin"] = 1.5
     (tmp_path / "tp2-vs-tp1-gpu-test.json").write_text(json.dumps(files["tp2-vs-tp1-gpu-test.json"]))
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
     assert json.loads(out.read_text())["summary"]["tp2_selects_as_tp1"] is False
+    # the earlier free-running record is not judged by the step-by-step rule
+    (tmp_path / "tp2-vs-tp1-gpu-test.json").write_text(json.dumps({"logprob_tol": 0.26, "agreement": []}))
+    main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
+    assert json.loads(out.read_text())["summary"]["tp2_selects_as_tp1"] is None

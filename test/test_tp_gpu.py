@@ -1,15 +1,16 @@
 """Tensor parallelism on two GPUs (``--tp-size 2``): each rank keeps the hierarchy of its own kv
 heads, and the server answers as plain SGLang at TP=2 and as itself at TP=1.
 
-The Llama-3-8B shape cut to 4 layers, dummy weights, greedy with log-probabilities:
+The Llama-3-8B shape cut to 4 layers, greedy with log-probabilities:
 
-- with the budget covering every prompt and the exact shortcut off (the selection machinery runs,
-  every page is attended), the tokens equal vanilla SGLang TP=2's;
-- with prompts three times the budget (real selection), TP=2 gives TP=1's tokens up to rounding
-  (the ranks sum their heads' attention in another order; :func:`tp_agrees_with_tp1`, its logprob
-  bar set by plain SGLang's own TP=2 against TP=1 on the same prompts), on seeded random weights
-  of real spread: under dummy weights the first token is already a tie, and the two runs would
-  part before any decode step is compared.
+- dummy weights, the budget covering every prompt and the exact shortcut off (the selection
+  machinery runs, every page is attended): the tokens equal vanilla SGLang TP=2's;
+- seeded random weights of real spread, prompts three times the budget (real selection): each
+  decode step of TP=2 gives TP=1's token and logprobs up to rounding, compared step by step on
+  forced contexts (:func:`forced_steps`: the prompt plus the first j tokens of one continuation,
+  so a near tie at one step does not part the rest), the logprob bar set by plain SGLang's own
+  TP=2 against TP=1 on the same contexts (:func:`tp_steps_agree`). Under dummy weights the first
+  token is already a tie.
 
 Also ``/get_server_info`` at TP=2: every rank's ``"sparse"`` entry and their sum. Needs two CUDA
 GPUs.
@@ -19,11 +20,19 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import torch
 
-from sparse_sglang.testing.greedy import completion, greedy_agreement, tp_agrees_with_tp1, tp_logprob_tolerance
+from sparse_sglang.testing.greedy import (
+    completion,
+    forced_steps,
+    greedy_agreement,
+    tp_logprob_tolerance,
+    tp_steps_agree,
+)
 from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, write_llama3_8b_dummy, write_llama3_8b_random
 from sparse_sglang.testing.provenance import save_gpu_test_record
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
@@ -49,6 +58,8 @@ SPARSE = [*COMMON, *SPARSE_FLAGS]
 REAL_WEIGHTS = [*BASE, "--enable-fp32-lm-head"]
 SPARSE_REAL_WEIGHTS = [*REAL_WEIGHTS, *SPARSE_FLAGS]
 NEW_TOKENS = 32
+T = TypeVar("T")
+FORCED_STEPS = 24  # decode steps compared per prompt at TP=2 against TP=1
 
 
 def prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
@@ -56,30 +67,37 @@ def prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
     return [[rng.randrange(3, LLAMA3_8B_CONFIG["vocab_size"]) for _ in range(n)] for n in lengths]
 
 
-def greedy(url: str, ids: list[int]) -> dict:
+def greedy(url: str, ids: list[int], new_tokens: int = NEW_TOKENS) -> dict:
     import requests
 
     body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": -1,
-            "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}  # fmt: skip
+            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}  # fmt: skip
     response = requests.post(url + "/generate", json=body, timeout=600)
     assert response.status_code == 200, response.text[:500]
     return completion(response.json())
 
 
-def serve(
-    module: str, model, args: list[str], log_path, batch: list[list[int]], info: list | None = None
-) -> list[dict]:
-    """Each prompt alone (one at a time: batch composition stays fixed), greedy; ``info`` given,
-    the server's ``/get_server_info`` states afterwards are appended to it."""
+def serve(module: str, model, args: list[str], log_path, work: Callable[[str], T], info: list | None = None) -> T:
+    """``work(url)`` against one server (its requests one at a time: batch composition stays
+    fixed); ``info`` given, the server's ``/get_server_info`` states afterwards are appended to it."""
     import requests
 
     with ServerProcess(module, model, args, log_path=log_path) as server:
-        outs = [greedy(server.url, ids) for ids in batch]
+        out = work(server.url)
         if info is not None:
             info.extend(requests.get(server.url + "/get_server_info", timeout=60).json()["internal_states"])
         tracebacks = server.log_path.read_text(errors="replace").count("Traceback")
     assert server.stopped_cleanly and tracebacks == 0, server.log_tail()
-    return outs
+    return out
+
+
+def each_greedy(batch: list[list[int]]) -> Callable[[str], list[dict]]:
+    return lambda url: [greedy(url, ids) for ids in batch]
+
+
+def each_forced(contexts: list[list[int]]) -> Callable[[str], list[dict]]:
+    """Two new tokens on each context: the first from the dense prefill, the second from a decode step."""
+    return lambda url: [greedy(url, ids, new_tokens=2) for ids in contexts]
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +108,9 @@ def model(tmp_path_factory):
 def test_tp2_with_every_page_attended_gives_vanilla_tp2s_tokens(model, tmp_path):
     batch = prompts((700, 1000), seed=0)  # within the 1024-token budget
     vanilla = serve(VANILLA_MODULE, model, [*COMMON, "--tp-size", "2", "--attention-backend", "flashinfer"],
-                    tmp_path / "vanilla-tp2.log", batch)  # fmt: skip
+                    tmp_path / "vanilla-tp2.log", each_greedy(batch))  # fmt: skip
     sparse = serve(SPARSE_MODULE, model, [*SPARSE, "--tp-size", "2", "--sparse-exact-shortcut", "false"],
-                   tmp_path / "sparse-tp2.log", batch)  # fmt: skip
+                   tmp_path / "sparse-tp2.log", each_greedy(batch))  # fmt: skip
     agreement = [greedy_agreement(v, s).as_dict() for v, s in zip(vanilla, sparse)]
     save_gpu_test_record("tp2-exact-gpu-test.json", {"agreement": agreement})
     print(json.dumps(agreement))
@@ -105,28 +123,38 @@ def random_model(tmp_path_factory):
 
 
 def test_tp2_selects_and_answers_as_tp1(random_model, tmp_path):
-    batch = prompts((3000, 3500), seed=1)  # about three budgets: real selection
-    # the rounding floor: plain SGLang's own TP=2 against its TP=1 on the same model and prompts
+    batch = prompts((3000, 3500, 4000), seed=1)  # about three budgets and more: real selection
     vanilla_args = [*REAL_WEIGHTS, "--attention-backend", "flashinfer"]
-    vanilla1 = serve(VANILLA_MODULE, random_model, vanilla_args, tmp_path / "vanilla-tp1.log", batch)
+
+    def continue_then_force(url: str) -> tuple[list[list[int]], list[dict]]:
+        # the forced contexts: each prompt plus the first j tokens of vanilla TP=1's greedy continuation
+        continuations = each_greedy(batch)(url)
+        contexts = [ids + c["output_ids"][:j] for ids, c in zip(batch, continuations) for j in range(FORCED_STEPS)]
+        return contexts, each_forced(contexts)(url)
+
+    # the rounding floor: plain SGLang's own TP=2 against its TP=1 on those contexts
+    contexts, vanilla1 = serve(VANILLA_MODULE, random_model, vanilla_args, tmp_path / "vanilla-tp1.log",
+                               continue_then_force)  # fmt: skip
     vanilla2 = serve(VANILLA_MODULE, random_model, [*vanilla_args, "--tp-size", "2"], tmp_path / "vanilla-tp2.log",
-                     batch)  # fmt: skip
-    floor = [greedy_agreement(a, b) for a, b in zip(vanilla1, vanilla2)]
-    tp1 = serve(SPARSE_MODULE, random_model, SPARSE_REAL_WEIGHTS, tmp_path / "sparse-tp1.log", batch)
+                     each_forced(contexts))  # fmt: skip
+    floor = forced_steps(vanilla1, vanilla2)
+    tp1 = serve(SPARSE_MODULE, random_model, SPARSE_REAL_WEIGHTS, tmp_path / "sparse-tp1.log", each_forced(contexts))
     states = []
     tp2 = serve(SPARSE_MODULE, random_model, [*SPARSE_REAL_WEIGHTS, "--tp-size", "2"], tmp_path / "sparse-tp2.log",
-                batch, states)  # fmt: skip
-    agreement = [greedy_agreement(a, b) for a, b in zip(tp1, tp2)]
+                each_forced(contexts), states)  # fmt: skip
+    steps = forced_steps(tp1, tp2)
     tol = tp_logprob_tolerance(floor)
     ranks = states[0]["sparse"]["tp_ranks"]
     info = {"d2h_tokens_per_rank": [r["d2h_tokens"] for r in ranks],
             "d2h_tokens_total": states[0]["sparse"]["tp_total"]["d2h_tokens"]}  # fmt: skip
-    record = {"agreement": [a.as_dict() for a in agreement], "vanilla_tp2_vs_tp1": [a.as_dict() for a in floor],
+    record = {"forced_steps": [a and a.as_dict() for a in steps],
+              "vanilla_forced_steps": [a and a.as_dict() for a in floor],
+              "prompt_lengths": [len(ids) for ids in batch], "steps_per_prompt": FORCED_STEPS,
               "logprob_tol": tol, "info": info}  # fmt: skip
     save_gpu_test_record("tp2-vs-tp1-gpu-test.json", record)
     print(json.dumps(record))
-    # equal up to rounding (vanilla's own, doubled), sharing decode steps (not parted at a first-token tie)
-    assert all(tp_agrees_with_tp1(a, tol) for a in agreement), record
+    # every decode step equal up to rounding (vanilla's own, doubled)
+    assert tp_steps_agree(steps, tol), record
     # /get_server_info: each rank saved every prompt token (its own heads), and the sum is theirs
-    assert all(t >= sum(map(len, batch)) for t in info["d2h_tokens_per_rank"]), info
+    assert all(t >= sum(map(len, contexts)) for t in info["d2h_tokens_per_rank"]), info
     assert info["d2h_tokens_total"] == sum(info["d2h_tokens_per_rank"]), info
