@@ -144,13 +144,18 @@ def test_tp2_selects_and_answers_as_tp1(random_model, tmp_path):
                 each_forced(contexts), states)  # fmt: skip
     steps = forced_steps(tp1, tp2)
     tol = tp_logprob_tolerance(floor)
+    # what selection itself moves (sparse TP=1 against dense TP=1): the scale a wrong selection
+    # would show, against which the bar is read
+    selection = [a for a in forced_steps(vanilla1, tp1) if a is not None]
+    selection_effect = {"max_logprob_gap": max(a.max_logprob_gap for a in selection),
+                        "switched_steps": sum(not a.equal for a in selection), "compared_steps": len(selection)}  # fmt: skip
     ranks = states[0]["sparse"]["tp_ranks"]
     info = {"d2h_tokens_per_rank": [r["d2h_tokens"] for r in ranks],
             "d2h_tokens_total": states[0]["sparse"]["tp_total"]["d2h_tokens"]}  # fmt: skip
     record = {"forced_steps": [a and a.as_dict() for a in steps],
               "vanilla_forced_steps": [a and a.as_dict() for a in floor],
               "prompt_lengths": [len(ids) for ids in batch], "steps_per_prompt": FORCED_STEPS,
-              "logprob_tol": tol, "info": info}  # fmt: skip
+              "logprob_tol": tol, "sparse_vs_dense_tp1": selection_effect, "info": info}  # fmt: skip
     save_gpu_test_record("tp2-vs-tp1-gpu-test.json", record)
     print(json.dumps(record))
     # every decode step equal up to rounding (vanilla's own, doubled)
