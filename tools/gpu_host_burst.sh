@@ -19,7 +19,7 @@
 # tp (the two-GPU tensor-parallel tests),
 # serving (benchmark/serving.py, vanilla then sparse, long generation at 2 and long prompt at 0.8 req/s),
 # serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2; $PAIR_TRACES, e.g.
-# "long-generation 2.0": fewer traces),
+# "long-generation 2.0": fewer traces; $SERVING_VARIANTS: several sparse configurations, a GPU each),
 # ($SERVING_WINDOW: the serving jobs' window in seconds, default 400)
 # serving_tp (TP=2 sparse and vanilla, then sparse TP=1, and the parallel summary: nvidia-h100-x2; after tp and dp;
 # $TP_SPARSE_EXTRA: more sparse flags for these, apart from the single-GPU headline's; $TP_WINDOW: their window).
@@ -96,25 +96,43 @@ job_serving() {
 }
 
 job_serving_pair() {
-  # the same on a two-GPU machine, half the wall time: per trace, vanilla on GPU 0 and sparse on
-  # GPU 1 side by side (the same card type, one host), each into its own file, then one file
-  local sparse="--cuda-graph-max-bs-decode 96 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8 ${SERVING_SPARSE_EXTRA:-}"
-  local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "$sparse"
-    --max-seconds-per-rate "${SERVING_WINDOW:-400}" --out-dir /root/o --log-dir /root/o/serving-logs)
-  local trace rate gpu system devices
-  IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the job's two GPUs
+  # the same on two or more GPUs, side by side (the same card type, one host): per trace, vanilla
+  # on the job's first GPU and a sparse server on each next one, each into its own file, then one
+  # file per sparse variant against that vanilla run. $SERVING_VARIANTS: "name=flags;name=flags"
+  # (flags added to the headline's; unset: one variant with $SERVING_SPARSE_EXTRA, into
+  # serving.json), one GPU each: on a four-GPU host, three configurations against one vanilla in
+  # the same windows (files serving-<name>.json, server logs in serving-logs/<name>/).
+  local base="--cuda-graph-max-bs-decode 96 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8"
+  local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64"
+    --max-seconds-per-rate "${SERVING_WINDOW:-400}" --out-dir /root/o)
+  local trace rate gpu devices variants variant name flags tag
+  IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the job's GPUs
+  IFS=';' read -ra variants <<< "${SERVING_VARIANTS:-=${SERVING_SPARSE_EXTRA:-}}"  # one unnamed variant by default
+  if [ $((${#variants[@]} + 1)) -gt ${#devices[@]} ]; then
+    echo "serving_pair: ${#variants[@]} variants and vanilla need $((${#variants[@]} + 1)) GPUs, the job has ${#devices[@]}"; return 1
+  fi
   IFS=',' read -ra pairs <<< "${PAIR_TRACES:-long-generation 2.0,long-prompt 0.8}"
   for trace in "${pairs[@]}"; do
     read -r trace rate <<< "$trace"
-    gpu=0
-    for system in vanilla sparse; do
-      CUDA_VISIBLE_DEVICES=${devices[$gpu]} python3 benchmark/serving.py --systems "$system" --traces "$trace" "--rates-$trace" "$rate" \
-        "${common[@]}" --merge-into "/root/o/serving-$system.json" > "/root/o/serving-$system-$trace.log" 2>&1 &
+    # vanilla takes the sparse servers' KV dtype and scales from --sparse-server-args
+    CUDA_VISIBLE_DEVICES=${devices[0]} python3 benchmark/serving.py --systems vanilla --traces "$trace" "--rates-$trace" "$rate" \
+      "${common[@]}" --sparse-server-args "$base" --log-dir /root/o/serving-logs --merge-into /root/o/serving-vanilla.json \
+      > "/root/o/serving-vanilla-$trace.log" 2>&1 &
+    gpu=1
+    for variant in "${variants[@]}"; do
+      name=${variant%%=*}; flags=${variant#*=}; tag=sparse${name:+-$name}
+      CUDA_VISIBLE_DEVICES=${devices[$gpu]} python3 benchmark/serving.py --systems sparse --traces "$trace" "--rates-$trace" "$rate" \
+        "${common[@]}" --sparse-server-args "$base $flags" --log-dir "/root/o/serving-logs${name:+/$name}" \
+        --merge-into "/root/o/serving-$tag.json" > "/root/o/serving-$tag-$trace.log" 2>&1 &
       gpu=$((gpu + 1))
     done
     wait
   done
-  python3 benchmark/serving.py --combine "/root/o/${SERVING_FILE:-serving}.json" /root/o/serving-vanilla.json /root/o/serving-sparse.json
+  for variant in "${variants[@]}"; do
+    name=${variant%%=*}; tag=sparse${name:+-$name}
+    python3 benchmark/serving.py --combine "/root/o/${SERVING_FILE:-serving}${name:+-$name}.json" /root/o/serving-vanilla.json \
+      "/root/o/serving-$tag.json"
+  done
 }
 
 job_serving_tp() {
@@ -164,6 +182,6 @@ run_stages() {
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages $(compgen -A function job_)
 export JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
-  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW PAIR_TRACES TP_SPARSE_EXTRA TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON
+  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
