@@ -1109,10 +1109,11 @@ def parallel_summary(
     """The two-GPU summary: sparse TP=2 against vanilla TP=2 (``tp2``, one invocation with
     ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run), each at
     its highest long-generation rate (against vanilla: at the same rate), output tokens/s in the
-    window's second half (the steady state, as ``throughput_ratio``); and the GPU tests' records (``tp_exact``: test_tp_gpu's exact-path
-    agreement; ``dp``: test_dp_gpu's summary; ``tp_vs_tp1``: TP=2 against TP=1 with real selection,
-    step by step, held to that test's bar). A part not given, or not run, is None (so is a
-    ``tp_vs_tp1`` record of the earlier free-running comparison)."""
+    window's second half (the steady state, as ``throughput_ratio``); and the GPU tests' records
+    (``tp_exact``: test_tp_gpu's exact-path agreement; ``dp``: test_dp_gpu's summary;
+    ``tp_vs_tp1``: TP=2 against TP=1 with real selection, step by step, held to that test's bar).
+    A part not given, or not run, is None (so is a ``tp_vs_tp1`` record of the earlier
+    free-running comparison)."""
 
     def top(doc: dict, system: str) -> dict | None:
         runs = doc.get("results", {}).get("long-generation", {}).get(system) or []
