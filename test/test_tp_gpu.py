@@ -35,7 +35,7 @@ from sparse_sglang.testing.greedy import (
 )
 from sparse_sglang.testing.models import LLAMA3_8B_CONFIG, write_llama3_8b_dummy, write_llama3_8b_random
 from sparse_sglang.testing.provenance import save_gpu_test_record
-from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
+from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, generate_ids
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,13 +68,8 @@ def prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
 
 
 def greedy(url: str, ids: list[int], new_tokens: int = NEW_TOKENS) -> dict:
-    import requests
-
-    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": -1,
-            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}  # fmt: skip
-    response = requests.post(url + "/generate", json=body, timeout=600)
-    assert response.status_code == 200, response.text[:500]
-    return completion(response.json())
+    """Greedy output tokens with their logprobs and top two (:func:`completion`)."""
+    return completion(generate_ids(url, ids, new_tokens, logprobs=True, logprob_start_len=-1, top_logprobs=2))
 
 
 def serve(module: str, model, args: list[str], log_path, work: Callable[[str], T], info: list | None = None) -> T:

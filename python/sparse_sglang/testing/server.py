@@ -20,16 +20,16 @@ VANILLA_MODULE = "sglang.launch_server"
 
 
 def generate_ids(url: str, ids: list[int], new_tokens: int, rid: str | None = None, logprobs: bool = False,
-                 logprob_start_len: int = 0) -> dict:  # fmt: skip
+                 logprob_start_len: int = 0, top_logprobs: int = 0) -> dict:  # fmt: skip
     """One greedy ``/generate`` request on token ids (``ignore_eos``); asserts HTTP 200. ``logprobs``
     asks for the log-probability of every token from ``logprob_start_len`` on (-1: output tokens
     only; SGLang recomputes prompt positions it returns log-probabilities for, so a cached prefix
-    is reused only up to ``logprob_start_len``)."""
+    is reused only up to ``logprob_start_len``), and each position's ``top_logprobs`` best."""
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
     if rid:
         body["rid"] = rid
     if logprobs:
-        body.update(return_logprob=True, logprob_start_len=logprob_start_len)
+        body.update(return_logprob=True, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs)
     response = requests.post(url + "/generate", json=body, timeout=600)
     assert response.status_code == 200, response.text[:500]
     return response.json()
