@@ -34,6 +34,12 @@ for d in .gpu-carry/aot/*/; do [ -d "$d" ] && mkdir -p "/tmp/site/flashinfer/dat
 python3 -m sgl_kernels_ext.build > /root/o/build.log 2>&1 || { tail -30 /root/o/build.log; exit 1; }
 python3 -c "from sparse_sglang.default_model import default_model_path; print(default_model_path())"
 
+# The serving headline's sparse flags besides its batch: fp8 KV at the calibrated scales (SGLang
+# reads a file's scales per TP rank: one file per TP size) and selections reused for 8 steps
+SCALES_TP1=benchmark/kv-scales-llama3-8b-dummy.json
+SCALES_TP2=benchmark/kv-scales-llama3-8b-dummy-tp2.json
+HEADLINE_KV="--kv-cache-dtype fp8_e4m3 --sparse-reselect-interval 8 --quantization-param-path"  # + the scales file
+
 job_grid() {
   # the default model's key basis first, once (grid servers with --sparse-selector sketch read it)
   python3 -m sparse_sglang.calibrate --model-path "$(python3 -c 'from sparse_sglang.default_model import default_model_path as d; print(d())')"
@@ -88,7 +94,7 @@ job_startup() {
 job_serving() {
   # the serving headline: vanilla with the sparse server's KV dtype in the same GPU bytes, then
   # sparse, 400 s windows, both traces at their saturated rate ($SERVING_SPARSE_EXTRA: more sparse flags)
-  local sparse="--cuda-graph-max-bs-decode 96 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8 ${SERVING_SPARSE_EXTRA:-}"
+  local sparse="--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${SERVING_SPARSE_EXTRA:-}"
   local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "$sparse"
     --out-dir /root/o --log-dir /root/o/serving-logs --merge-into "/root/o/${SERVING_FILE:-serving}.json")
   python3 benchmark/serving.py --systems "${SERVING_SYSTEMS:-vanilla,sparse}" --traces long-generation --rates-long-generation 2.0 "${common[@]}"
@@ -102,7 +108,7 @@ job_serving_pair() {
   # (flags added to the headline's; unset: one variant with $SERVING_SPARSE_EXTRA, into
   # serving.json), one GPU each: on a four-GPU host, three configurations against one vanilla in
   # the same windows (files serving-<name>.json, server logs in serving-logs/<name>/).
-  local base="--cuda-graph-max-bs-decode 96 --kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8"
+  local base="--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1"
   local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64"
     --max-seconds-per-rate "${SERVING_WINDOW:-400}" --out-dir /root/o)
   local trace rate gpu devices variants variant name flags tag
@@ -141,18 +147,15 @@ job_serving_tp() {
   # that run already, e.g. serving_pair's serving-sparse.json, the same flags and rate); then the
   # parallel summary. Each rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and
   # runs about twice the requests: its CUDA graphs go twice as far.
-  # the same KV scales, for two ranks and for one (SGLang reads a file's scales per rank)
-  local kv="--kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy-tp2.json --sparse-reselect-interval 8"
-  local kv1="--kv-cache-dtype fp8_e4m3 --quantization-param-path benchmark/kv-scales-llama3-8b-dummy.json --sparse-reselect-interval 8"
   local common=(--traces long-generation --max-seconds-per-rate "${TP_WINDOW:-${SERVING_WINDOW:-400}}" --out-dir /root/o
     --log-dir /root/o/serving-tp-logs)
   python3 benchmark/serving.py --systems vanilla,sparse --tp-size 2 --sparse-host-cache-gb "${TP2_HOST_GB:-184}" \
-    --vanilla-server-args "--cuda-graph-max-bs-decode 128" --sparse-server-args "--cuda-graph-max-bs-decode 192 $kv ${TP_SPARSE_EXTRA:-}" \
+    --vanilla-server-args "--cuda-graph-max-bs-decode 128" --sparse-server-args "--cuda-graph-max-bs-decode 192 $HEADLINE_KV $SCALES_TP2 ${TP_SPARSE_EXTRA:-}" \
     --rates-long-generation "${TP2_RATE:-4.0}" "${common[@]}" --merge-into /root/o/serving-tp2.json
   local tp1=${TP1_JSON:-/root/o/serving-tp1.json}
   local devices=${CUDA_VISIBLE_DEVICES:-0}
   [ -n "${TP1_JSON:-}" ] || CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse --sparse-host-cache-gb 92 \
-    --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "--cuda-graph-max-bs-decode 96 $kv1 ${TP_SPARSE_EXTRA:-}" \
+    --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-}" \
     --rates-long-generation "${TP1_RATE:-2.0}" "${common[@]}" --merge-into "$tp1"
   python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F).json" /root/o/serving-tp2.json \
     "$tp1" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
@@ -181,7 +184,7 @@ run_stages() {
 }
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages $(compgen -A function job_)
-export JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
+export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
   DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
