@@ -21,8 +21,11 @@
 # serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2; $PAIR_TRACES, e.g.
 # "long-generation 2.0": fewer traces; $SERVING_VARIANTS: several sparse configurations, a GPU each),
 # ($SERVING_WINDOW: the serving jobs' window in seconds, default 400)
-# serving_tp (TP=2 sparse and vanilla, then sparse TP=1, and the parallel summary: nvidia-h100-x2; after tp and dp;
-# $TP_SPARSE_EXTRA: more sparse flags for these, apart from the single-GPU headline's; $TP_WINDOW: their window).
+# serving_tp2 (TP=2 sparse and vanilla: side by side on four GPUs), parallel (the summary, after
+# serving_tp2, tp and dp; $TP1_JSON: the sparse TP=1 run), serving_tp (both, with sparse TP=1 between:
+# nvidia-h100-x2; $TP_SPARSE_EXTRA: more sparse flags for these, apart from the single-GPU
+# headline's; $TP_WINDOW: their window). On four GPUs, one session's whole TP record:
+#   JOBS="serving_tp2@0/1/2/3,serving_pair@0/1 tp+dp@2/3,parallel" PAIR_TRACES="long-generation 2.0" TP1_JSON=/root/o/serving.json
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
 export PYTHONPATH=/tmp/site:/root/repo/python:/root/repo SPARSE_SGLANG_DEFAULT_GGUF=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -141,26 +144,46 @@ job_serving_pair() {
   done
 }
 
-job_serving_tp() {
-  # the two-GPU serving run (nvidia-h100-x2): long generation, sparse TP=2 against vanilla TP=2 with
-  # the same KV bytes on each GPU, then sparse TP=1 on one GPU (scaling; $TP1_JSON: a file holding
-  # that run already, e.g. serving_pair's serving-sparse.json, the same flags and rate); then the
-  # parallel summary. Each rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and
-  # runs about twice the requests: its CUDA graphs go twice as far.
-  local common=(--traces long-generation --max-seconds-per-rate "${TP_WINDOW:-${SERVING_WINDOW:-400}}" --out-dir /root/o
-    --log-dir /root/o/serving-tp-logs)
-  python3 benchmark/serving.py --systems vanilla,sparse --tp-size 2 --sparse-host-cache-gb "${TP2_HOST_GB:-184}" \
-    --vanilla-server-args "--cuda-graph-max-bs-decode 128" --sparse-server-args "--cuda-graph-max-bs-decode 192 $HEADLINE_KV $SCALES_TP2 ${TP_SPARSE_EXTRA:-}" \
-    --rates-long-generation "${TP2_RATE:-4.0}" "${common[@]}" --merge-into /root/o/serving-tp2.json
-  local tp1=${TP1_JSON:-/root/o/serving-tp1.json}
-  local devices=${CUDA_VISIBLE_DEVICES:-0}
-  [ -n "${TP1_JSON:-}" ] || CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse --sparse-host-cache-gb 92 \
-    --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-}" \
-    --rates-long-generation "${TP1_RATE:-2.0}" "${common[@]}" --merge-into "$tp1"
-  python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F).json" /root/o/serving-tp2.json \
-    "$tp1" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
+job_serving_tp2() {
+  # TP=2 serving, long generation: sparse against vanilla with the same KV bytes on each GPU. Each
+  # rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and runs about twice the
+  # requests: its CUDA graphs go twice as far. On four GPUs the two servers run side by side
+  # (vanilla on the first two, sparse on the next two, the same windows), on two in turn.
+  local args=(--traces long-generation --rates-long-generation "${TP2_RATE:-4.0}" --tp-size 2
+    --max-seconds-per-rate "${TP_WINDOW:-${SERVING_WINDOW:-400}}" --out-dir /root/o --log-dir /root/o/serving-tp-logs
+    --sparse-host-cache-gb "${TP2_HOST_GB:-184}" --vanilla-server-args "--cuda-graph-max-bs-decode 128"
+    --sparse-server-args "--cuda-graph-max-bs-decode 192 $HEADLINE_KV $SCALES_TP2 ${TP_SPARSE_EXTRA:-}")
+  local devices
+  IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"
+  if [ ${#devices[@]} -lt 4 ]; then
+    python3 benchmark/serving.py --systems vanilla,sparse "${args[@]}" --merge-into /root/o/serving-tp2.json
+    return
+  fi
+  # vanilla takes the sparse server's KV dtype and scales from --sparse-server-args
+  CUDA_VISIBLE_DEVICES=${devices[0]},${devices[1]} python3 benchmark/serving.py --systems vanilla "${args[@]}" \
+    --merge-into /root/o/serving-tp2-vanilla.json > /root/o/serving-tp2-vanilla.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=${devices[2]},${devices[3]} python3 benchmark/serving.py --systems sparse "${args[@]}" \
+    --merge-into /root/o/serving-tp2-sparse.json > /root/o/serving-tp2-sparse.log 2>&1 &
+  wait
+  python3 benchmark/serving.py --combine /root/o/serving-tp2.json /root/o/serving-tp2-vanilla.json /root/o/serving-tp2-sparse.json
 }
-
+job_parallel() {
+  # the parallel summary (no GPU): TP=2 serving, sparse TP=1 ($TP1_JSON: e.g. serving_pair's
+  # serving.json from the same session, the same flags and window), and the tp and dp tests' records
+  python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F).json" /root/o/serving-tp2.json \
+    "${TP1_JSON:-/root/o/serving-tp1.json}" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
+}
+job_serving_tp() {
+  # the two-GPU host's whole serving side of TP (nvidia-h100-x2): TP=2 serving, then sparse TP=1 on
+  # the first GPU (unless $TP1_JSON holds that run already), then the summary
+  job_serving_tp2
+  local devices=${CUDA_VISIBLE_DEVICES:-0}
+  [ -n "${TP1_JSON:-}" ] || CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse \
+    --sparse-host-cache-gb 92 --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-}" \
+    --traces long-generation --rates-long-generation "${TP1_RATE:-2.0}" --max-seconds-per-rate "${TP_WINDOW:-${SERVING_WINDOW:-400}}" \
+    --out-dir /root/o --log-dir /root/o/serving-tp-logs --merge-into /root/o/serving-tp1.json
+  job_parallel
+}
 run_stages() {
   IFS=',' read -ra stages <<< "$JOBS"
   for stage in "${stages[@]}"; do
