@@ -35,7 +35,7 @@ PREFILL = re.compile(r"Prefill batch, #new-seq: \d+, #new-token: (\d+)")
 BATCH_BANDS = ((0, 20), (20, 40), (40, 60), (60, 80), (80, 100), (100, 200))
 SPARSE = re.compile(r"Sparse KV, cache hit: ([\d.]+), H2D pages/step: ([\d.]+), H2D GB/s: ([\d.]+)")
 INTERVAL = re.compile(r"decode_log_interval=(\d+)")
-STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\]")
+STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: [A-Z]+\d+)*\]")  # "[... TP0]" under TP
 
 
 def steady_state(text: str) -> dict:
@@ -136,6 +136,20 @@ def first_seconds(text: str, seconds: float) -> dict:
         out.update({"cache_hit_ratio": round(sum(h for h, _ in sparse) / len(sparse), 3),
                     "h2d_pages_per_step": round(sum(p for _, p in sparse) / len(sparse))})  # fmt: skip
     return out
+
+
+def decoded_tokens(text: str, since: datetime.datetime, until: datetime.datetime) -> int:
+    """Tokens the server decoded by its "Decode batch" lines stamped in ``[since, until)`` (each
+    line counts interval x running): the server's side of a client's token count over the same
+    span, to the logs' one-second stamps."""
+    interval = int(m.group(1)) if (m := INTERVAL.search(text)) else 40
+    tokens = 0
+    for line in text.splitlines():
+        if (stamp := STAMP.match(line)) and (decode := DECODE.search(line)):
+            when = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")
+            if since <= when < until:
+                tokens += interval * int(decode.group(1))
+    return tokens
 
 
 def hit_ratio_by_batch(text: str, bin_width: int = 8) -> list[dict]:

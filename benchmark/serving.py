@@ -54,6 +54,9 @@ from sparse_sglang.testing.models import (
 from sparse_sglang.testing.provenance import git_commit, save_result
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache, sse_events
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmark.server_log import decoded_tokens  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 # Run in this order. "vanilla" keeps the sparse system's KV dtype; "vanilla-bf16" is bf16 KV.
 SYSTEMS = {"vanilla": VANILLA_MODULE, "vanilla-bf16": VANILLA_MODULE, "sparse": SPARSE_MODULE}
@@ -149,6 +152,7 @@ class RateRun:
     tbt: list[float]  # all requests' samples, one per token after the first chunk
     duration: float  # first send to last completion (or to the cutoff)
     max_in_flight: int
+    started_at: float | None = None  # time.time() at the first send: the server log's clock
 
 
 def generate_payload(request: Request) -> bytes:
@@ -215,7 +219,7 @@ async def drive(url: str, trace: list[Request], cutoff: float | None, request_ti
     in_flight = max_in_flight = 0
     timeout = aiohttp.ClientTimeout(total=request_timeout)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.time()
 
         async def one(record: RequestRecord, payload: bytes, chunks: list) -> None:
             nonlocal in_flight, max_in_flight
@@ -248,7 +252,7 @@ async def drive(url: str, trace: list[Request], cutoff: float | None, request_ti
         duration = time.perf_counter() - start
     for record, chunks in zip(records, streams):
         record.late_tokens = late_tokens(chunks, start + duration / 2)
-    return RateRun(records, tbt, duration, max_in_flight)
+    return RateRun(records, tbt, duration, max_in_flight, started_at)
 
 
 # ---------------------------------------------------------------- metrics
@@ -265,6 +269,9 @@ class RateResult:
     output_throughput: float  # output tokens of completed requests / s
     window_output_throughput: float  # every output token streamed within the run / s (cut-off requests too)
     late_output_throughput: float  # tokens streamed in the run's second half / its length (steady state)
+    # what the server decoded in that half by its log (None without the log): a client that got
+    # much less was held back by the stream, not the GPU
+    server_late_decode_throughput: float | None
     request_throughput: float
     total_input_tokens: int
     total_output_tokens: int
@@ -291,7 +298,12 @@ def _ms(seconds: list[float], percentile: float | None = None) -> float | None:
 
 
 def summarize_rate(
-    rate: float, seed: list[int], run: RateRun, max_running_req: int | None, cache_flushed: bool
+    rate: float,
+    seed: list[int],
+    run: RateRun,
+    max_running_req: int | None,
+    cache_flushed: bool,
+    server_late_decode_throughput: float | None = None,
 ) -> RateResult:
     ok = [r for r in run.records if r.status == "ok"]
     ttft = [r.ttft for r in run.records if r.ttft is not None]  # cut-off requests that got a token too
@@ -306,6 +318,7 @@ def summarize_rate(
         output_throughput=output_tokens / run.duration,
         window_output_throughput=sum(r.streamed_tokens for r in run.records) / run.duration,
         late_output_throughput=sum(r.late_tokens for r in run.records) / (run.duration / 2),
+        server_late_decode_throughput=server_late_decode_throughput,
         request_throughput=len(ok) / run.duration,
         total_input_tokens=sum(r.prompt_len for r in ok),
         total_output_tokens=output_tokens,
@@ -333,6 +346,17 @@ RUNNING_REQ = re.compile(r"#running-req: (\d+)")
 def max_running_requests(log_text: str) -> int | None:
     """Peak `#running-req: N` of the scheduler's prefill/decode batch log lines."""
     return max(map(int, RUNNING_REQ.findall(log_text)), default=None)
+
+
+def server_late_decode(log_text: str, run: RateRun) -> float | None:
+    """Tokens/s the server decoded in the run's second half, by its log's decode lines (to their
+    one-second stamps): what ``late_output_throughput`` would be if every token reached the client
+    as it was made."""
+    if run.started_at is None:
+        return None
+    half = datetime.timedelta(seconds=run.duration / 2)
+    since = datetime.datetime.fromtimestamp(run.started_at) + half
+    return decoded_tokens(log_text, since, since + half) / half.total_seconds()
 
 
 def is_complete(result: dict) -> bool:
@@ -887,6 +911,9 @@ def server_args(system: str, args: argparse.Namespace) -> list[str]:
     return [
         "--load-format", "dummy",
         "--skip-tokenizer-init",
+        # each stream chunk carries its new tokens only: cumulative output_ids cost the server and
+        # the client O(length) per token, which caps what a fast server streams (docs/results.md)
+        "--incremental-streaming-output",
         *kv_budget_args(system, args),
         *(["--tp-size", str(args.tp_size)] if args.tp_size > 1 else []),
         "--chunked-prefill-size", "8192",
@@ -931,13 +958,15 @@ def run_system(system: str, plan: list[RatePlan], args, model: str, deadline: fl
                 flushed = flush_cache(server.url)
                 with open(log_path, "rb") as log:
                     log.seek(log_offset)
-                    running = max_running_requests(log.read().decode(errors="replace"))
+                    log_text = log.read().decode(errors="replace")
                 seed = trace_seed(args.seed, step.spec.name, step.rate)
-                result = summarize_rate(step.rate, seed, run, running, flushed)
+                result = summarize_rate(step.rate, seed, run, max_running_requests(log_text), flushed,
+                                        server_late_decode(log_text, run))  # fmt: skip
                 results.setdefault(step.spec.name, []).append(asdict(result))
                 print(
                     f"[{system}] {step.spec.name} @ {step.rate:g} req/s: {result.completed}/{result.num_requests} "
-                    f"done, {result.output_throughput:.0f} tok/s, {result.duration_s:.0f} s"
+                    f"done, {result.output_throughput:.0f} tok/s, {result.duration_s:.0f} s; second half "
+                    f"{result.late_output_throughput:.0f} tok/s streamed, {result.server_late_decode_throughput or 0:.0f} decoded"
                 )
     except (RuntimeError, TimeoutError, requests.RequestException) as err:
         # Keep the other system's results: one server failing to start must not lose them.

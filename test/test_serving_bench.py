@@ -27,6 +27,8 @@ from benchmark.serving import (
     merge_documents,
     parse_args,
     plot,
+    server_args,
+    server_late_decode,
     sse_events,
     summarize,
     summarize_rate,
@@ -89,6 +91,8 @@ def test_dry_run_prints_the_plan_and_both_server_command_lines(capsys):
     assert "--max-total-tokens 163840" in vanilla_line  # 20 GiB of 8B-shaped KV
     assert "--attention-backend" not in sparse_line and "--max-total-tokens" not in sparse_line
     assert "--sparse-host-cache-gb 80" in sparse_line
+    # both stream their new tokens only (the same for each system: what the client receives)
+    assert all("--incremental-streaming-output" in line for line in (vanilla_line, sparse_line))
 
 
 def test_sparse_gets_the_same_hbm_for_kv_as_vanilla():
@@ -278,6 +282,31 @@ def test_max_running_requests_from_scheduler_log_lines():
     ])  # fmt: skip
     assert max_running_requests(log) == 7
     assert max_running_requests("[2026-01-10 12:00:00] The server is fired up and ready to roll!") is None
+
+
+def test_server_late_decode_counts_the_logs_decode_lines_in_the_runs_second_half():
+    import datetime
+
+    start = datetime.datetime(2026, 1, 10, 12, 0, 0)
+    lines = [f"[{(start + datetime.timedelta(seconds=t)).strftime('%Y-%m-%d %H:%M:%S')} TP0] Decode batch, "
+             f"#running-req: {n}, #token: 1, token usage: 0.1, cuda graph: True, gen throughput (token/s): 1.0, "
+             f"#queue-req: 0" for t, n in ((2, 10), (5, 20), (6, 30), (9, 40), (10, 50))]  # fmt: skip
+    log = "\n".join(["[2026-01-10 11:59:00] server_args=ServerArgs(decode_log_interval=40, ...)", *lines])
+    run = _run(["ok"], duration=10.0)
+    run.started_at = start.timestamp()
+    # the second half is [5 s, 10 s): the lines at 5, 6 and 9 s, 40 steps each
+    assert server_late_decode(log, run) == pytest.approx(40 * (20 + 30 + 40) / 5.0)
+    assert server_late_decode(log, _run(["ok"])) is None  # a run without its clock
+
+
+def test_the_sparse_launcher_takes_the_benchmarks_server_args():
+    """Every flag the benchmark gives the sparse server parses as the launcher's (SGLang's and
+    --sparse-*), the streaming flag among them."""
+    from sparse_sglang.integration.server_args import build_parser
+
+    args = parse_args(["--sparse-server-args", "--sparse-reselect-interval 8"])
+    parsed = build_parser().parse_args(["--model-path", "m", *server_args("sparse", args)])
+    assert parsed.incremental_streaming_output and parsed.skip_tokenizer_init
 
 
 # ---------------------------------------------------------------- summary, merge, plot
