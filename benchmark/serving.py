@@ -1155,7 +1155,8 @@ def parallel_summary(
     selects_as_tp1 = None
     if tp_vs_tp1 is not None and "forced_steps" in tp_vs_tp1:  # earlier records compared free-running completions
         steps = [a and GreedyAgreement(**a) for a in tp_vs_tp1["forced_steps"]]
-        selects_as_tp1 = tp_steps_agree(steps, tp_vs_tp1["logprob_tol"])  # the test's measured bar
+        # the test's measured bar (records before the sparse floor carry no switch limit)
+        selects_as_tp1 = tp_steps_agree(steps, tp_vs_tp1["logprob_tol"], tp_vs_tp1.get("max_switched"))
     ok_dp = None
     if dp is not None:
         d = dp["summary"]

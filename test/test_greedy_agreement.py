@@ -10,6 +10,7 @@ from sparse_sglang.testing.greedy import (
     completion,
     forced_steps,
     greedy_agreement,
+    switched_steps,
     tp_logprob_tolerance,
     tp_steps_agree,
 )
@@ -67,9 +68,12 @@ def test_forced_steps_compare_each_decode_step_where_the_prefills_agree():
         forced_steps(ref, other[:2])
 
 
-def test_tp_bar_is_vanillas_own_tp_rounding_doubled():
+def test_tp_bar_is_the_larger_rounding_floor_doubled():
     floor = [GreedyAgreement(True, None, 0.2, None), GreedyAgreement(False, 0, 0.0, 0.01), None]
     assert tp_logprob_tolerance(floor) == pytest.approx(0.4)
+    # the sparse floor (page swaps from rounding) can be the larger one
+    assert tp_logprob_tolerance(floor, [GreedyAgreement(True, None, 0.3, None)]) == pytest.approx(0.6)
+    assert switched_steps(floor) == 1
     assert tp_logprob_tolerance([GreedyAgreement(True, None, 0.001, None)]) == TP_LOGPROB_TOL
     same = GreedyAgreement(True, None, 0.35, None)
     assert tp_steps_agree([same] * 4, logprob_tol=0.4)
@@ -81,6 +85,10 @@ def test_tp_bar_is_vanillas_own_tp_rounding_doubled():
     assert tp_steps_agree([same] * 3 + [None], logprob_tol=0.4)
     assert not tp_steps_agree([same] * 2 + [None] * 2, logprob_tol=0.4)
     assert not tp_steps_agree([], logprob_tol=0.4)
+    # more switches than rounding makes: a wrong selection, even where each switch is a near tie
+    near_tie = GreedyAgreement(False, 0, 0.0, 0.3)
+    assert tp_steps_agree([same] * 2 + [near_tie] * 2, logprob_tol=0.4, max_switched=2)
+    assert not tp_steps_agree([same] + [near_tie] * 3, logprob_tol=0.4, max_switched=2)
 
 
 def test_an_early_stop_is_a_difference():

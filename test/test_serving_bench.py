@@ -801,6 +801,12 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
     (tmp_path / "tp2-vs-tp1-gpu-test.json").write_text(json.dumps(files["tp2-vs-tp1-gpu-test.json"]))
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
     assert json.loads(out.read_text())["summary"]["tp2_selects_as_tp1"] is False
+    # a near-tie switch, but more switches than the record's rounding floor allows
+    files["tp2-vs-tp1-gpu-test.json"]["forced_steps"][1]["reference_margin"] = 0.01
+    files["tp2-vs-tp1-gpu-test.json"]["max_switched"] = 0
+    (tmp_path / "tp2-vs-tp1-gpu-test.json").write_text(json.dumps(files["tp2-vs-tp1-gpu-test.json"]))
+    main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
+    assert json.loads(out.read_text())["summary"]["tp2_selects_as_tp1"] is False
     # the earlier free-running record is not judged by the step-by-step rule
     (tmp_path / "tp2-vs-tp1-gpu-test.json").write_text(json.dumps({"logprob_tol": 0.26, "agreement": []}))
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
