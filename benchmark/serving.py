@@ -1138,7 +1138,8 @@ def parallel_summary(
     """The two-GPU summary: sparse TP=2 against vanilla TP=2 (``tp2``, one invocation with
     ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run), each at
     its highest long-generation rate (against vanilla: at the same rate), output tokens/s in the
-    window's second half (the steady state, as ``throughput_ratio``); and the GPU tests' records
+    window's second half (the steady state, as ``throughput_ratio``), as the client received them
+    and (``_decoded``) as the servers' logs counted them; and the GPU tests' records
     (``tp_exact``: test_tp_gpu's exact-path agreement; ``dp``: test_dp_gpu's summary;
     ``tp_vs_tp1``: TP=2 against TP=1 with real selection, step by step, held to that test's bar).
     A part not given, or not run, is None (so is a ``tp_vs_tp1`` record of the earlier
@@ -1152,6 +1153,9 @@ def parallel_summary(
     scaling = _ratio(sparse2, sparse1, "late_output_throughput") if sparse2 and sparse1 else None
     same_rate = sparse2 and vanilla2 and sparse2["rate"] == vanilla2["rate"]
     vs_vanilla = _ratio(sparse2, vanilla2, "late_output_throughput") if same_rate else None
+    # the same by the servers' logs (what they decoded, whether or not the client kept up)
+    decoded_scaling = _ratio(sparse2, sparse1, "server_late_decode_throughput") if sparse2 and sparse1 else None
+    decoded_vs_vanilla = _ratio(sparse2, vanilla2, "server_late_decode_throughput") if same_rate else None
     selects_as_tp1 = None
     if tp_vs_tp1 is not None and "forced_steps" in tp_vs_tp1:  # earlier records compared free-running completions
         steps = [a and GreedyAgreement(**a) for a in tp_vs_tp1["forced_steps"]]
@@ -1170,6 +1174,8 @@ def parallel_summary(
         "tp2_greedy_equal": None if tp_exact is None else all(a["equal"] for a in tp_exact["agreement"]),
         "tp2_throughput_ratio_vs_vanilla": vs_vanilla,
         "tp2_over_tp1_throughput": scaling,
+        "tp2_decoded_ratio_vs_vanilla": decoded_vs_vanilla,
+        "tp2_over_tp1_decoded": decoded_scaling,
         "tp2_selects_as_tp1": selects_as_tp1,
         "tp2_rate": None if sparse2 is None else sparse2["rate"],
         "tp1_rate": None if sparse1 is None else sparse1["rate"],

@@ -788,13 +788,18 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
             {"equal": True, "first_difference": None, "max_logprob_gap": 0.1, "reference_margin": None},
             None]},
     }  # fmt: skip
+    # what the servers' logs counted as decoded (tp1's run without the count: an older file)
+    tp2_runs = files["tp2.json"]["results"]["long-generation"]
+    tp2_runs["vanilla"][0]["server_late_decode_throughput"] = 1100.0
+    tp2_runs["sparse"][1]["server_late_decode_throughput"] = 4400.0
     for name, body in files.items():
         (tmp_path / name).write_text(json.dumps(body))
     out = tmp_path / "parallel.json"
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
     summary = json.loads(out.read_text())["summary"]
     assert summary == {"tp2_greedy_equal": True, "tp2_throughput_ratio_vs_vanilla": 3.5,
-                       "tp2_over_tp1_throughput": 1.75, "tp2_selects_as_tp1": True, "tp2_rate": 4.0,
+                       "tp2_over_tp1_throughput": 1.75, "tp2_decoded_ratio_vs_vanilla": 4.0,
+                       "tp2_over_tp1_decoded": None, "tp2_selects_as_tp1": True, "tp2_rate": 4.0,
                        "tp1_rate": 2.0, "dp2_ok": True}  # fmt: skip
     # a step TP=1 was sure of switched: not rounding
     files["tp2-vs-tp1-gpu-test.json"]["forced_steps"][1]["reference_margin"] = 1.5
