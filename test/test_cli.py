@@ -166,6 +166,7 @@ BAD_ARGV = [
     (["--sparse-tbt-target-ms", "80"], "--sparse-tbt-target-ms"),  # without --sparse-segmented-prefill
     (["--dp-size", "2", "--enable-dp-attention"], "--enable-dp-attention"),
     (["--pp-size", "2"], "--pp-size"),
+    (["--tokenizer-worker-num", "2"], "--tokenizer-worker-num"),
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
     (["--enable-pdmux"], "--enable-pdmux"),
     (["--sparse-enabled", "maybe"], "--sparse-enabled"),

@@ -74,6 +74,13 @@ class SparseServerArgs(ServerArgs):
                 raise err.named("sparse.") from None
         elif not isinstance(self.sparse, SparseConfig):
             raise TypeError(f"sparse: must be a SparseConfig or a dict of its fields, got {type(self.sparse).__name__}")
+        # SGLang's extra tokenizer workers are processes uvicorn spawns afresh from SGLang's own
+        # app: the request checks this launcher installs (integration/request_validation.py)
+        # would not run there, and a bad request would reach the scheduler unchecked.
+        if self.tokenizer_worker_num > 1:
+            raise ServerArgRefused("tokenizer_worker_num", self.tokenizer_worker_num, "this server checks every "
+                                   "request in its one tokenizer process; extra workers start without those "
+                                   "checks (leave it at 1)")  # fmt: skip
         if self.sparse.enabled:
             # Before SGLang resolves its backends: with sparse on, attention is ours.
             for name in ("attention_backend", "decode_attention_backend"):
