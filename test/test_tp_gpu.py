@@ -134,20 +134,72 @@ def random_model(tmp_path_factory):
     return write_llama3_8b_random(tmp_path_factory.mktemp("tp") / "llama3-8b-random-4l", num_layers=4)
 
 
+def continue_then_force(batch: list[list[int]], then: Callable[[list[list[int]]], Callable[[str], T]]):
+    """Vanilla TP=1's work that makes the forced contexts: each prompt plus the first j tokens of
+    its greedy continuation (j < :data:`FORCED_STEPS`); then ``then(contexts)`` on the same server."""
+
+    def work(url: str) -> tuple[list[list[int]], T]:
+        continuations = each_greedy(batch)(url)
+        contexts = [ids + c["output_ids"][:j] for ids, c in zip(batch, continuations) for j in range(FORCED_STEPS)]
+        return contexts, then(contexts)(url)
+
+    return work
+
+
+def selection_effect(steps: list, tol: float, max_switched: int) -> dict:
+    """What selection itself moves (sparse TP=1 against dense TP=1): the scale a wrong selection
+    would show, and whether the TP bar would pass it (it must not: the bar tells selection from
+    rounding)."""
+    compared = [a for a in steps if a is not None]
+    return {"max_logprob_gap": max((a.max_logprob_gap for a in compared), default=None),
+            "switched_steps": switched_steps(compared), "compared_steps": len(compared),
+            "within_the_bar": tp_steps_agree(steps, tol, max_switched)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_layer_model(tmp_path_factory):
+    return write_llama3_8b_random(tmp_path_factory.mktemp("tp") / "llama3-8b-random-1l", num_layers=1)
+
+
+def test_tp2_selects_as_tp1_where_rounding_cannot_reach_the_selection(one_layer_model, tmp_path):
+    """One layer: its decode queries and the prompt's keys come from the embeddings through the
+    QKV projection, which TP splits by output column (nothing summed across ranks), so both sizes
+    score pages from the same inputs, up to that projection's own rounding, and select the same
+    pages; TP rounds otherwise only after attention (o_proj, the MLP). So sparse TP=2 must match
+    sparse TP=1 as closely as plain SGLang's TP=2 matches its TP=1, with no rounding-swapped
+    pages to account for a larger gap: a rank scoring the wrong heads, summaries or budget shows."""
+    batch = prompts((3000, 3500, 4000), seed=1)  # about three budgets and more: real selection
+    vanilla_args = [*REAL_WEIGHTS, "--attention-backend", "flashinfer"]
+    contexts, vanilla1 = serve(VANILLA_MODULE, one_layer_model, vanilla_args, tmp_path / "vanilla-tp1.log",
+                               continue_then_force(batch, each_forced))  # fmt: skip
+    vanilla2 = serve(VANILLA_MODULE, one_layer_model, [*vanilla_args, "--tp-size", "2"], tmp_path / "vanilla-tp2.log",
+                     each_forced(contexts))  # fmt: skip
+    floor = forced_steps(vanilla1, vanilla2)
+    tp1 = serve(SPARSE_MODULE, one_layer_model, SPARSE_REAL_WEIGHTS, tmp_path / "sparse-tp1.log", each_forced(contexts))
+    tp2 = serve(SPARSE_MODULE, one_layer_model, [*SPARSE_REAL_WEIGHTS, "--tp-size", "2"],
+                tmp_path / "sparse-tp2.log", each_forced(contexts))  # fmt: skip
+    steps = forced_steps(tp1, tp2)
+    tol = tp_logprob_tolerance(floor)
+    max_switched = 2 * switched_steps(floor) + 1
+    selection = selection_effect(forced_steps(vanilla1, tp1), tol, max_switched)
+    record = {"forced_steps": [a and a.as_dict() for a in steps],
+              "vanilla_forced_steps": [a and a.as_dict() for a in floor], "max_switched": max_switched,
+              "prompt_lengths": [len(ids) for ids in batch], "steps_per_prompt": FORCED_STEPS, "num_layers": 1,
+              "logprob_tol": tol, "sparse_vs_dense_tp1": selection}  # fmt: skip
+    save_gpu_test_record("tp2-vs-tp1-one-layer-gpu-test.json", record)
+    print(json.dumps(record))
+    assert not selection["within_the_bar"], record
+    assert tp_steps_agree(steps, tol, max_switched), record
+
+
 def test_tp2_selects_and_answers_as_tp1(random_model, tmp_path):
     batch = prompts((3000, 3500, 4000), seed=1)  # about three budgets and more: real selection
     vanilla_args = [*REAL_WEIGHTS, "--attention-backend", "flashinfer"]
-
-    def continue_then_force(url: str) -> tuple[list[list[int]], tuple[list[dict], list[dict]]]:
-        # the forced contexts: each prompt plus the first j tokens of vanilla TP=1's greedy continuation
-        continuations = each_greedy(batch)(url)
-        contexts = [ids + c["output_ids"][:j] for ids, c in zip(batch, continuations) for j in range(FORCED_STEPS)]
-        return contexts, forced_alone_then_batched(contexts)(url)
-
     # the rounding floors: plain SGLang's own TP=2 against its TP=1 on those contexts, and each
     # TP=1 server against itself batched (vanilla's says whether batching rounds about as much as TP)
     contexts, (vanilla1, vanilla1_batched) = serve(VANILLA_MODULE, random_model, vanilla_args,
-                                                   tmp_path / "vanilla-tp1.log", continue_then_force)  # fmt: skip
+                                                   tmp_path / "vanilla-tp1.log",
+                                                   continue_then_force(batch, forced_alone_then_batched))  # fmt: skip
     vanilla2 = serve(VANILLA_MODULE, random_model, [*vanilla_args, "--tp-size", "2"], tmp_path / "vanilla-tp2.log",
                      each_forced(contexts))  # fmt: skip
     floor = forced_steps(vanilla1, vanilla2)
@@ -160,13 +212,7 @@ def test_tp2_selects_and_answers_as_tp1(random_model, tmp_path):
     steps = forced_steps(tp1, tp2)
     tol = tp_logprob_tolerance(floor, sparse_floor)
     max_switched = 2 * switched_steps(sparse_floor) + 1
-    # what selection itself moves (sparse TP=1 against dense TP=1): the scale a wrong selection
-    # would show; the bar must tell it from rounding
-    selection_steps = forced_steps(vanilla1, tp1)
-    selection = [a for a in selection_steps if a is not None]
-    selection_effect = {"max_logprob_gap": max((a.max_logprob_gap for a in selection), default=None),
-                        "switched_steps": switched_steps(selection), "compared_steps": len(selection),
-                        "within_the_bar": tp_steps_agree(selection_steps, tol, max_switched)}  # fmt: skip
+    selection = selection_effect(forced_steps(vanilla1, tp1), tol, max_switched)
     ranks = states[0]["sparse"]["tp_ranks"]
     info = {"d2h_tokens_per_rank": [r["d2h_tokens"] for r in ranks],
             "d2h_tokens_total": states[0]["sparse"]["tp_total"]["d2h_tokens"]}  # fmt: skip
@@ -176,11 +222,11 @@ def test_tp2_selects_and_answers_as_tp1(random_model, tmp_path):
               "vanilla_batched_floor": [a and a.as_dict() for a in forced_steps(vanilla1, vanilla1_batched)],
               "max_switched": max_switched,
               "prompt_lengths": [len(ids) for ids in batch], "steps_per_prompt": FORCED_STEPS,
-              "logprob_tol": tol, "sparse_vs_dense_tp1": selection_effect, "info": info}  # fmt: skip
+              "logprob_tol": tol, "sparse_vs_dense_tp1": selection, "info": info}  # fmt: skip
     save_gpu_test_record("tp2-vs-tp1-gpu-test.json", record)
     print(json.dumps(record))
     # the bar tells a wrong selection from rounding, and every decode step is within it
-    assert not selection_effect["within_the_bar"], record
+    assert not selection["within_the_bar"], record
     assert tp_steps_agree(steps, tol, max_switched), record
     # /get_server_info: each rank saved every prompt token (its own heads), and the sum is theirs
     assert all(t >= sum(map(len, contexts)) for t in info["d2h_tokens_per_rank"]), info

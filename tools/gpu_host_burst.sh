@@ -148,7 +148,8 @@ job_serving_tp2() {
   # TP=2 serving, long generation: sparse against vanilla with the same KV bytes on each GPU. Each
   # rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and runs about twice the
   # requests: its CUDA graphs go twice as far. On four GPUs the two servers run side by side
-  # (vanilla on the first two, sparse on the next two, the same windows), on two in turn.
+  # (vanilla on the first two, sparse on the next two, the same windows), on two in turn
+  # ($TP2_SYSTEMS: which of them there, default both).
   local args=(--traces long-generation --rates-long-generation "${TP2_RATE:-4.0}" --tp-size 2
     --max-seconds-per-rate "${TP_WINDOW:-${SERVING_WINDOW:-400}}" --out-dir /root/o --log-dir /root/o/serving-tp-logs
     --sparse-host-cache-gb "${TP2_HOST_GB:-184}" --vanilla-server-args "--cuda-graph-max-bs-decode 128"
@@ -156,7 +157,7 @@ job_serving_tp2() {
   local devices
   IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"
   if [ ${#devices[@]} -lt 4 ]; then
-    python3 benchmark/serving.py --systems vanilla,sparse "${args[@]}" --merge-into /root/o/serving-tp2.json
+    python3 benchmark/serving.py --systems "${TP2_SYSTEMS:-vanilla,sparse}" "${args[@]}" --merge-into /root/o/serving-tp2.json
     return
   fi
   # vanilla takes the sparse server's KV dtype and scales from --sparse-server-args
@@ -208,6 +209,6 @@ run_stages() {
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages $(compgen -A function job_)
 export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
-  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON
+  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
