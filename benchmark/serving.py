@@ -44,7 +44,7 @@ import orjson
 import requests
 
 from sparse_sglang.config import GIB
-from sparse_sglang.testing.greedy import GreedyAgreement, tp_steps_agree
+from sparse_sglang.testing.greedy import GreedyAgreement, nearer_than_selection, tp_steps_agree
 from sparse_sglang.testing.models import (
     LLAMA3_8B_CONFIG,
     LLAMA3_8B_TOKEN_IDS,
@@ -1133,7 +1133,12 @@ def combine(out: Path, inputs: list[Path], ablations: dict[str, Path] | None = N
 
 
 def parallel_summary(
-    tp2: dict, tp1: dict, tp_exact: dict | None, dp: dict | None, tp_vs_tp1: dict | None = None
+    tp2: dict,
+    tp1: dict,
+    tp_exact: dict | None,
+    dp: dict | None,
+    tp_vs_tp1: dict | None = None,
+    tp_vs_tp1_depth: dict | None = None,
 ) -> dict:
     """The two-GPU summary: sparse TP=2 against vanilla TP=2 (``tp2``, one invocation with
     ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run), each at
@@ -1141,9 +1146,10 @@ def parallel_summary(
     window's second half (the steady state, as ``throughput_ratio``), as the client received them
     and (``_decoded``) as the servers' logs counted them; and the GPU tests' records
     (``tp_exact``: test_tp_gpu's exact-path agreement; ``dp``: test_dp_gpu's summary;
-    ``tp_vs_tp1``: TP=2 against TP=1 with real selection, step by step, held to that test's bar).
-    A part not given, or not run, is None (so is a ``tp_vs_tp1`` record of the earlier
-    free-running comparison)."""
+    ``tp_vs_tp1``: TP=2 against TP=1 with real selection on one layer, step by step, held to that
+    test's bar; ``tp_vs_tp1_depth``: the same on four layers, held to staying far nearer TP=1 than
+    selection moves). A part not given, or not run, is None (so is a record of an earlier form of
+    those tests)."""
 
     def top(doc: dict, system: str) -> dict | None:
         runs = doc.get("results", {}).get("long-generation", {}).get(system) or []
@@ -1156,11 +1162,16 @@ def parallel_summary(
     # the same by the servers' logs (what they decoded, whether or not the client kept up)
     decoded_scaling = _ratio(sparse2, sparse1, "server_late_decode_throughput") if sparse2 and sparse1 else None
     decoded_vs_vanilla = _ratio(sparse2, vanilla2, "server_late_decode_throughput") if same_rate else None
-    selects_as_tp1 = None
-    if tp_vs_tp1 is not None and "forced_steps" in tp_vs_tp1:  # earlier records compared free-running completions
+    selects_as_tp1 = nearer_at_depth = None
+    if tp_vs_tp1 is not None:  # the test's measured bar and, if the run counted them, its switch limit
         steps = [a and GreedyAgreement(**a) for a in tp_vs_tp1["forced_steps"]]
-        # the test's measured bar (records before the sparse floor carry no switch limit)
         selects_as_tp1 = tp_steps_agree(steps, tp_vs_tp1["logprob_tol"], tp_vs_tp1.get("max_switched"))
+    if tp_vs_tp1_depth is not None and "steps" in tp_vs_tp1_depth.get("sparse_vs_dense_tp1", {}):
+        steps, selection = (
+            [a and GreedyAgreement(**a) for a in rows]
+            for rows in (tp_vs_tp1_depth["forced_steps"], tp_vs_tp1_depth["sparse_vs_dense_tp1"]["steps"])
+        )
+        nearer_at_depth = nearer_than_selection(steps, selection)
     ok_dp = None
     if dp is not None:
         d = dp["summary"]
@@ -1177,6 +1188,7 @@ def parallel_summary(
         "tp2_decoded_ratio_vs_vanilla": decoded_vs_vanilla,
         "tp2_over_tp1_decoded": decoded_scaling,
         "tp2_selects_as_tp1": selects_as_tp1,
+        "tp2_at_depth_nearer_than_selection": nearer_at_depth,
         "tp2_rate": None if sparse2 is None else sparse2["rate"],
         "tp1_rate": None if sparse1 is None else sparse1["rate"],
         "dp2_ok": ok_dp,
@@ -1186,8 +1198,7 @@ def parallel_summary(
 def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path]) -> dict:
     """``serving.py --parallel OUT TP2.json TP1.json [TEST.json ...]``: :func:`parallel_summary` in
     one file with its inputs (the GPU tests' records by name: tp2-exact-gpu-test.json, dp-gpu-test.json,
-    tp2-vs-tp1-gpu-test.json;
-    ``-`` for a serving run not made)."""
+    tp2-vs-tp1-one-layer-gpu-test.json, tp2-vs-tp1-gpu-test.json; ``-`` for a serving run not made)."""
     docs = {p.name: json.loads(p.read_text()) for p in tests if p.exists()}  # a test not run: None
     tp2_doc, tp1_doc = ({} if str(p) == "-" else json.loads(p.read_text()) for p in (tp2, tp1))  # "-": not run
     first = tp2_doc or next(iter(docs.values()), {})
@@ -1200,6 +1211,7 @@ def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path]) -> dict:
             tp1_doc,
             docs.get("tp2-exact-gpu-test.json"),
             docs.get("dp-gpu-test.json"),
+            docs.get("tp2-vs-tp1-one-layer-gpu-test.json"),
             docs.get("tp2-vs-tp1-gpu-test.json"),
         ),
         "tp2": tp2_doc,

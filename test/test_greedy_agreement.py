@@ -10,6 +10,7 @@ from sparse_sglang.testing.greedy import (
     completion,
     forced_steps,
     greedy_agreement,
+    nearer_than_selection,
     switched_steps,
     tp_logprob_tolerance,
     tp_steps_agree,
@@ -89,6 +90,18 @@ def test_tp_bar_is_the_larger_rounding_floor_doubled():
     near_tie = GreedyAgreement(False, 0, 0.0, 0.3)
     assert tp_steps_agree([same] * 2 + [near_tie] * 2, logprob_tol=0.4, max_switched=2)
     assert not tp_steps_agree([same] + [near_tie] * 3, logprob_tol=0.4, max_switched=2)
+
+
+def test_at_depth_tp2_must_stay_far_nearer_tp1_than_selection_moves():
+    same = lambda gap: GreedyAgreement(True, None, gap, None)  # noqa: E731
+    switched = GreedyAgreement(False, 0, 0.0, 0.5)
+    selection = [same(1.2)] + [switched] * 8  # sparse against dense: 8 switches, a 1.2 gap
+    assert nearer_than_selection([same(0.6), switched, switched, same(0.1)], selection)
+    assert not nearer_than_selection([same(0.7), same(0.1), same(0.1), same(0.1)], selection)  # over half its gap
+    assert not nearer_than_selection([switched] * 3 + [same(0.1)], selection)  # over a quarter of its switches
+    assert not nearer_than_selection([same(0.1), None, None, same(0.1)], selection)  # too few compared
+    # selection that moved nothing (contexts within the budget) is no scale
+    assert not nearer_than_selection([same(0.0)] * 4, [same(0.0)] * 4)
 
 
 def test_an_early_stop_is_a_difference():

@@ -770,6 +770,12 @@ def test_kv_scales_for_another_tp_size_are_refused_before_a_server_starts():
 def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
     from benchmark.serving import main
 
+    def same(gap: float) -> dict:
+        return {"equal": True, "first_difference": None, "max_logprob_gap": gap, "reference_margin": None}
+
+    def switched(margin: float) -> dict:
+        return {"equal": False, "first_difference": 0, "max_logprob_gap": 0.0, "reference_margin": margin}
+
     def doc(systems: dict, ratio=None) -> dict:
         runs = {s: [{"rate": r, "late_output_throughput": t} for r, t in v] for s, v in systems.items()}
         return {"device": "H100", "date": "d", "commit": "c", "results": {"long-generation": runs},
@@ -782,11 +788,11 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
         "tp2-exact-gpu-test.json": {"agreement": [{"equal": True}, {"equal": True}]},
         "dp-gpu-test.json": {"summary": {"replicas": 2, "statuses": [200], "tracebacks_in_log": 0,
                                          "leaks_per_replica": [{"slots": 0}, {"slots": 0}]}},
-        "tp2-vs-tp1-gpu-test.json": {"logprob_tol": 0.4, "forced_steps": [
-            {"equal": True, "first_difference": None, "max_logprob_gap": 0.3, "reference_margin": None},
-            {"equal": False, "first_difference": 0, "max_logprob_gap": 0.0, "reference_margin": 0.01},
-            {"equal": True, "first_difference": None, "max_logprob_gap": 0.1, "reference_margin": None},
-            None]},
+        "tp2-vs-tp1-one-layer-gpu-test.json": {"logprob_tol": 0.4, "max_switched": None,
+                                               "forced_steps": [same(0.3), switched(0.01), same(0.1), None]},
+        # four layers: 1 switch and a 0.4 gap against selection's 8 switches and 1.0
+        "tp2-vs-tp1-gpu-test.json": {"forced_steps": [same(0.4), switched(0.5), None, same(0.1)],
+                                     "sparse_vs_dense_tp1": {"steps": [same(1.0)] + [switched(2.0)] * 8}},
     }  # fmt: skip
     # what the servers' logs counted as decoded (tp1's run without the count: an older file)
     tp2_runs = files["tp2.json"]["results"]["long-generation"]
@@ -799,20 +805,31 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert summary == {"tp2_greedy_equal": True, "tp2_throughput_ratio_vs_vanilla": 3.5,
                        "tp2_over_tp1_throughput": 1.75, "tp2_decoded_ratio_vs_vanilla": 4.0,
-                       "tp2_over_tp1_decoded": None, "tp2_selects_as_tp1": True, "tp2_rate": 4.0,
-                       "tp1_rate": 2.0, "dp2_ok": True}  # fmt: skip
+                       "tp2_over_tp1_decoded": None, "tp2_selects_as_tp1": True,
+                       "tp2_at_depth_nearer_than_selection": True, "tp2_rate": 4.0, "tp1_rate": 2.0,
+                       "dp2_ok": True}  # fmt: skip
     # a step TP=1 was sure of switched: not rounding
-    files["tp2-vs-tp1-gpu-test.json"]["forced_steps"][1]["reference_margin"] = 1.5
-    (tmp_path / "tp2-vs-tp1-gpu-test.json").write_text(json.dumps(files["tp2-vs-tp1-gpu-test.json"]))
+    one_layer = files["tp2-vs-tp1-one-layer-gpu-test.json"]
+    one_layer["forced_steps"][1]["reference_margin"] = 1.5
+    (tmp_path / "tp2-vs-tp1-one-layer-gpu-test.json").write_text(json.dumps(one_layer))
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
     assert json.loads(out.read_text())["summary"]["tp2_selects_as_tp1"] is False
-    # a near-tie switch, but more switches than the record's rounding floor allows
-    files["tp2-vs-tp1-gpu-test.json"]["forced_steps"][1]["reference_margin"] = 0.01
-    files["tp2-vs-tp1-gpu-test.json"]["max_switched"] = 0
-    (tmp_path / "tp2-vs-tp1-gpu-test.json").write_text(json.dumps(files["tp2-vs-tp1-gpu-test.json"]))
+    # a near-tie switch, but more switches than a run that counted them allowed
+    one_layer["forced_steps"][1]["reference_margin"] = 0.01
+    one_layer["max_switched"] = 0
+    (tmp_path / "tp2-vs-tp1-one-layer-gpu-test.json").write_text(json.dumps(one_layer))
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
     assert json.loads(out.read_text())["summary"]["tp2_selects_as_tp1"] is False
-    # the earlier free-running record is not judged by the step-by-step rule
-    (tmp_path / "tp2-vs-tp1-gpu-test.json").write_text(json.dumps({"logprob_tol": 0.26, "agreement": []}))
+    # at depth, three switches against selection's eight: more than a quarter
+    depth = files["tp2-vs-tp1-gpu-test.json"]
+    depth["forced_steps"] = [switched(0.5)] * 3 + [same(0.1)]
+    (tmp_path / "tp2-vs-tp1-gpu-test.json").write_text(json.dumps(depth))
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
+    assert json.loads(out.read_text())["summary"]["tp2_at_depth_nearer_than_selection"] is False
+    # records of the tests' earlier forms (a depth record without selection's steps), or none run
+    (tmp_path / "tp2-vs-tp1-gpu-test.json").write_text(json.dumps({"logprob_tol": 0.26, "forced_steps": []}))
+    (tmp_path / "tp2-vs-tp1-one-layer-gpu-test.json").unlink()
+    main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["tp2_at_depth_nearer_than_selection"] is None and summary["tp2_selects_as_tp1"] is None
     assert json.loads(out.read_text())["summary"]["tp2_selects_as_tp1"] is None

@@ -172,7 +172,8 @@ job_parallel() {
   # the parallel summary (no GPU): TP=2 serving, sparse TP=1 ($TP1_JSON: e.g. serving_pair's
   # serving.json from the same session, the same flags and window), and the tp and dp tests' records
   python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F).json" /root/o/serving-tp2.json \
-    "${TP1_JSON:-/root/o/serving-tp1.json}" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
+    "${TP1_JSON:-/root/o/serving-tp1.json}" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json \
+    /root/o/tp2-vs-tp1-one-layer-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
 }
 job_serving_tp() {
   # the two-GPU host's whole serving side of TP (nvidia-h100-x2): TP=2 serving, then sparse TP=1 on
