@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import pytest
 import torch
@@ -124,16 +124,43 @@ def random_model(tmp_path_factory):
     return write_llama3_8b_random(tmp_path_factory.mktemp("tp") / "llama3-8b-random-4l", num_layers=4)
 
 
-def continue_then_force(batch: list[list[int]], then: Callable[[list[list[int]]], Callable[[str], T]]):
-    """Vanilla TP=1's work that makes the forced contexts: each prompt plus the first j tokens of
-    its greedy continuation (j < :data:`FORCED_STEPS`); then ``then(contexts)`` on the same server."""
+def continue_then_force(batch: list[list[int]]) -> Callable[[str], tuple[list[list[int]], list[dict]]]:
+    """Vanilla TP=1's work that makes the forced contexts, each prompt plus the first j tokens of
+    its greedy continuation (j < :data:`FORCED_STEPS`), and answers them (:func:`each_forced`)."""
 
-    def work(url: str) -> tuple[list[list[int]], T]:
+    def work(url: str) -> tuple[list[list[int]], list[dict]]:
         continuations = each_greedy(batch)(url)
         contexts = [ids + c["output_ids"][:j] for ids, c in zip(batch, continuations) for j in range(FORCED_STEPS)]
-        return contexts, then(contexts)(url)
+        return contexts, each_forced(contexts)(url)
 
     return work
+
+
+class ForcedRuns(NamedTuple):
+    """The forced contexts of three prompts of about three budgets and more (real selection), and
+    each server's two-token answers to them."""
+
+    batch: list[list[int]]
+    contexts: list[list[int]]
+    vanilla1: list[dict]
+    vanilla2: list[dict]  # plain SGLang's own TP=2: what rounding alone moves
+    sparse1: list[dict]
+    sparse2: list[dict]
+
+
+def forced_on_four_servers(model, tmp_path, states: list | None = None) -> ForcedRuns:
+    """Vanilla and sparse at TP=1 and TP=2 on ``model``, one server at a time; ``states`` given,
+    sparse TP=2's ``/get_server_info`` states are appended to it."""
+    batch = prompts((3000, 3500, 4000), seed=1)
+    vanilla_args = [*REAL_WEIGHTS, "--attention-backend", "flashinfer"]
+    contexts, vanilla1 = serve(VANILLA_MODULE, model, vanilla_args, tmp_path / "vanilla-tp1.log",
+                               continue_then_force(batch))  # fmt: skip
+    vanilla2 = serve(VANILLA_MODULE, model, [*vanilla_args, "--tp-size", "2"], tmp_path / "vanilla-tp2.log",
+                     each_forced(contexts))  # fmt: skip
+    sparse1 = serve(SPARSE_MODULE, model, SPARSE_REAL_WEIGHTS, tmp_path / "sparse-tp1.log", each_forced(contexts))
+    sparse2 = serve(SPARSE_MODULE, model, [*SPARSE_REAL_WEIGHTS, "--tp-size", "2"], tmp_path / "sparse-tp2.log",
+                    each_forced(contexts), states)  # fmt: skip
+    return ForcedRuns(batch, contexts, vanilla1, vanilla2, sparse1, sparse2)
 
 
 def selection_effect(steps: list, tol: float | None = None) -> dict:
@@ -161,22 +188,14 @@ def test_tp2_selects_as_tp1_where_rounding_cannot_reach_the_selection(one_layer_
     pages; TP rounds otherwise only after attention (o_proj, the MLP). So sparse TP=2 must match
     sparse TP=1 as closely as plain SGLang's TP=2 matches its TP=1, with no rounding-swapped
     pages to account for a larger gap: a rank scoring the wrong heads, summaries or budget shows."""
-    batch = prompts((3000, 3500, 4000), seed=1)  # about three budgets and more: real selection
-    vanilla_args = [*REAL_WEIGHTS, "--attention-backend", "flashinfer"]
-    contexts, vanilla1 = serve(VANILLA_MODULE, one_layer_model, vanilla_args, tmp_path / "vanilla-tp1.log",
-                               continue_then_force(batch, each_forced))  # fmt: skip
-    vanilla2 = serve(VANILLA_MODULE, one_layer_model, [*vanilla_args, "--tp-size", "2"], tmp_path / "vanilla-tp2.log",
-                     each_forced(contexts))  # fmt: skip
-    floor = forced_steps(vanilla1, vanilla2)
-    tp1 = serve(SPARSE_MODULE, one_layer_model, SPARSE_REAL_WEIGHTS, tmp_path / "sparse-tp1.log", each_forced(contexts))
-    tp2 = serve(SPARSE_MODULE, one_layer_model, [*SPARSE_REAL_WEIGHTS, "--tp-size", "2"],
-                tmp_path / "sparse-tp2.log", each_forced(contexts))  # fmt: skip
-    steps = forced_steps(tp1, tp2)
+    runs = forced_on_four_servers(one_layer_model, tmp_path)
+    floor = forced_steps(runs.vanilla1, runs.vanilla2)
+    steps = forced_steps(runs.sparse1, runs.sparse2)
     tol = tp_logprob_tolerance(floor)
-    selection = selection_effect(forced_steps(vanilla1, tp1), tol)
+    selection = selection_effect(forced_steps(runs.vanilla1, runs.sparse1), tol)
     record = {"forced_steps": [a and a.as_dict() for a in steps],
               "vanilla_forced_steps": [a and a.as_dict() for a in floor], "max_switched": None,
-              "prompt_lengths": [len(ids) for ids in batch], "steps_per_prompt": FORCED_STEPS, "num_layers": 1,
+              "prompt_lengths": [len(ids) for ids in runs.batch], "steps_per_prompt": FORCED_STEPS, "num_layers": 1,
               "logprob_tol": tol, "sparse_vs_dense_tp1": selection}  # fmt: skip
     save_gpu_test_record("tp2-vs-tp1-one-layer-gpu-test.json", record)
     print(json.dumps(record))
@@ -188,30 +207,20 @@ def test_tp2_selects_as_tp1_where_rounding_cannot_reach_the_selection(one_layer_
 
 
 def test_tp2_at_depth_stays_far_nearer_tp1_than_selection_moves(random_model, tmp_path):
-    batch = prompts((3000, 3500, 4000), seed=1)  # about three budgets and more: real selection
-    vanilla_args = [*REAL_WEIGHTS, "--attention-backend", "flashinfer"]
-    contexts, vanilla1 = serve(VANILLA_MODULE, random_model, vanilla_args, tmp_path / "vanilla-tp1.log",
-                               continue_then_force(batch, each_forced))  # fmt: skip
-    # plain SGLang's own TP=2 against its TP=1: what rounding alone moves, for the record
-    vanilla2 = serve(VANILLA_MODULE, random_model, [*vanilla_args, "--tp-size", "2"], tmp_path / "vanilla-tp2.log",
-                     each_forced(contexts))  # fmt: skip
-    floor = forced_steps(vanilla1, vanilla2)
-    tp1 = serve(SPARSE_MODULE, random_model, SPARSE_REAL_WEIGHTS, tmp_path / "sparse-tp1.log", each_forced(contexts))
     states = []
-    tp2 = serve(SPARSE_MODULE, random_model, [*SPARSE_REAL_WEIGHTS, "--tp-size", "2"], tmp_path / "sparse-tp2.log",
-                each_forced(contexts), states)  # fmt: skip
-    steps = forced_steps(tp1, tp2)
-    selection_steps = forced_steps(vanilla1, tp1)
+    runs = forced_on_four_servers(random_model, tmp_path, states)
+    steps = forced_steps(runs.sparse1, runs.sparse2)
+    selection_steps = forced_steps(runs.vanilla1, runs.sparse1)
     ranks = states[0]["sparse"]["tp_ranks"]
     info = {"d2h_tokens_per_rank": [r["d2h_tokens"] for r in ranks],
             "d2h_tokens_total": states[0]["sparse"]["tp_total"]["d2h_tokens"]}  # fmt: skip
     record = {"forced_steps": [a and a.as_dict() for a in steps],
-              "vanilla_forced_steps": [a and a.as_dict() for a in floor],
-              "prompt_lengths": [len(ids) for ids in batch], "steps_per_prompt": FORCED_STEPS, "num_layers": 4,
+              "vanilla_forced_steps": [a and a.as_dict() for a in forced_steps(runs.vanilla1, runs.vanilla2)],
+              "prompt_lengths": [len(ids) for ids in runs.batch], "steps_per_prompt": FORCED_STEPS, "num_layers": 4,
               "sparse_vs_dense_tp1": selection_effect(selection_steps), "info": info}  # fmt: skip
     save_gpu_test_record("tp2-vs-tp1-gpu-test.json", record)
     print(json.dumps(record))
     assert nearer_than_selection(steps, selection_steps), record
     # /get_server_info: each rank saved every prompt token (its own heads), and the sum is theirs
-    assert all(t >= sum(map(len, contexts)) for t in info["d2h_tokens_per_rank"]), info
+    assert all(t >= sum(map(len, runs.contexts)) for t in info["d2h_tokens_per_rank"]), info
     assert info["d2h_tokens_total"] == sum(info["d2h_tokens_per_rank"]), info
