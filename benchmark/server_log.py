@@ -38,9 +38,14 @@ INTERVAL = re.compile(r"decode_log_interval=(\d+)")
 STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: [A-Z]+\d+)*\]")  # "[... TP0]" under TP
 
 
+def decode_log_interval(text: str) -> int:
+    """Decode steps per "Decode batch" line: the server args' ``decode_log_interval``, SGLang's 40 if not logged."""
+    return int(m.group(1)) if (m := INTERVAL.search(text)) else 40
+
+
 def steady_state(text: str) -> dict:
     """The second half of a log's decode lines, summarized (see the module doc)."""
-    interval = int(m.group(1)) if (m := INTERVAL.search(text)) else 40
+    interval = decode_log_interval(text)
     decode = [(int(r), float(t)) for r, t in DECODE.findall(text)]
     sparse = [tuple(map(float, x)) for x in SPARSE.findall(text)]
     if not decode:
@@ -79,7 +84,7 @@ def step_fit(text: str) -> dict:
     module doc), with decode-only intervals' median step by batch size as a check on the fit."""
     import numpy as np
 
-    interval = int(m.group(1)) if (m := INTERVAL.search(text)) else 40
+    interval = decode_log_interval(text)
     rows = decode_intervals(text, interval)
     running = np.array([r for r, _, _ in rows], dtype=float)
     seconds = np.array([s for _, s, _ in rows])
@@ -112,7 +117,7 @@ def first_seconds(text: str, seconds: float) -> dict:
     the lines' timestamps; each line counts interval x running tokens), with the mean hit ratio and
     H2D pages per step of the "Sparse KV" lines in that span: the same wall-clock span for every
     log, where :func:`steady_state`'s second half spans however long each log's half took."""
-    interval = int(m.group(1)) if (m := INTERVAL.search(text)) else 40
+    interval = decode_log_interval(text)
     start, tokens, sparse = None, 0, []
     for line in text.splitlines():
         if not (stamp := STAMP.match(line)):
@@ -142,7 +147,7 @@ def decoded_tokens(text: str, since: datetime.datetime, until: datetime.datetime
     """Tokens the server decoded by its "Decode batch" lines stamped in ``[since, until)`` (each
     line counts interval x running): the server's side of a client's token count over the same
     span, to the logs' one-second stamps."""
-    interval = int(m.group(1)) if (m := INTERVAL.search(text)) else 40
+    interval = decode_log_interval(text)
     tokens = 0
     for line in text.splitlines():
         if (stamp := STAMP.match(line)) and (decode := DECODE.search(line)):
