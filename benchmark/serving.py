@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -72,6 +72,8 @@ KV_DTYPE_NAMES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3"
 KV_ELEMENT_BYTES = {"bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # A window long enough for steady state; its second half is what the headline counts.
 WINDOW_S = 400.0
+QUARTERS = 4  # each run's throughput by quarter of its window: its second half is steady if the two agree
+STEADY_DRIFT = 0.10  # the most the last quarter may move from the third for the run to count as steady
 
 # Rough H100 figures, used only by --dry-run's time estimate.
 PREFILL_TOKENS_PER_S = 20_000
@@ -153,6 +155,7 @@ class RateRun:
     duration: float  # first send to last completion (or to the cutoff)
     max_in_flight: int
     started_at: float | None = None  # time.time() at the first send: the server log's clock
+    tokens_by_quarter: list[int] = field(default_factory=list)  # streamed in each quarter of the window
 
 
 def generate_payload(request: Request) -> bytes:
@@ -201,10 +204,19 @@ def token_timing(sent: float, chunks: list[tuple[float, int]]) -> tuple[float | 
     return ttft, tbt
 
 
-def late_tokens(chunks: list[tuple[float, int]], since: float) -> int:
-    """Tokens of a request's stream that arrived at or after ``since`` (perf_counter seconds)."""
+def tokens_between(chunks: list[tuple[float, int]], since: float, until: float = math.inf) -> int:
+    """Tokens of a request's stream that arrived in ``[since, until)`` (perf_counter seconds)."""
     before = max((count for t, count in chunks if t < since), default=0)
-    return (chunks[-1][1] if chunks else 0) - before
+    return max((count for t, count in chunks if t < until), default=0) - before
+
+
+def late_half_drift(quarters: list[float]) -> float | None:
+    """How far the window's last quarter moved from its third, over their mean: the second half is
+    the steady state only if this is small (a window of too few request lifetimes still shows the
+    first admitted requests finishing together, and the prefill of those replacing them)."""
+    if len(quarters) != QUARTERS or not (mean := (quarters[2] + quarters[3]) / 2):
+        return None
+    return (quarters[3] - quarters[2]) / mean
 
 
 async def drive(url: str, trace: list[Request], cutoff: float | None, request_timeout: float) -> RateRun:
@@ -251,8 +263,10 @@ async def drive(url: str, trace: list[Request], cutoff: float | None, request_ti
         await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
     for record, chunks in zip(records, streams):
-        record.late_tokens = late_tokens(chunks, start + duration / 2)
-    return RateRun(records, tbt, duration, max_in_flight, started_at)
+        record.late_tokens = tokens_between(chunks, start + duration / 2)
+    edges = [start + duration * q / QUARTERS for q in range(QUARTERS + 1)]
+    by_quarter = [sum(tokens_between(c, a, b) for c in streams) for a, b in zip(edges, edges[1:])]
+    return RateRun(records, tbt, duration, max_in_flight, started_at, by_quarter)
 
 
 # ---------------------------------------------------------------- metrics
@@ -272,6 +286,9 @@ class RateResult:
     # what the server decoded in that half by its log (None without the log): a client that got
     # much less was held back by the stream, not the GPU
     server_late_decode_throughput: float | None
+    throughput_by_quarter: list[float]  # tokens streamed in each quarter of the window / its length
+    server_decode_by_quarter: list[float] | None  # the same by the server's log
+    late_half_drift: float | None  # the last quarter against the third (:func:`late_half_drift`)
     request_throughput: float
     total_input_tokens: int
     total_output_tokens: int
@@ -304,8 +321,10 @@ def summarize_rate(
     max_running_req: int | None,
     cache_flushed: bool,
     server_late_decode_throughput: float | None = None,
+    server_decode_by_quarter: list[float] | None = None,
 ) -> RateResult:
     ok = [r for r in run.records if r.status == "ok"]
+    by_quarter = [tokens / (run.duration / QUARTERS) for tokens in run.tokens_by_quarter]
     ttft = [r.ttft for r in run.records if r.ttft is not None]  # cut-off requests that got a token too
     output_tokens = sum(r.output_len for r in ok)
     return RateResult(
@@ -319,6 +338,9 @@ def summarize_rate(
         window_output_throughput=sum(r.streamed_tokens for r in run.records) / run.duration,
         late_output_throughput=sum(r.late_tokens for r in run.records) / (run.duration / 2),
         server_late_decode_throughput=server_late_decode_throughput,
+        throughput_by_quarter=by_quarter,
+        server_decode_by_quarter=server_decode_by_quarter,
+        late_half_drift=late_half_drift(by_quarter),
         request_throughput=len(ok) / run.duration,
         total_input_tokens=sum(r.prompt_len for r in ok),
         total_output_tokens=output_tokens,
@@ -357,6 +379,16 @@ def server_late_decode(log_text: str, run: RateRun) -> float | None:
     half = datetime.timedelta(seconds=run.duration / 2)
     since = datetime.datetime.fromtimestamp(run.started_at) + half
     return decoded_tokens(log_text, since, since + half) / half.total_seconds()
+
+
+def server_decode_by_quarter(log_text: str, run: RateRun) -> list[float] | None:
+    """Tokens/s the server decoded in each quarter of the run's window, by its log's decode lines."""
+    if run.started_at is None:
+        return None
+    quarter = datetime.timedelta(seconds=run.duration / QUARTERS)
+    start = datetime.datetime.fromtimestamp(run.started_at)
+    return [decoded_tokens(log_text, start + q * quarter, start + (q + 1) * quarter) / quarter.total_seconds()
+            for q in range(QUARTERS)]  # fmt: skip
 
 
 def is_complete(result: dict) -> bool:
@@ -676,7 +708,7 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 def print_table(results: dict) -> None:
     print(
         f"\n{'trace':<16}{'rate':>6} {'system':<13}{'done':>7}{'tok/s':>9}{'window':>8}{'2nd half':>9}{'TTFT s':>8}"
-        f"{'TBT mean/p99/p99.9 ms':>24}{'max run':>8}"
+        f"{'TBT mean/p99/p99.9 ms':>24}{'max run':>8}{'Q4/Q3':>7}"
     )
     for trace, systems in results.items():
         order = {system: i for i, system in enumerate(SYSTEMS)}
@@ -689,6 +721,7 @@ def print_table(results: dict) -> None:
                 f"{_fmt(r.get('late_output_throughput'), digits=0):>9}"
                 f"{_fmt(r['mean_ttft_ms'], 1e-3, 2):>8}{tbt:>24}"
                 f"{_fmt(r['max_running_req'], digits=0):>8}"
+                f"{'' if r.get('late_half_drift') is None else format(r['late_half_drift'], '+.0%'):>7}"
             )
 
 
@@ -961,12 +994,13 @@ def run_system(system: str, plan: list[RatePlan], args, model: str, deadline: fl
                     log_text = log.read().decode(errors="replace")
                 seed = trace_seed(args.seed, step.spec.name, step.rate)
                 result = summarize_rate(step.rate, seed, run, max_running_requests(log_text), flushed,
-                                        server_late_decode(log_text, run))  # fmt: skip
+                                        server_late_decode(log_text, run), server_decode_by_quarter(log_text, run))  # fmt: skip
                 results.setdefault(step.spec.name, []).append(asdict(result))
                 print(
                     f"[{system}] {step.spec.name} @ {step.rate:g} req/s: {result.completed}/{result.num_requests} "
                     f"done, {result.output_throughput:.0f} tok/s, {result.duration_s:.0f} s; second half "
-                    f"{result.late_output_throughput:.0f} tok/s streamed, {result.server_late_decode_throughput or 0:.0f} decoded"
+                    f"{result.late_output_throughput:.0f} tok/s streamed, {result.server_late_decode_throughput or 0:.0f} decoded; "
+                    f"last quarter {100 * (result.late_half_drift or 0):+.0f}% on the third"
                 )
     except (RuntimeError, TimeoutError, requests.RequestException) as err:
         # Keep the other system's results: one server failing to start must not lose them.
@@ -1144,7 +1178,9 @@ def parallel_summary(
     ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run), each at
     its highest long-generation rate (against vanilla: at the same rate), output tokens/s in the
     window's second half (the steady state, as ``throughput_ratio``), as the client received them
-    and (``_decoded``) as the servers' logs counted them; and the GPU tests' records
+    and (``_decoded``) as the servers' logs counted them, with each run's ``late_half_drift`` and
+    whether all of them are within :data:`STEADY_DRIFT` (``serving_steady``; None where a run did
+    not record it); and the GPU tests' records
     (``tp_exact``: test_tp_gpu's exact-path agreement; ``dp``: test_dp_gpu's summary;
     ``tp_vs_tp1``: TP=2 against TP=1 with real selection on one layer, step by step, held to that
     test's bar; ``tp_vs_tp1_depth``: the same on four layers, held to staying far nearer TP=1 than
@@ -1162,6 +1198,10 @@ def parallel_summary(
     # the same by the servers' logs (what they decoded, whether or not the client kept up)
     decoded_scaling = _ratio(sparse2, sparse1, "server_late_decode_throughput") if sparse2 and sparse1 else None
     decoded_vs_vanilla = _ratio(sparse2, vanilla2, "server_late_decode_throughput") if same_rate else None
+    # steady state is checked, not assumed: each run's last quarter against its third
+    drifts = {"tp2_vanilla": vanilla2, "tp2_sparse": sparse2, "tp1_sparse": sparse1}
+    drifts = {name: run.get("late_half_drift") for name, run in drifts.items() if run}
+    steady = None if None in drifts.values() or not drifts else all(abs(d) <= STEADY_DRIFT for d in drifts.values())
     selects_as_tp1 = nearer_at_depth = None
     if tp_vs_tp1 is not None:  # the test's measured bar and, if the run counted them, its switch limit
         steps = [a and GreedyAgreement(**a) for a in tp_vs_tp1["forced_steps"]]
@@ -1191,6 +1231,8 @@ def parallel_summary(
         "tp2_at_depth_nearer_than_selection": nearer_at_depth,
         "tp2_rate": None if sparse2 is None else sparse2["rate"],
         "tp1_rate": None if sparse1 is None else sparse1["rate"],
+        "late_half_drift": drifts,
+        "serving_steady": steady,
         "dp2_ok": ok_dp,
     }
 

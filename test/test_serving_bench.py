@@ -20,6 +20,7 @@ from benchmark.serving import (
     drive,
     generate_payload,
     is_complete,
+    late_half_drift,
     main,
     make_plan,
     make_trace,
@@ -28,11 +29,13 @@ from benchmark.serving import (
     parse_args,
     plot,
     server_args,
+    server_decode_by_quarter,
     server_late_decode,
     sse_events,
     summarize,
     summarize_rate,
     token_timing,
+    tokens_between,
 )
 
 LONG_PROMPT = TRACES["long-prompt"]
@@ -239,6 +242,26 @@ def test_a_run_cut_off_counts_what_every_request_streamed():
     assert result.window_output_throughput == pytest.approx((10 + cut.streamed_tokens) / run.duration)
     assert result.late_output_throughput == pytest.approx(cut.late_tokens / (run.duration / 2))
     assert result.without_first_token == 1 and len(run.tbt) == 9 + cut.streamed_tokens - 1
+    # every token streamed lands in one quarter of the window; the second half is the last two
+    assert sum(run.tokens_by_quarter) == done.streamed_tokens + cut.streamed_tokens
+    assert sum(run.tokens_by_quarter[2:]) == cut.late_tokens
+    quarter = run.duration / 4
+    assert result.throughput_by_quarter == pytest.approx([t / quarter for t in run.tokens_by_quarter])
+    assert result.late_half_drift == pytest.approx(late_half_drift(result.throughput_by_quarter))
+
+
+def test_tokens_between_counts_a_streams_tokens_that_arrived_in_the_span():
+    chunks = [(1.0, 2), (2.0, 5), (3.5, 6), (5.0, 10)]  # (arrival, the request's tokens so far)
+    assert tokens_between(chunks, 0.0) == 10 and tokens_between(chunks, 2.0) == 8
+    assert tokens_between(chunks, 1.5, 3.5) == 3 and tokens_between(chunks, 6.0) == 0
+    assert tokens_between([], 0.0, 1.0) == 0
+
+
+def test_late_half_drift_is_the_last_quarter_against_the_third():
+    assert late_half_drift([900.0, 1000.0, 1000.0, 1000.0]) == 0.0
+    # the first admitted requests finishing together, their replacements prefilling: a falling end
+    assert late_half_drift([0.0, 5600.0, 5400.0, 3900.0]) == pytest.approx(-1500 / 4650)
+    assert late_half_drift([]) is None and late_half_drift([0.0, 0.0, 0.0, 0.0]) is None
 
 
 def _run(statuses, output_len=100, duration=10.0):
@@ -297,6 +320,9 @@ def test_server_late_decode_counts_the_logs_decode_lines_in_the_runs_second_half
     # the second half is [5 s, 10 s): the lines at 5, 6 and 9 s, 40 steps each
     assert server_late_decode(log, run) == pytest.approx(40 * (20 + 30 + 40) / 5.0)
     assert server_late_decode(log, _run(["ok"])) is None  # a run without its clock
+    # quarters [0, 2.5), [2.5, 5), [5, 7.5), [7.5, 10): the lines at 2 s; none; 5 and 6 s; 9 s
+    assert server_decode_by_quarter(log, run) == pytest.approx([40 * n / 2.5 for n in (10, 0, 50, 40)])
+    assert server_decode_by_quarter(log, _run(["ok"])) is None
 
 
 def test_the_sparse_launcher_takes_the_benchmarks_server_args():
@@ -777,7 +803,8 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
         return {"equal": False, "first_difference": 0, "max_logprob_gap": 0.0, "reference_margin": margin}
 
     def doc(systems: dict, ratio=None) -> dict:
-        runs = {s: [{"rate": r, "late_output_throughput": t} for r, t in v] for s, v in systems.items()}
+        runs = {s: [{"rate": r, "late_output_throughput": t, "late_half_drift": 0.05} for r, t in v]
+                for s, v in systems.items()}  # fmt: skip
         return {"device": "H100", "date": "d", "commit": "c", "results": {"long-generation": runs},
                 "summary": {"throughput_ratio": ratio}}  # fmt: skip
 
@@ -807,7 +834,17 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
                        "tp2_over_tp1_throughput": 1.75, "tp2_decoded_ratio_vs_vanilla": 4.0,
                        "tp2_over_tp1_decoded": None, "tp2_selects_as_tp1": True,
                        "tp2_at_depth_nearer_than_selection": True, "tp2_rate": 4.0, "tp1_rate": 2.0,
-                       "dp2_ok": True}  # fmt: skip
+                       "late_half_drift": {"tp2_vanilla": 0.05, "tp2_sparse": 0.05, "tp1_sparse": 0.05},
+                       "serving_steady": True, "dp2_ok": True}  # fmt: skip
+    # a run whose last quarter fell from its third: not steady; a run that did not record it: unknown
+    tp2_runs["sparse"][1]["late_half_drift"] = -0.2
+    (tmp_path / "tp2.json").write_text(json.dumps(files["tp2.json"]))
+    main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
+    assert json.loads(out.read_text())["summary"]["serving_steady"] is False
+    del tp2_runs["sparse"][1]["late_half_drift"]
+    (tmp_path / "tp2.json").write_text(json.dumps(files["tp2.json"]))
+    main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
+    assert json.loads(out.read_text())["summary"]["serving_steady"] is None
     # a step TP=1 was sure of switched: not rounding
     one_layer = files["tp2-vs-tp1-one-layer-gpu-test.json"]
     one_layer["forced_steps"][1]["reference_margin"] = 1.5
