@@ -73,7 +73,8 @@ job_tests() {  # $GPU_TESTS: groups of pytest arguments separated by "|", the gr
   tail -n 3 /root/o/tests-*.log
 }
 job_dp() { python3 -m pytest -m gpu -q -s test/test_dp_gpu.py; }  # a two-GPU machine (nvidia-h100-x2)
-job_tp() { eval "python3 -m pytest -m gpu -q -s test/test_tp_gpu.py ${TP_TEST_ARGS:-}"; }  # the same ($TP_TEST_ARGS, e.g. -k tp1)
+# the same ($TP_TEST_ARGS, e.g. -k rounding_cannot; $SPARSE_SGLANG_TP_PROMPT_SEED: held-out prompts)
+job_tp() { eval "python3 -m pytest -m gpu -q -s test/test_tp_gpu.py ${TP_TEST_ARGS:-}"; }
 job_fuzz() {
   python3 benchmark/fuzz.py --launch --requests "${FUZZ_REQUESTS:-5000}" --extra-server-args \
     "--sparse-host-cache-gb 4 --mem-fraction-static 0.1" --out-dir /root/o --log-dir /root/o/fuzz-logs
