@@ -1179,8 +1179,8 @@ def parallel_summary(
     its highest long-generation rate (against vanilla: at the same rate), output tokens/s in the
     window's second half (the steady state, as ``throughput_ratio``), as the client received them
     and (``_decoded``) as the servers' logs counted them, with each run's ``late_half_drift`` and
-    whether all of them are within :data:`STEADY_DRIFT` (``serving_steady``; None where a run did
-    not record it); and the GPU tests' records
+    whether all of them are within :data:`STEADY_DRIFT` (``serving_steady``: False if one is not,
+    else None where a run did not record it); and the GPU tests' records
     (``tp_exact``: test_tp_gpu's exact-path agreement; ``dp``: test_dp_gpu's summary;
     ``tp_vs_tp1``: TP=2 against TP=1 with real selection on one layer, step by step, held to that
     test's bar; ``tp_vs_tp1_depth``: the same on four layers, held to staying far nearer TP=1 than
@@ -1201,7 +1201,8 @@ def parallel_summary(
     # steady state is checked, not assumed: each run's last quarter against its third
     drifts = {"tp2_vanilla": vanilla2, "tp2_sparse": sparse2, "tp1_sparse": sparse1}
     drifts = {name: run.get("late_half_drift") for name, run in drifts.items() if run}
-    steady = None if None in drifts.values() or not drifts else all(abs(d) <= STEADY_DRIFT for d in drifts.values())
+    known = [abs(d) <= STEADY_DRIFT for d in drifts.values() if d is not None]
+    steady = False if not all(known) else None if len(known) < len(drifts) or not known else True
     selects_as_tp1 = nearer_at_depth = None
     if tp_vs_tp1 is not None:  # the test's measured bar and, if the run counted them, its switch limit
         steps = [a and GreedyAgreement(**a) for a in tp_vs_tp1["forced_steps"]]
