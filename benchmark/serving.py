@@ -1230,6 +1230,9 @@ def parallel_summary(
         "tp2_over_tp1_decoded": decoded_scaling,
         "tp2_selects_as_tp1": selects_as_tp1,
         "tp2_at_depth_nearer_than_selection": nearer_at_depth,
+        # the selection tests' prompts: their rules were set on seed 1 (records before the seed was
+        # recorded all used it), so only another seed holds them to prompts they were not fitted on
+        "tp_test_prompt_seed": None if tp_vs_tp1 is None else tp_vs_tp1.get("prompt_seed", 1),
         "tp2_rate": None if sparse2 is None else sparse2["rate"],
         "tp1_rate": None if sparse1 is None else sparse1["rate"],
         "late_half_drift": drifts,

@@ -833,8 +833,8 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
     assert summary == {"tp2_greedy_equal": True, "tp2_throughput_ratio_vs_vanilla": 3.5,
                        "tp2_over_tp1_throughput": 1.75, "tp2_decoded_ratio_vs_vanilla": 4.0,
                        "tp2_over_tp1_decoded": None, "tp2_selects_as_tp1": True,
-                       "tp2_at_depth_nearer_than_selection": True, "tp2_rate": 4.0, "tp1_rate": 2.0,
-                       "late_half_drift": {"tp2_vanilla": 0.05, "tp2_sparse": 0.05, "tp1_sparse": 0.05},
+                       "tp2_at_depth_nearer_than_selection": True, "tp_test_prompt_seed": 1,
+                       "tp2_rate": 4.0, "tp1_rate": 2.0, "late_half_drift": {"tp2_vanilla": 0.05, "tp2_sparse": 0.05, "tp1_sparse": 0.05},
                        "serving_steady": True, "dp2_ok": True}  # fmt: skip
     # a run whose last quarter fell from its third: not steady; a run that did not record it: unknown
     tp2_runs["sparse"][1]["late_half_drift"] = -0.2
@@ -849,12 +849,14 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
     (tmp_path / "tp2.json").write_text(json.dumps(files["tp2.json"]))
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
     assert json.loads(out.read_text())["summary"]["serving_steady"] is None
-    # a step TP=1 was sure of switched: not rounding
+    # a step TP=1 was sure of switched: not rounding (on held-out prompts, which the summary names)
     one_layer = files["tp2-vs-tp1-one-layer-gpu-test.json"]
     one_layer["forced_steps"][1]["reference_margin"] = 1.5
+    one_layer["prompt_seed"] = 7
     (tmp_path / "tp2-vs-tp1-one-layer-gpu-test.json").write_text(json.dumps(one_layer))
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
-    assert json.loads(out.read_text())["summary"]["tp2_selects_as_tp1"] is False
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["tp2_selects_as_tp1"] is False and summary["tp_test_prompt_seed"] == 7
     # a near-tie switch, but more switches than a run that counted them allowed
     one_layer["forced_steps"][1]["reference_margin"] = 0.01
     one_layer["max_switched"] = 0
