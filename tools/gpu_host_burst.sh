@@ -24,7 +24,9 @@
 # serving_tp2 (TP=2 sparse and vanilla: side by side on four GPUs), parallel (the summary, after
 # serving_tp2, tp and dp; $TP1_JSON: the sparse TP=1 run), serving_tp (both, with sparse TP=1 between:
 # nvidia-h100-x2; $TP_SPARSE_EXTRA: more sparse flags for these, apart from the single-GPU
-# headline's; $TP_WINDOW: their window). On four GPUs, one session's whole TP record:
+# headline's; $TP_WINDOW: their window, 600 s unless set, so that the counted second half spans
+# several sparse TP=2 request lifetimes: docs/results.md, Parallelism). On four GPUs, one session's
+# whole TP record:
 #   JOBS="serving_tp2@0/1/2/3,serving_pair@0/1 tp+dp@2/3,parallel" PAIR_TRACES="long-generation 2.0" TP1_JSON=/root/o/serving.json
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
@@ -152,7 +154,7 @@ job_serving_tp2() {
   # (vanilla on the first two, sparse on the next two, the same windows), on two in turn
   # ($TP2_SYSTEMS: which of them there, default both).
   local args=(--traces long-generation --rates-long-generation "${TP2_RATE:-4.0}" --tp-size 2
-    --max-seconds-per-rate "${TP_WINDOW:-${SERVING_WINDOW:-400}}" --out-dir /root/o --log-dir /root/o/serving-tp-logs
+    --max-seconds-per-rate "${TP_WINDOW:-600}" --out-dir /root/o --log-dir /root/o/serving-tp-logs
     --sparse-host-cache-gb "${TP2_HOST_GB:-184}" --vanilla-server-args "--cuda-graph-max-bs-decode 128"
     --sparse-server-args "--cuda-graph-max-bs-decode 192 $HEADLINE_KV $SCALES_TP2 ${TP_SPARSE_EXTRA:-}")
   local devices
@@ -183,7 +185,7 @@ job_serving_tp() {
   local devices=${CUDA_VISIBLE_DEVICES:-0}
   [ -n "${TP1_JSON:-}" ] || CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse \
     --sparse-host-cache-gb 92 --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-}" \
-    --traces long-generation --rates-long-generation "${TP1_RATE:-2.0}" --max-seconds-per-rate "${TP_WINDOW:-${SERVING_WINDOW:-400}}" \
+    --traces long-generation --rates-long-generation "${TP1_RATE:-2.0}" --max-seconds-per-rate "${TP_WINDOW:-600}" \
     --out-dir /root/o --log-dir /root/o/serving-tp-logs --merge-into /root/o/serving-tp1.json
   job_parallel
 }
