@@ -72,7 +72,7 @@ KV_DTYPE_NAMES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3"
 KV_ELEMENT_BYTES = {"bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # A window long enough for steady state; its second half is what the headline counts.
 WINDOW_S = 400.0
-QUARTERS = 4  # each run's throughput by quarter of its window: its second half is steady if the two agree
+QUARTERS = 4  # each run's throughput by quarter of its window (the second half is steady if its two agree)
 STEADY_DRIFT = 0.10  # the most the last quarter may move from the third for the run to count as steady
 
 # Rough H100 figures, used only by --dry-run's time estimate.

@@ -200,8 +200,9 @@ def test_tp2_selects_as_tp1_where_rounding_cannot_reach_the_selection(one_layer_
     selection = selection_effect(forced_steps(runs.vanilla1, runs.sparse1), tol)
     record = {"forced_steps": [a and a.as_dict() for a in steps],
               "vanilla_forced_steps": [a and a.as_dict() for a in floor], "max_switched": None,
-              "prompt_lengths": [len(ids) for ids in runs.batch], "prompt_seed": PROMPT_SEED, "steps_per_prompt": FORCED_STEPS, "num_layers": 1,
-              "logprob_tol": tol, "sparse_vs_dense_tp1": selection}  # fmt: skip
+              "prompt_lengths": [len(ids) for ids in runs.batch], "prompt_seed": PROMPT_SEED,
+              "steps_per_prompt": FORCED_STEPS, "num_layers": 1, "logprob_tol": tol,
+              "sparse_vs_dense_tp1": selection}  # fmt: skip
     save_gpu_test_record("tp2-vs-tp1-one-layer-gpu-test.json", record)
     print(json.dumps(record))
     # the bar tells a wrong selection from rounding, and every decode step is within it; switches
@@ -221,7 +222,8 @@ def test_tp2_at_depth_stays_far_nearer_tp1_than_selection_moves(random_model, tm
             "d2h_tokens_total": states[0]["sparse"]["tp_total"]["d2h_tokens"]}  # fmt: skip
     record = {"forced_steps": [a and a.as_dict() for a in steps],
               "vanilla_forced_steps": [a and a.as_dict() for a in forced_steps(runs.vanilla1, runs.vanilla2)],
-              "prompt_lengths": [len(ids) for ids in runs.batch], "prompt_seed": PROMPT_SEED, "steps_per_prompt": FORCED_STEPS, "num_layers": 4,
+              "prompt_lengths": [len(ids) for ids in runs.batch], "prompt_seed": PROMPT_SEED,
+              "steps_per_prompt": FORCED_STEPS, "num_layers": 4,
               "sparse_vs_dense_tp1": selection_effect(selection_steps), "info": info}  # fmt: skip
     save_gpu_test_record("tp2-vs-tp1-gpu-test.json", record)
     print(json.dumps(record))
