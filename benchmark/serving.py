@@ -320,11 +320,13 @@ def summarize_rate(
     run: RateRun,
     max_running_req: int | None,
     cache_flushed: bool,
-    server_late_decode_throughput: float | None = None,
     server_decode_by_quarter: list[float] | None = None,
 ) -> RateResult:
     ok = [r for r in run.records if r.status == "ok"]
     by_quarter = [tokens / (run.duration / QUARTERS) for tokens in run.tokens_by_quarter]
+    # the second half by the server's log: what late_output_throughput would be if every token
+    # reached the client as it was made
+    server_late = None if server_decode_by_quarter is None else sum(server_decode_by_quarter[2:]) / 2
     ttft = [r.ttft for r in run.records if r.ttft is not None]  # cut-off requests that got a token too
     output_tokens = sum(r.output_len for r in ok)
     return RateResult(
@@ -337,7 +339,7 @@ def summarize_rate(
         output_throughput=output_tokens / run.duration,
         window_output_throughput=sum(r.streamed_tokens for r in run.records) / run.duration,
         late_output_throughput=sum(r.late_tokens for r in run.records) / (run.duration / 2),
-        server_late_decode_throughput=server_late_decode_throughput,
+        server_late_decode_throughput=server_late,
         throughput_by_quarter=by_quarter,
         server_decode_by_quarter=server_decode_by_quarter,
         late_half_drift=late_half_drift(by_quarter),
@@ -370,19 +372,9 @@ def max_running_requests(log_text: str) -> int | None:
     return max(map(int, RUNNING_REQ.findall(log_text)), default=None)
 
 
-def server_late_decode(log_text: str, run: RateRun) -> float | None:
-    """Tokens/s the server decoded in the run's second half, by its log's decode lines (to their
-    one-second stamps): what ``late_output_throughput`` would be if every token reached the client
-    as it was made."""
-    if run.started_at is None:
-        return None
-    half = datetime.timedelta(seconds=run.duration / 2)
-    since = datetime.datetime.fromtimestamp(run.started_at) + half
-    return decoded_tokens(log_text, since, since + half) / half.total_seconds()
-
-
 def server_decode_by_quarter(log_text: str, run: RateRun) -> list[float] | None:
-    """Tokens/s the server decoded in each quarter of the run's window, by its log's decode lines."""
+    """Tokens/s the server decoded in each quarter of the run's window, by its log's decode lines
+    (to their one-second stamps); the last two make ``server_late_decode_throughput``."""
     if run.started_at is None:
         return None
     quarter = datetime.timedelta(seconds=run.duration / QUARTERS)
@@ -994,7 +986,7 @@ def run_system(system: str, plan: list[RatePlan], args, model: str, deadline: fl
                     log_text = log.read().decode(errors="replace")
                 seed = trace_seed(args.seed, step.spec.name, step.rate)
                 result = summarize_rate(step.rate, seed, run, max_running_requests(log_text), flushed,
-                                        server_late_decode(log_text, run), server_decode_by_quarter(log_text, run))  # fmt: skip
+                                        server_decode_by_quarter(log_text, run))  # fmt: skip
                 results.setdefault(step.spec.name, []).append(asdict(result))
                 print(
                     f"[{system}] {step.spec.name} @ {step.rate:g} req/s: {result.completed}/{result.num_requests} "

@@ -30,7 +30,6 @@ from benchmark.serving import (
     plot,
     server_args,
     server_decode_by_quarter,
-    server_late_decode,
     sse_events,
     summarize,
     summarize_rate,
@@ -317,12 +316,14 @@ def test_server_late_decode_counts_the_logs_decode_lines_in_the_runs_second_half
     log = "\n".join(["[2026-01-10 11:59:00] server_args=ServerArgs(decode_log_interval=40, ...)", *lines])
     run = _run(["ok"], duration=10.0)
     run.started_at = start.timestamp()
-    # the second half is [5 s, 10 s): the lines at 5, 6 and 9 s, 40 steps each
-    assert server_late_decode(log, run) == pytest.approx(40 * (20 + 30 + 40) / 5.0)
-    assert server_late_decode(log, _run(["ok"])) is None  # a run without its clock
     # quarters [0, 2.5), [2.5, 5), [5, 7.5), [7.5, 10): the lines at 2 s; none; 5 and 6 s; 9 s
-    assert server_decode_by_quarter(log, run) == pytest.approx([40 * n / 2.5 for n in (10, 0, 50, 40)])
-    assert server_decode_by_quarter(log, _run(["ok"])) is None
+    quarters = server_decode_by_quarter(log, run)
+    assert quarters == pytest.approx([40 * n / 2.5 for n in (10, 0, 50, 40)])
+    assert server_decode_by_quarter(log, _run(["ok"])) is None  # a run without its clock
+    # the second half is [5 s, 10 s): the lines at 5, 6 and 9 s, 40 steps each
+    result = summarize_rate(1.0, [0], run, None, True, quarters)
+    assert result.server_late_decode_throughput == pytest.approx(40 * (20 + 30 + 40) / 5.0)
+    assert summarize_rate(1.0, [0], run, None, True).server_late_decode_throughput is None
 
 
 def test_the_sparse_launcher_takes_the_benchmarks_server_args():
