@@ -13,6 +13,7 @@ writing its result (the serving benchmark) leaves these.
                                    [--hit-by-batch PNG]   # hit ratio and H2D vs batch size, per log
                                    [--first-seconds S]    # also: tokens decoded in each log's first S s
                                    [--step-fit]           # also: the decode step against the batch, the prefill's share
+    python benchmark/server_log.py --trace TRACE.json.gz [...]  # a profiler trace: idle GPU gaps and what the CPU did
 
 ``--step-fit`` fits every interval between two decode lines (40 decode steps at ``R`` running
 requests, plus the prefill chunks logged in between) as ``40 x (a + b R) + c x prefill tokens``:
@@ -23,11 +24,14 @@ what a decode step costs per request and what share of the log's time went to pr
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime
+import gzip
 import json
 import re
 import shlex
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 DECODE = re.compile(r"Decode batch, #running-req: (\d+),.*gen throughput \(token/s\): ([\d.]+)")
@@ -198,9 +202,159 @@ def plot_hit_ratio_by_batch(by_run: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------- profiler traces
+# Where a loaded server's time goes, from one TP rank's torch-profiler trace (SGLang's
+# /start_profile; `benchmark/serving.py --profile-steps N` records one at each window's end, while
+# the requests in flight still stream): how long the GPU sat idle between operations, what the
+# thread that launches the kernels was doing on the CPU meanwhile, and GPU time by kernel family.
+# A serving server keeps its GPU fed only while its CPU launches the next forward before the one
+# running ends (SGLang's overlap scheduler), so an idle gap is a forward launched late. Each gap's
+# time goes to every event of that thread overlapping it (torch ops, CUDA runtime calls,
+# record_function ranges such as the sparse backend's "sparse.*"; nested events each get their
+# share, so the shares add up to more than the gaps); what no event covers is Python.
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# CUDA runtime calls that put work on a stream: their thread is the one that feeds the GPU.
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+CPU_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
+# Kernel families by name fragment (first match wins); the rest is "other".
+FAMILIES = (
+    ("flash_h2d", ("flash_h2d",)),
+    ("kv_save", ("direct_d2h", "store_kv", "set_kv", "_index", "Memcpy DtoH", "Memcpy DtoD")),
+    # FA2 kernels name the KV layout in the kernel, FA3 (Hopper) ones in its parameters
+    ("prefix_attention", ("BatchPrefillWithPagedKVCache", "PagedParams")),
+    ("ragged_attention", ("BatchPrefillWithRaggedKVCache", "RaggedParams")),
+    ("decode_attention", ("BatchDecode", "Decode")),
+    ("merge_state", ("MergeState", "merge_state")),
+    ("all_reduce", ("allreduce", "AllReduce", "all_reduce", "nccl")),
+    ("gemm", ("gemm", "Gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("norm_rope_act", ("rms", "Rms", "norm", "rope", "Rotary", "silu", "act_and_mul")),
+)
+MIN_GAP_US = 100.0  # idle spans shorter than this are launch latency, not a late forward
+TOP = 15
+LONG_US = 10_000.0  # CPU events longer than this are few: attribute_gaps checks them against every gap
+
+
+def family(name: str) -> str:
+    return next((fam for fam, parts in FAMILIES if any(p in name for p in parts)), "other")
+
+
+def intervals_union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` spans as sorted disjoint spans."""
+    out: list[list[float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def busy_spans(ops: list[dict]) -> tuple[list[tuple[float, float]], list[str], list[str]]:
+    """The union of GPU operations' spans (sorted, disjoint) with, per span, the name of the
+    operation that ends it and of the one that starts it."""
+    spans: list[list[float]] = []
+    last: list[str] = []
+    first: list[str] = []
+    for op in sorted(ops, key=lambda e: e["ts"]):
+        start, end = op["ts"], op["ts"] + op["dur"]
+        if spans and start <= spans[-1][1]:
+            if end > spans[-1][1]:
+                spans[-1][1], last[-1] = end, op["name"]
+        else:
+            spans.append([start, end])
+            last.append(op["name"])
+            first.append(op["name"])
+    return [(a, b) for a, b in spans], last, first
+
+
+def idle_gaps(busy: list[tuple[float, float]], min_gap: float = MIN_GAP_US) -> list[tuple[float, float]]:
+    """Spans of at least ``min_gap`` between consecutive busy spans (disjoint, sorted)."""
+    return [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_gap]
+
+
+def launch_thread(events: list[dict]) -> tuple | None:
+    """``(pid, tid)`` of the thread with the most launch calls."""
+    counts: dict[tuple, int] = defaultdict(int)
+    for e in events:
+        if e.get("name") in LAUNCHES:
+            counts[(e.get("pid"), e.get("tid"))] += 1
+    return max(counts, key=counts.get) if counts else None
+
+
+def attribute_gaps(gaps: list[tuple[float, float]], cpu: list[dict]) -> tuple[dict[str, float], float]:
+    """Microseconds of ``gaps`` overlapped by each CPU event name, and those overlapped by none."""
+    # Short events are found by their start (none starts more than LONG_US before a gap it
+    # overlaps); the few long ones (a whole forward's range) are checked against every gap.
+    short = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in cpu if e["dur"] <= LONG_US)
+    long = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in cpu if e["dur"] > LONG_US]
+    starts = [s for s, _, _ in short]
+    shares: dict[str, float] = defaultdict(float)
+    uncovered = 0.0
+    for g0, g1 in gaps:
+        near = short[bisect.bisect_left(starts, g0 - LONG_US) : bisect.bisect_left(starts, g1)]
+        covered = []
+        for start, end, name in near + long:
+            overlap = min(end, g1) - max(start, g0)
+            if overlap > 0:
+                shares[name] += overlap
+                covered.append((max(start, g0), min(end, g1)))
+        uncovered += (g1 - g0) - sum(b - a for a, b in intervals_union(covered))
+    return shares, uncovered
+
+
+def summarize_trace(events: list[dict]) -> dict:
+    """The trace's GPU span, busy and idle time, its idle gaps and what the launching thread did
+    during them, and GPU time by kernel family (milliseconds)."""
+    ops = [e for e in events if e.get("cat") in GPU_CATEGORIES and "dur" in e]
+    if not ops:
+        return {"gpu_ops": 0}
+    busy, before, after = busy_spans(ops)
+    span = busy[-1][1] - busy[0][0]
+    busy_us = sum(b - a for a, b in busy)
+    gaps = idle_gaps(busy)
+    # each gap by the family of the GPU operation that ended just before it (a prefill forward's
+    # last kernel, a decode step's, a save's copy) and of the one that ended it
+    by_neighbour: dict[str, float] = defaultdict(float)
+    for i, (a, b) in enumerate(zip(busy, busy[1:])):
+        if b[0] - a[1] >= MIN_GAP_US:
+            by_neighbour[f"{family(before[i])} -> {family(after[i + 1])}"] += b[0] - a[1]
+    by_family: dict[str, float] = defaultdict(float)
+    for op in ops:
+        by_family[family(op["name"])] += op["dur"]
+    thread = launch_thread(events)
+    cpu = [e for e in events if (e.get("pid"), e.get("tid")) == thread and e.get("cat") in CPU_CATEGORIES
+           and "dur" in e]  # fmt: skip
+    shares, uncovered = attribute_gaps(gaps, cpu)
+    gap_ms = [round((b - a) / 1e3, 3) for a, b in gaps]
+    return {
+        "gpu_ops": len(ops),
+        "span_ms": round(span / 1e3, 1),
+        "gpu_busy_ms": round(busy_us / 1e3, 1),
+        "gpu_idle_share": round(1 - busy_us / span, 4) if span else None,
+        "graph_launches": sum(e.get("name") == "cudaGraphLaunch" for e in cpu),
+        "idle_gaps": len(gaps),
+        "idle_gap_ms": round(sum(gap_ms), 1),
+        "largest_idle_gaps_ms": sorted(gap_ms, reverse=True)[:TOP],
+        "idle_gap_cpu_ms": {n: round(v / 1e3, 2) for n, v in sorted(shares.items(), key=lambda kv: -kv[1])[:TOP]},
+        "idle_gap_uncovered_ms": round(uncovered / 1e3, 1),
+        "idle_gap_ms_by_neighbours": {
+            k: round(v / 1e3, 1) for k, v in sorted(by_neighbour.items(), key=lambda kv: -kv[1])[:TOP]
+        },
+        "gpu_ms_by_family": {f: round(v / 1e3, 1) for f, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def load_events(path: str) -> list[dict]:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("logs", nargs="+", metavar="NAME=LOG[@COMMIT]", help="the commit the server ran")
+    parser.add_argument("logs", nargs="*", metavar="NAME=LOG[@COMMIT]", help="the commit the server ran")
+    parser.add_argument("--trace", nargs="+", default=[], metavar="TRACE", help="summarize these profiler traces "
+                        "instead: the GPU's idle gaps and what the CPU did in them")  # fmt: skip
     parser.add_argument("--device", default=None, help="the GPU the logs come from")
     parser.add_argument("--baseline", help="NAME whose throughput and running requests the others are divided by")
     parser.add_argument("--out", type=Path)
@@ -211,6 +365,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-fit", action="store_true", help="also fit each log's decode step against its batch "
                         "and its prefill's cost and share of the time (the module doc)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.trace:
+        traces = {path: summarize_trace(load_events(path)) for path in args.trace}
+        print(json.dumps(traces, indent=1))
+        return traces
+    if not args.logs:
+        parser.error("give server logs (NAME=LOG) or --trace")
     runs, texts = {}, {}
     for item in args.logs:
         name, _, path = item.partition("=")

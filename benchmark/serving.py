@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,7 +56,7 @@ from sparse_sglang.testing.provenance import git_commit, save_result
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache, sse_events
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.server_log import decoded_tokens  # noqa: E402
+from benchmark.server_log import decoded_tokens, load_events, summarize_trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Run in this order. "vanilla" keeps the sparse system's KV dtype; "vanilla-bf16" is bf16 KV.
@@ -156,6 +157,7 @@ class RateRun:
     max_in_flight: int
     started_at: float | None = None  # time.time() at the first send: the server log's clock
     tokens_by_quarter: list[int] = field(default_factory=list)  # streamed in each quarter of the window
+    at_cutoff: dict | None = None  # what drive's at_cutoff returned (a profile of the loaded server)
 
 
 def generate_payload(request: Request) -> bytes:
@@ -219,31 +221,37 @@ def late_half_drift(quarters: list[float]) -> float | None:
     return (quarters[3] - quarters[2]) / mean
 
 
-async def drive(url: str, trace: list[Request], cutoff: float | None, request_timeout: float) -> RateRun:
+async def drive(
+    url: str,
+    trace: list[Request],
+    cutoff: float | None,
+    request_timeout: float,
+    at_cutoff: Callable[[], dict] | None = None,
+) -> RateRun:
     """Send `trace` on its schedule; at `cutoff` seconds stop sending and cancel what is in flight.
 
     Requests cut off keep what they streamed (``streamed_tokens``, TTFT and TBT samples): under
-    overload the run's output throughput is every token delivered within the window."""
+    overload the run's output throughput is every token delivered within the window.
+    ``at_cutoff`` runs (in a thread) at the cutoff before the cancellation, while the requests in
+    flight still stream: e.g. a profile of the loaded server (:func:`profile_server`); the run
+    keeps what it returns. Every number of the run counts only what arrived before the cutoff."""
     records = [RequestRecord(r.arrival, len(r.input_ids), r.max_new_tokens) for r in trace]
     payloads = [generate_payload(r) for r in trace]  # serialized before the clock starts
     streams: list[list[tuple[float, int]]] = [[] for _ in trace]
-    tbt: list[float] = []
+    ended = [math.inf] * len(trace)  # when each request's stream ended (done or failed)
     in_flight = max_in_flight = 0
     timeout = aiohttp.ClientTimeout(total=request_timeout)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         start, started_at = time.perf_counter(), time.time()
 
-        async def one(record: RequestRecord, payload: bytes, chunks: list) -> None:
+        async def one(i: int, record: RequestRecord, payload: bytes, chunks: list) -> None:
             nonlocal in_flight, max_in_flight
             await asyncio.sleep(record.arrival - (time.perf_counter() - start))
-            sent = time.perf_counter()
-            record.sent, record.status = sent - start, "running"
+            record.sent, record.status = time.perf_counter() - start, "running"
             in_flight += 1
             max_in_flight = max(max_in_flight, in_flight)
             try:
                 await stream_generate(session, url, payload, chunks)
-                record.e2e = time.perf_counter() - sent
-                record.output_len = chunks[-1][1] if chunks else 0
                 record.status = "ok"
             except asyncio.CancelledError:
                 record.status = "cancelled"
@@ -252,21 +260,34 @@ async def drive(url: str, trace: list[Request], cutoff: float | None, request_ti
                 record.status, record.error = "failed", f"{type(err).__name__}: {err}"[:300]
             finally:
                 in_flight -= 1
-                record.ttft, samples = token_timing(sent, chunks)
-                record.streamed_tokens = chunks[-1][1] if chunks else 0
-                tbt.extend(samples)
+                if record.status != "cancelled":
+                    ended[i] = time.perf_counter()
 
-        tasks = [asyncio.create_task(one(r, p, c)) for r, p, c in zip(records, payloads, streams)]
+        tasks = [asyncio.create_task(one(i, *args)) for i, args in enumerate(zip(records, payloads, streams))]
         _, pending = await asyncio.wait(tasks, timeout=cutoff)
+        end = time.perf_counter()
+        extra = None
+        if at_cutoff is not None and pending:
+            extra = await asyncio.get_running_loop().run_in_executor(None, at_cutoff)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        duration = time.perf_counter() - start
-    for record, chunks in zip(records, streams):
-        record.late_tokens = tokens_between(chunks, start + duration / 2)
+    duration, tbt = end - start, []
+    for record, chunks, stop in zip(records, streams, ended):
+        window = [(t, n) for t, n in chunks if t < end]
+        if record.status in ("ok", "failed") and stop > end:  # it ended while at_cutoff ran
+            record.status, record.error = "cancelled", ""
+        if record.status == "ok":
+            record.e2e = stop - (start + record.sent)
+            record.output_len = window[-1][1] if window else 0
+        if record.sent is not None:
+            record.ttft, samples = token_timing(start + record.sent, window)
+            tbt.extend(samples)
+        record.streamed_tokens = window[-1][1] if window else 0
+        record.late_tokens = tokens_between(window, start + duration / 2)
     edges = [start + duration * q / QUARTERS for q in range(QUARTERS + 1)]
     by_quarter = [sum(tokens_between(c, a, b) for c in streams) for a, b in zip(edges, edges[1:])]
-    return RateRun(records, tbt, duration, max_in_flight, started_at, by_quarter)
+    return RateRun(records, tbt, duration, max_in_flight, started_at, by_quarter, extra)
 
 
 # ---------------------------------------------------------------- metrics
@@ -305,6 +326,8 @@ class RateResult:
     max_running_req: int | None  # from the server's log
     cache_flushed: bool
     records: list[dict]
+    # a profile of the loaded server at the window's end (--profile-steps): benchmark/server_log.py's summary
+    profile: dict | None = None
 
 
 def _ms(seconds: list[float], percentile: float | None = None) -> float | None:
@@ -361,6 +384,7 @@ def summarize_rate(
         max_running_req=max_running_req,
         cache_flushed=cache_flushed,
         records=[asdict(r) for r in run.records],
+        profile=run.at_cutoff,
     )
 
 
@@ -954,6 +978,28 @@ def warm_up(url: str) -> None:
     requests.post(url + "/generate", json=body, timeout=600).raise_for_status()
 
 
+def profile_server(url: str, trace_dir: Path, steps: int, timeout: float = 300.0, settle: float = 5.0) -> dict:
+    """Record ``steps`` forward steps of the server with SGLang's profiler (torch's, CPU and GPU
+    activities) and summarize the first TP rank's trace (``benchmark/server_log.py``) once it has
+    not grown for ``settle`` seconds (the export takes a while). A failure is the summary's
+    ``error``: it must not lose the run it ends."""
+    try:
+        body = {"output_dir": str(trace_dir), "num_steps": steps, "activities": ["CPU", "GPU"],
+                "with_stack": False, "record_shapes": False}  # fmt: skip
+        requests.post(url + "/start_profile", json=body, timeout=60).raise_for_status()
+        deadline, files = time.monotonic() + timeout, []
+        while time.monotonic() < deadline:
+            files = sorted(trace_dir.glob("*TP-0*.trace.json*")) or sorted(trace_dir.glob("*.trace.json*"))
+            if files and files[0].stat().st_size and time.time() - files[0].stat().st_mtime >= settle:
+                break  # written and no longer growing
+            time.sleep(2)
+        else:
+            return {"steps": steps, "error": f"no trace under {trace_dir} after {timeout:.0f} s"}
+        return {"steps": steps, "trace": files[0].name, **summarize_trace(load_events(str(files[0])))}
+    except Exception as err:  # noqa: BLE001 - reported in the result instead
+        return {"steps": steps, "error": f"{type(err).__name__}: {err}"[:500]}
+
+
 def run_system(system: str, plan: list[RatePlan], args, model: str, deadline: float | None) -> tuple[dict, dict]:
     """Start one server, run every planned rate on it, stop it; (server record, trace -> rate results)."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -979,7 +1025,11 @@ def run_system(system: str, plan: list[RatePlan], args, model: str, deadline: fl
                     continue
                 trace = make_trace(step.spec, step.rate, step.num_requests, args.seed)
                 log_offset = log_path.stat().st_size
-                run = asyncio.run(drive(server.url, trace, min(limits, default=None), args.request_timeout))
+                trace_dir = Path(args.log_dir) / f"profile-{system}-{stamp}-{step.spec.name}-{step.rate:g}"
+                at_cutoff = (
+                    (lambda: profile_server(server.url, trace_dir, args.profile_steps)) if args.profile_steps else None
+                )
+                run = asyncio.run(drive(server.url, trace, min(limits, default=None), args.request_timeout, at_cutoff))
                 flushed = flush_cache(server.url)
                 with open(log_path, "rb") as log:
                     log.seek(log_offset)
@@ -1132,6 +1182,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "short or skipped, so results get written before an outer time limit",
     )
     p.add_argument("--log-dir", default="/tmp/sparse-sglang-serving", help="for the server logs")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="at each window's end, before cancelling the "
+        "requests in flight, profile this many forward steps of the loaded server (traces in --log-dir; "
+        "the first rank's summary in the result's 'profile'); 0: none",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and a time estimate; start nothing")
     return p.parse_args(argv)  # fmt: skip
 

@@ -28,6 +28,7 @@ from benchmark.serving import (
     merge_documents,
     parse_args,
     plot,
+    profile_server,
     server_args,
     server_decode_by_quarter,
     sse_events,
@@ -247,6 +248,112 @@ def test_a_run_cut_off_counts_what_every_request_streamed():
     quarter = run.duration / 4
     assert result.throughput_by_quarter == pytest.approx([t / quarter for t in run.tokens_by_quarter])
     assert result.late_half_drift == pytest.approx(late_half_drift(result.throughput_by_quarter))
+
+
+def _token_stream_route(seconds_per_token: float = 0.01):
+    from aiohttp import web
+
+    async def generate(request):
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for n in range(1, body["sampling_params"]["max_new_tokens"] + 1):
+            await asyncio.sleep(seconds_per_token)
+            meta = {"completion_tokens": n, "finish_reason": None}
+            await response.write(b"data: " + orjson.dumps({"meta_info": meta}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    return web.post("/generate", generate)
+
+
+def test_work_at_the_cutoff_runs_while_requests_stream_and_nothing_after_the_cutoff_counts():
+    """``at_cutoff`` (a profile of the loaded server) runs before the requests in flight are
+    cancelled, so they still stream meanwhile; the run counts only what arrived before the
+    cutoff: a request that finishes during it is cancelled as of the cutoff, without e2e."""
+    import time
+
+    from sparse_sglang.testing.server import standin_server
+
+    calls = []
+
+    def at_cutoff():
+        calls.append(time.perf_counter())
+        time.sleep(1.0)
+        return {"profiled": True}
+
+    async def main():
+        # B arrives at 1.5 s and needs at least 0.8 s: it ends after the 2 s cutoff, while at_cutoff runs
+        trace = [Request(0.0, [1000] * 8, 1000), Request(1.5, [1001] * 8, 80)]
+        async with standin_server([_token_stream_route()]) as url:
+            return await drive(url, trace, cutoff=2.0, request_timeout=30, at_cutoff=at_cutoff)
+
+    run = asyncio.run(main())
+    long, short = run.records
+    assert run.at_cutoff == {"profiled": True} and len(calls) == 1
+    assert (long.status, short.status) == ("cancelled", "cancelled")
+    assert short.e2e is None and short.output_len == 0 and short.streamed_tokens < 80
+    assert 2.0 <= run.duration < 2.5 and long.streamed_tokens < 2.5 / 0.01
+    assert sum(run.tokens_by_quarter) == long.streamed_tokens + short.streamed_tokens
+    assert len(run.tbt) == long.streamed_tokens - 1 + max(short.streamed_tokens - 1, 0)
+    assert summarize_rate(1.0, [0], run, None, False).profile == {"profiled": True}
+
+
+def _synthetic_trace() -> list[dict]:
+    """Two GPU spans with a 2 ms gap, during which the launching thread (the one with the
+    launches) waits in the sparse backend's save wait; another thread's event is not counted."""
+    cpu = {"pid": 1, "tid": 7}
+    return [
+        {"cat": "kernel", "name": "nvjet_gemm", "ts": 0.0, "dur": 1000.0},
+        {"cat": "kernel", "name": "flash_h2d_kernel", "ts": 3000.0, "dur": 500.0},
+        {"cat": "kernel", "name": "nvjet_gemm", "ts": 3520.0, "dur": 80.0},  # 20 us later: launch latency
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 100.0, "dur": 10.0, **cpu},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2900.0, "dur": 10.0, **cpu},
+        {"cat": "user_annotation", "name": "sparse.wait_saves", "ts": 1200.0, "dur": 1500.0, **cpu},
+        {"cat": "cpu_op", "name": "other_thread_op", "ts": 1000.0, "dur": 2000.0, "pid": 1, "tid": 8},
+    ]
+
+
+def test_server_trace_finds_the_idle_gaps_and_what_the_launching_thread_did_in_them():
+    from benchmark.server_log import summarize_trace
+
+    out = summarize_trace(_synthetic_trace())
+    assert out["gpu_ops"] == 3 and out["span_ms"] == 3.6 and out["gpu_busy_ms"] == 1.6  # 1.58, to 0.1 ms
+    assert out["idle_gaps"] == 1 and out["idle_gap_ms"] == 2.0  # the 20 us one is launch latency
+    assert out["idle_gap_cpu_ms"] == {"sparse.wait_saves": 1.5, "cudaLaunchKernel": 0.01}
+    assert out["idle_gap_uncovered_ms"] == pytest.approx(0.5, abs=0.05)
+    assert out["idle_gap_ms_by_neighbours"] == {"gemm -> flash_h2d": 2.0}
+    assert out["gpu_ms_by_family"] == {"gemm": 1.1, "flash_h2d": 0.5}
+    assert summarize_trace([]) == {"gpu_ops": 0}
+
+
+def test_profile_server_summarizes_the_first_ranks_trace_and_reports_a_failure_instead_of_raising(tmp_path):
+    import gzip
+
+    from aiohttp import web
+
+    from sparse_sglang.testing.server import standin_server
+
+    async def start_profile(request):
+        body = await request.json()
+        out = tmp_path / "ok"
+        out.mkdir()
+        for rank in (0, 1):
+            with gzip.open(out / f"123-TP-{rank}.trace.json.gz", "wt") as f:
+                json.dump({"traceEvents": _synthetic_trace() if rank == 0 else []}, f)
+        assert body["num_steps"] == 7 and body["output_dir"] == str(out)
+        return web.json_response({"success": True})
+
+    async def main():
+        async with standin_server([web.post("/start_profile", start_profile)]) as url:
+            loop = asyncio.get_running_loop()
+            ok = await loop.run_in_executor(None, lambda: profile_server(url, tmp_path / "ok", 7, timeout=20, settle=0))
+            missing = await loop.run_in_executor(None, lambda: profile_server(url + "/nowhere", tmp_path / "no", 7))
+            return ok, missing
+
+    ok, missing = asyncio.run(main())
+    assert ok["steps"] == 7 and ok["trace"] == "123-TP-0.trace.json.gz" and ok["idle_gap_ms"] == 2.0
+    assert missing["steps"] == 7 and "404" in missing["error"]
 
 
 def test_tokens_between_counts_a_streams_tokens_that_arrived_in_the_span():

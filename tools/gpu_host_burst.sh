@@ -20,7 +20,8 @@
 # serving (benchmark/serving.py, vanilla then sparse, long generation at 2 and long prompt at 0.8 req/s),
 # serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2; $PAIR_TRACES, e.g.
 # "long-generation 2.0": fewer traces; $SERVING_VARIANTS: several sparse configurations, a GPU each),
-# ($SERVING_WINDOW: the serving jobs' window in seconds, default 400)
+# ($SERVING_WINDOW: the serving jobs' window in seconds, default 400; $SERVING_PROFILE_STEPS: profile
+# that many forward steps of each loaded server at its window's end, benchmark/server_log.py --trace)
 # serving_tp2 (TP=2 sparse and vanilla: side by side on four GPUs), parallel (the summary, after
 # serving_tp2, tp and dp; $TP1_JSON: the sparse TP=1 run), serving_tp (both, with sparse TP=1 between:
 # nvidia-h100-x2; $TP_SPARSE_EXTRA: more sparse flags for these, apart from the single-GPU
@@ -116,7 +117,7 @@ job_serving_pair() {
   # the same windows (files serving-<name>.json, server logs in serving-logs/<name>/).
   local base="--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1"
   local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64"
-    --max-seconds-per-rate "${SERVING_WINDOW:-400}" --out-dir /root/o)
+    --max-seconds-per-rate "${SERVING_WINDOW:-400}" --profile-steps "${SERVING_PROFILE_STEPS:-0}" --out-dir /root/o)
   local trace rate gpu devices variants variant name flags tag
   IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the job's GPUs
   IFS=';' read -ra variants <<< "${SERVING_VARIANTS:-=${SERVING_SPARSE_EXTRA:-}}"  # one unnamed variant by default
@@ -155,6 +156,7 @@ job_serving_tp2() {
   # ($TP2_SYSTEMS: which of them there, default both).
   local args=(--traces long-generation --rates-long-generation "${TP2_RATE:-4.0}" --tp-size 2
     --max-seconds-per-rate "${TP_WINDOW:-600}" --out-dir /root/o --log-dir /root/o/serving-tp-logs
+    --profile-steps "${SERVING_PROFILE_STEPS:-0}"
     --sparse-host-cache-gb "${TP2_HOST_GB:-184}" --vanilla-server-args "--cuda-graph-max-bs-decode 128"
     --sparse-server-args "--cuda-graph-max-bs-decode 192 $HEADLINE_KV $SCALES_TP2 ${TP_SPARSE_EXTRA:-}")
   local devices

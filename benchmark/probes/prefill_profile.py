@@ -34,27 +34,11 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.probes.decode_profile import top_kernels  # noqa: E402
 from benchmark.probes.prefill_rate import add_system_args, fresh_prompt, system_flags  # noqa: E402
+from benchmark.server_log import GPU_CATEGORIES, family  # noqa: E402
 from benchmark.serving import SYSTEMS  # noqa: E402
 from sparse_sglang.testing.models import write_llama3_8b_dummy  # noqa: E402
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
 from sparse_sglang.testing.server import ServerProcess, flush_cache, generate_ids  # noqa: E402
-
-# Kernel families of a prefill by name fragment (first match wins); the rest is "other".
-FAMILIES = (
-    ("flash_h2d", ("flash_h2d",)),
-    ("kv_save", ("direct_d2h", "store_kv", "set_kv", "_index", "Memcpy DtoH", "Memcpy DtoD")),
-    # FA2 kernels name the KV layout in the kernel, FA3 (Hopper) ones in its parameters
-    ("prefix_attention", ("BatchPrefillWithPagedKVCache", "PagedParams")),
-    ("ragged_attention", ("BatchPrefillWithRaggedKVCache", "RaggedParams")),
-    ("merge_state", ("MergeState", "merge_state")),
-    ("gemm", ("gemm", "Gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
-    ("norm_rope_act", ("rms", "Rms", "norm", "rope", "Rotary", "silu", "act_and_mul")),
-)
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def family(name: str) -> str:
-    return next((fam for fam, parts in FAMILIES if any(p in name for p in parts)), "other")
 
 
 def busy_ms(ops: list[dict]) -> float:

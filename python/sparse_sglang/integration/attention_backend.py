@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+from torch.profiler import record_function
 
 from sparse_sglang.attention.sparse_decode import host_page_table
 from sparse_sglang.integration.registry import relies_on
@@ -110,17 +111,20 @@ class SparseAttnBackend(FlashInferAttnBackend):
         if mode.is_idle():
             return super().init_forward_metadata(forward_batch)
         self.store.note_forward_stream()
-        self.store.wait_saves()  # earlier prefill saves land before any host read below
+        with record_function("sparse.wait_saves"):
+            self.store.wait_saves()  # earlier prefill saves land before any host read below
         self._record_last_decode_step()
         if mode.is_decode():
-            self._begin_decode(forward_batch)
+            with record_function("sparse.begin_decode"):
+                self._begin_decode(forward_batch)
         elif mode.is_extend() and not mode.is_target_verify() and not mode.is_mixed():
             super().init_forward_metadata(forward_batch)  # plans the ragged (new tokens) prefill
             if not self.forward_metadata.use_ragged:
                 raise RuntimeError("the sparse backend needs FlashInfer's ragged prefill (unset SGLANG_FLASHINFER_USE_PAGED, "
                                    "deterministic inference and multimodal inputs)")  # fmt: skip
-            self._begin_extend(forward_batch)
-            self._plan_ragged(forward_batch)
+            with record_function("sparse.begin_extend"):
+                self._begin_extend(forward_batch)
+                self._plan_ragged(forward_batch)
         else:
             raise NotImplementedError(f"the sparse backend does not run {mode} batches (speculative decoding, "
                                       "mixed chunks); turn those options off")  # fmt: skip
@@ -227,9 +231,11 @@ class SparseAttnBackend(FlashInferAttnBackend):
         if in_capture:  # a batch the graph runner made up, not one init_new built
             self.next_req_slots = None
         self.store.note_forward_stream()
-        self.store.wait_saves()
+        with record_function("sparse.wait_saves"):
+            self.store.wait_saves()
         self._record_last_decode_step()
-        self._begin_decode(forward_batch, graph=True)
+        with record_function("sparse.begin_decode"):
+            self._begin_decode(forward_batch, graph=True)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
         bs, page = forward_batch.batch_size, self.store.shape.page_size

@@ -18,6 +18,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from sparse_sglang.transfer.h2d import cuda_view, device_index
 from sparse_sglang.transfer.layout import alloc_host_tensor, check_host_store, check_tokens
@@ -198,7 +199,8 @@ class FlashD2H:
             return self._pool.submit([0], -1, [self._ring[0].k], [self.host_k], layer, self._ring[0].slots, 0)
         buf = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
-        self._pool.wait(buf.ticket)  # the buffer is free once its last scatter is done (blocks if the ring is full)
+        with record_function("sparse.d2h_ring_wait"):  # named in profiles: the forward waits for the host here
+            self._pool.wait(buf.ticket)  # the buffer is free once its last scatter is done (blocks if the ring is full)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):  # K's scatter starts while V is still copying
             if token_slots.is_cuda:
