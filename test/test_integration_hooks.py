@@ -337,3 +337,30 @@ def test_the_backend_reads_only_attributes_it_or_sglangs_backends_set():
             continue
         provided |= _self_attributes(cls)[1]
     assert reads - provided == set()
+
+
+def test_flashinfer_decode_max_gives_the_builtins_value_with_one_reduction():
+    """The decode plan's ``max(kv_lens_arr_host).item()`` reads the same through the patch, and
+    every other use of ``max`` in FlashInfer's decode module is Python's own."""
+    import builtins
+    import inspect
+
+    import flashinfer.decode
+    import torch
+
+    from sparse_sglang.integration.flashinfer_decode_plan import tensor_aware_max
+
+    lens = torch.randint(1, 1 << 20, (600,), dtype=torch.int32)
+    assert tensor_aware_max(lens).item() == builtins.max(lens).item() == int(lens.max())
+    assert tensor_aware_max(lens[:1]).item() == int(lens[0])
+    assert tensor_aware_max([3, 9, 4]) == 9 and tensor_aware_max(3, 9) == 9
+    assert tensor_aware_max([(1, "b"), (2, "a")], key=lambda x: x[1]) == (1, "b")
+    assert tensor_aware_max([], default=7) == 7
+    with pytest.raises(ValueError):
+        tensor_aware_max(torch.empty(0, dtype=torch.int32))  # as the builtin: an empty sequence
+    integration.install()
+    assert flashinfer.decode.max is tensor_aware_max
+    # why the patch exists: if FlashInfer stops taking the longest row this way, drop it
+    assert "max(kv_lens_arr_host).item()" in inspect.getsource(
+        flashinfer.decode.BatchDecodeWithPagedKVCacheWrapper._plan_impl
+    )

@@ -468,6 +468,69 @@ def test_elastic_rows_grow_into_free_slots_and_give_back_their_least_recently_us
     assert torch.equal(cache.page_table.lookup(1, 0, 0, torch.arange(10)), kept[:10])
 
 
+@pytest.mark.parametrize("lru_buckets", [0, 4])
+def test_rows_narrowed_in_one_pass_are_those_narrowed_one_at_a_time(lru_buckets):
+    """A new request narrows several rows at once: the same slots stay, the same pages go back to
+    the host only, and the same slots return to the free stack in the same order as when each row
+    is cut by its own sort (:func:`shrink_rows_reference`), with ties in last use and rows of
+    different widths."""
+    import copy
+
+    from sparse_sglang.mem_cache.reference import shrink_rows_reference
+
+    rng = random.Random(5)
+    layers, heads, max_pages = 2, 3, 16
+    cache = GPUPageCache(layers * heads * 40, layers, heads, 4, 8, torch.bfloat16, max_requests=8, row_width=10,
+                         max_pages=max_pages, total_pages=6 * max_pages, min_row_width=2, lru_buckets=lru_buckets,
+                         lru_steps_per_bucket=2)  # fmt: skip
+    no_load = lambda src, dst: None  # noqa: E731 (the test follows the mapping, not the data)
+    for r in (1, 2, 3, 4):
+        cache.open_request(r, max_pages)
+        cache.write_allocate(r, 0, rng.randrange(1, 5))
+    for _ in range(12):  # decode steps: pages used at different steps, some at the same one
+        cache.next_step()
+        for layer in range(layers):
+            ids = torch.tensor([[rng.sample(range(max_pages), 2) for _ in range(heads)] for _ in range(4)])
+            host_pages = torch.arange(max_pages).repeat(4, 1)
+            retrieve_reference(cache, layer, torch.tensor([1, 2, 3, 4]), ids, host_pages, no_load, max_pages)
+    widths = {r: cache.width(r) for r in (1, 2, 3, 4)}
+    assert len(set(widths.values())) == 1 and widths[1] >= 8
+    narrowed = {3: 2, 1: widths[1] - 3, 4: widths[4] - 1}
+    one_by_one = copy.deepcopy(cache)
+    cached_before = int((cache.slot_page >= 0).sum())
+    shrink_rows_reference(one_by_one, narrowed)
+    cache._shrink_rows(narrowed)
+    assert int((cache.slot_page >= 0).sum()) < cached_before  # cached pages went back to the host only
+    for name in ("rows", "slot_page", "last_used"):
+        assert torch.equal(getattr(cache, name), getattr(one_by_one, name)), name
+    assert torch.equal(cache.page_table.segments, one_by_one.page_table.segments)
+    assert all(torch.equal(cache._row_slots[r], one_by_one._row_slots[r]) for r in widths)
+    assert len(cache._free) == len(one_by_one._free) == layers * heads * (3 + (widths[3] - 2) + 1 + 40 - 4 * widths[1])
+    assert torch.equal(cache._free.pop(len(cache._free)), one_by_one._free.pop(len(one_by_one._free)))
+    assert cache._width == one_by_one._width and cache._filled == one_by_one._filled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_row_bookkeeping_never_waits_for_the_device():
+    """Opening rows (which narrows others), growing tables, write-allocating and closing rows (which
+    widens others) run while the step before is still on the GPU: none of them synchronizes."""
+    cache = GPUPageCache(2 * 2 * 12, 2, 2, 4, 16, torch.bfloat16, max_requests=8, row_width=6, max_pages=12,
+                         total_pages=48, min_row_width=2, device="cuda")  # fmt: skip
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for r in range(1, 7):
+            cache.open_request(r, 4)
+            cache.write_allocate(r, 0, 4)
+            cache.resize_request(r, 12)
+        for r in (2, 4, 6):
+            cache.close_request(r)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [cache.width(r) for r in (1, 3, 5)] == [4, 4, 4] and cache.num_free == 0
+
+
 def host_with_pages(layers, heads, pages, page_size, dim, dtype, gen):
     host = HostKVPool(layers, heads, pages, page_size, dim, dtype, pin=False)
     host.k.view(torch.uint8).copy_(

@@ -30,6 +30,7 @@ def install() -> None:
         add_sparse_backend_choice,
         register_sparse_attention_backend,
     )
+    from sparse_sglang.integration.flashinfer_decode_plan import patch_flashinfer_decode_max
     from sparse_sglang.integration.forward_batch import patch_forward_batch_init_new
     from sparse_sglang.integration.input_length import patch_validate_input_length
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
@@ -64,6 +65,7 @@ def install() -> None:
     patch_event_loop_normal()
     patch_get_new_batch_prefill()
     patch_release_req()
+    patch_flashinfer_decode_max()
     _installed = True
     logger.info("sparse-sglang installed into SGLang (%d hooks)", len(HOOKS))
 

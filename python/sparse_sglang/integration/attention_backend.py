@@ -137,8 +137,10 @@ class SparseAttnBackend(FlashInferAttnBackend):
         ``/flush_cache`` zeroes every generation, so a later request can get the slot back at a
         generation an earlier one had."""
         cache = self.store.cache
-        for slot in req_slots:
-            generation = int(self.req_generation[slot])
+        # One read of the host tensor for the batch, not two torch ops per slot: this runs every
+        # decode step, on the host thread the GPU waits for when it falls behind.
+        generations = self.req_generation[req_slots].tolist() if req_slots else []
+        for slot, generation in zip(req_slots, generations):
             if cache.is_open(slot) and self.row_generation.get(slot) == generation:
                 continue
             if cache.is_open(slot):  # left by an earlier request of this slot

@@ -20,7 +20,7 @@ SGLANG_VERSION = "0.5.17"
 
 @dataclass(frozen=True)
 class SGLangSymbol:
-    """An SGLang object one of our hooks depends on."""
+    """An SGLang object (or one of the pinned stack's, such as FlashInfer's) one of our hooks depends on."""
 
     module: str  # e.g. "sglang.srt.server_args"
     name: str  # attribute path inside the module, e.g. "ServerArgs"
@@ -35,10 +35,12 @@ class SGLangSymbol:
         return obj
 
     def location(self) -> tuple[str, int]:
-        """(file inside the wheel, first line) of the symbol in the installed SGLang."""
+        """(file inside the wheel, first line) of the symbol in the installed package (SGLang's,
+        or another one of the pinned stack's, e.g. FlashInfer's)."""
         obj = inspect.unwrap(self.resolve())
         path = inspect.getsourcefile(obj) or ""
-        return path[path.rfind("sglang/") :], inspect.getsourcelines(obj)[1]
+        package = self.module.split(".")[0] + "/"
+        return path[path.rfind(package) :], inspect.getsourcelines(obj)[1]
 
 
 HOOKS: list[SGLangSymbol] = []

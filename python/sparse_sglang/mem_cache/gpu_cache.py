@@ -19,7 +19,11 @@ copy, and an evicted block needs no write-back.
 Where the work happens
 ----------------------
 - ``open_request``/``close_request``/``resize_request``/``write_allocate`` run on the host
-  between steps (the scheduler knows request lengths): free-slot bookkeeping is CPU-side.
+  between steps (the scheduler knows request lengths): the host decides how many slots each row
+  gets, and the slot ids themselves (the free stack, each row's slots) stay on the device, so
+  this bookkeeping never waits for the GPU: it runs while the step before is still computing
+  (SGLang's overlap scheduler), and a new request narrows every row it takes slots from in one
+  pass.
 - ``store`` and the decode step's retrieval (:mod:`sparse_sglang.attention.retrieval`, over
   :attr:`GPUPageCache.view`) are device ops with fixed shapes and no host synchronization, so a
   decode step can run inside a CUDA graph.
@@ -50,6 +54,15 @@ def slots_for_budget(gb: float, page_size: int, head_dim: int, dtype: torch.dtyp
     check_kv_shape(page_size, head_dim, dtype)
     what = f"GPU page cache budget (one slot = K+V of {page_size} tokens x {head_dim} dims, {dtype})"
     return units_for_budget(gb, slot_bytes(page_size, head_dim, dtype), 1, what)
+
+
+def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, copied from pinned memory without waiting
+    for the device (a copy from pageable memory waits for the work queued before it)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class CachedRows(NamedTuple):
@@ -209,8 +222,9 @@ class GPUPageCache:
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         self._heads = torch.arange(num_kv_heads, device=device)
         self._layers = torch.arange(num_layers, device=device)
-        # Host side: free slots, and per open request its row (CPU copy) and write-allocated count.
-        self._free = FreeStack(torch.arange(num_slots))
+        # Free slots and each open row's slots (ids on the device: handing them out needs no
+        # sync), and per open request its width and write-allocated count (on the host).
+        self._free = FreeStack(torch.arange(num_slots, device=device))
         # Write-allocation fills columns [0, filled) of a row in page order (see write_allocate).
         self._row_slots: dict[int, torch.Tensor] = {}
         self._filled: dict[int, int] = {}
@@ -342,35 +356,50 @@ class GPUPageCache:
         self._grow_narrowest()
 
     def _shrink_widest(self, slots_needed: int, floor: int) -> None:
-        """Free ``slots_needed`` slots from the widest open rows, none going below ``floor``."""
+        """Free ``slots_needed`` slots from the widest open rows, none going below ``floor``. The
+        widths are chosen on the host as cutting one row at a time would (the widest first, by as
+        much as is still needed), then every row narrows in one pass (:meth:`_shrink_rows`)."""
         lh = self.num_layers * self.num_kv_heads
+        widths, narrowed = dict(self._width), {}
         while slots_needed > 0:
-            req = max(self._width, key=lambda r: self._width[r])
-            width = self._width[req]
-            cut = min(width - floor, -(-slots_needed // lh))
+            req = max(widths, key=lambda r: widths[r])
+            cut = min(widths[req] - floor, -(-slots_needed // lh))
             assert cut > 0, "open_request checked that enough slots are reclaimable"
-            self._shrink(req, width - cut)
+            widths[req] = narrowed[req] = widths[req] - cut
             slots_needed -= lh * cut
+        self._shrink_rows(narrowed)
 
-    def _shrink(self, req_slot: int, width: int) -> None:
-        """Narrow one request's rows to ``width``: each (layer, head) keeps its most recently used
-        slots; the pages the others held go back to being on the host only."""
-        old = self._width[req_slot]
-        row = self.rows[req_slot, :, :, :old]  # [L, H, old]
-        order = self.recency(self.last_used[row]).argsort(dim=-1, descending=True, stable=True)
-        keep, drop = row.gather(-1, order[..., :width]), row.gather(-1, order[..., width:])
-        self.page_table.invalidate(
-            req_slot, self._layers.view(-1, 1, 1), self._heads.view(1, -1, 1), self.slot_page[drop]
-        )
-        self.slot_page[drop] = -1
-        self.last_used[drop] = -1
-        self.rows[req_slot, :, :, :width] = keep
-        self.rows[req_slot, :, :, width:] = -1
-        self._row_slots[req_slot] = keep.reshape(-1).cpu()
-        self._free.push(drop.reshape(-1).cpu())
-        self._width[req_slot] = width
-        # Its pages are no longer all cached in column order: no more write-allocation.
-        self._filled[req_slot] = width
+    def _shrink_rows(self, widths: dict[int, int]) -> None:
+        """Narrow open rows to ``widths`` (request slot -> a width below its current one): each
+        (layer, head) keeps its most recently used slots; the pages the others held go back to
+        being on the host only. Fixed work per call, whatever the number of rows, and no sync."""
+        reqs = list(widths)
+        old = [self._width[r] for r in reqs]
+        new = [widths[r] for r in reqs]
+        top, dev = max(old), self.rows.device
+        index = host_to_device(reqs, dev)
+        column = torch.arange(top, device=dev)
+        inside = column < host_to_device(old, dev).view(-1, 1, 1, 1)  # [k, 1, 1, top]
+        kept = column < host_to_device(new, dev).view(-1, 1, 1, 1)
+        rows = self.rows[index, :, :, :top]  # [k, L, H, top], -1 past each row's width
+        # Most recent first; columns past a row's width sort after all of its slots (-2 < the
+        # empty slot's -1), and a stable sort keeps ties in row order, as sorting each row would.
+        key = torch.where(inside, self.recency(self.last_used[self.scratch(rows)]), -2)
+        ordered = rows.gather(-1, key.argsort(dim=-1, descending=True, stable=True))
+        dropped = self.scratch(torch.where(inside & ~kept, ordered, -1))  # the rest: the scratch slot
+        self.page_table.invalidate(index.view(-1, 1, 1, 1), self._layers.view(1, -1, 1, 1),
+                                   self._heads.view(1, 1, -1, 1), self.slot_page[dropped])  # fmt: skip
+        scratch = self.slot_page[self.num_slots].clone(), self.last_used[self.num_slots].clone()
+        self.slot_page[dropped] = -1
+        self.last_used[dropped] = -1
+        self.slot_page[self.num_slots], self.last_used[self.num_slots] = scratch  # as they were
+        self.rows[index, :, :, :top] = torch.where(kept, ordered, -1)
+        for i, (req, width) in enumerate(zip(reqs, new)):
+            self._row_slots[req] = ordered[i, :, :, :width].reshape(-1)
+            self._free.push(ordered[i, :, :, width : old[i]].reshape(-1))
+            self._width[req] = width
+            # Its pages are no longer all cached in column order: no more write-allocation.
+            self._filled[req] = width
 
     def _grow_narrowest(self) -> None:
         """Widen the narrowest open rows toward an equal share of the pool (at most ``row_width``)."""

@@ -98,9 +98,10 @@ class TwoLevelPageTable:
             (max_requests, num_layers, num_kv_heads, num_dir), self.null, dtype=torch.int32, device=device
         )
         self.segments = torch.full((num_segments + 2, segment_pages), -1, dtype=torch.int32, device=device)
-        # Host side: the free segments, and per request slot its segment ids [L, H, n] and page count.
-        self._free = FreeStack(torch.arange(num_segments))
-        self._owned = [torch.empty(num_layers, num_kv_heads, 0, dtype=torch.int64) for _ in range(max_requests)]
+        # The free segments and per request slot its segment ids [L, H, n] (ids on the device:
+        # growing a table needs no sync), and its page count (on the host).
+        self._free = FreeStack(torch.arange(num_segments, device=device))
+        self._owned = [torch.empty(num_layers, num_kv_heads, 0, dtype=torch.int64, device=device)] * max_requests
         self.num_pages = [0] * max_requests
 
     @staticmethod

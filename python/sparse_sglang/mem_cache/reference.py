@@ -5,8 +5,9 @@ The server orders a row's slots by :meth:`GPUPageCache.recency
 <sparse_sglang.mem_cache.gpu_cache.GPUPageCache.recency>` and takes a stable sort's first victims
 (the retrieve kernel, :mod:`sparse_sglang.attention.retrieval`, does the same on the device). What
 that order must choose is defined here: :class:`BucketedLRU`, SPIN's histogram eviction over
-timestamp buckets (SPIN §5.3), and :func:`exact_lru_evict_reference`, exact LRU. The CPU tests
-hold the cache's choices against these; the server runs none of this module.
+timestamp buckets (SPIN §5.3), and :func:`exact_lru_evict_reference`, exact LRU; and what
+narrowing rows for a new request must do, one row at a time (:func:`shrink_rows_reference`). The
+CPU tests hold the cache's choices against these; the server runs none of this module.
 
 Bucketed LRU, all tensor ops on any device
 ------------------------------------------
@@ -203,3 +204,22 @@ def index_runs_reference(summaries, cache, layer: int, k: torch.Tensor, v: torch
     the new keys into the page summaries, then write K/V into the cached blocks of their pages."""
     summaries.update(layer, k, token_slots)
     cache.store(layer, runs.token_req_slots, runs.token_positions, k, v)
+
+
+def shrink_rows_reference(cache, widths: dict[int, int]) -> None:
+    """``GPUPageCache._shrink_rows`` one row at a time: in each (layer, head) of each row, a
+    stable sort of its slots by recency, most recent first; the first ``width`` stay, the rest
+    are unmapped and freed (pushed row after row, in ``widths``' order)."""
+    layers, heads = cache._layers.view(-1, 1, 1), cache._heads.view(1, -1, 1)
+    for req, width in widths.items():
+        row = cache.rows[req, :, :, : cache._width[req]]
+        order = cache.recency(cache.last_used[row]).argsort(dim=-1, descending=True, stable=True)
+        keep, drop = row.gather(-1, order[..., :width]), row.gather(-1, order[..., width:])
+        cache.page_table.invalidate(req, layers, heads, cache.slot_page[drop])
+        cache.slot_page[drop] = -1
+        cache.last_used[drop] = -1
+        cache.rows[req, :, :, :width] = keep
+        cache.rows[req, :, :, width:] = -1
+        cache._row_slots[req] = keep.reshape(-1)
+        cache._free.push(drop.reshape(-1))
+        cache._width[req] = cache._filled[req] = width
