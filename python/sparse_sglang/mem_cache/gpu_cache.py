@@ -372,7 +372,8 @@ class GPUPageCache:
     def _shrink_rows(self, widths: dict[int, int]) -> None:
         """Narrow open rows to ``widths`` (request slot -> a width below its current one): each
         (layer, head) keeps its most recently used slots; the pages the others held go back to
-        being on the host only. Fixed work per call, whatever the number of rows, and no sync."""
+        being on the host only. One batched sort for all the rows, then two slicing copies per row
+        (its kept slots, its freed ones); no sync."""
         reqs = list(widths)
         old = [self._width[r] for r in reqs]
         new = [widths[r] for r in reqs]
