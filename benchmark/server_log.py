@@ -268,11 +268,6 @@ def busy_spans(ops: list[dict]) -> tuple[list[tuple[float, float]], list[str], l
     return [(a, b) for a, b in spans], last, first
 
 
-def idle_gaps(busy: list[tuple[float, float]], min_gap: float = MIN_GAP_US) -> list[tuple[float, float]]:
-    """Spans of at least ``min_gap`` between consecutive busy spans (disjoint, sorted)."""
-    return [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_gap]
-
-
 def launch_thread(events: list[dict]) -> tuple | None:
     """``(pid, tid)`` of the thread with the most launch calls."""
     counts: dict[tuple, int] = defaultdict(int)
@@ -312,12 +307,14 @@ def summarize_trace(events: list[dict]) -> dict:
     busy, before, after = busy_spans(ops)
     span = busy[-1][1] - busy[0][0]
     busy_us = sum(b - a for a, b in busy)
-    gaps = idle_gaps(busy)
-    # each gap by the family of the GPU operation that ended just before it (a prefill forward's
-    # last kernel, a decode step's, a save's copy) and of the one that ended it
+    # idle spans long enough to be a forward launched late (shorter ones are launch latency), and
+    # each by the family of the GPU operation that ended just before it (a prefill forward's last
+    # kernel, a decode step's, a save's copy) and of the one that ended it
+    gaps: list[tuple[float, float]] = []
     by_neighbour: dict[str, float] = defaultdict(float)
     for i, (a, b) in enumerate(zip(busy, busy[1:])):
         if b[0] - a[1] >= MIN_GAP_US:
+            gaps.append((a[1], b[0]))
             by_neighbour[f"{family(before[i])} -> {family(after[i + 1])}"] += b[0] - a[1]
     by_family: dict[str, float] = defaultdict(float)
     for op in ops:

@@ -293,7 +293,8 @@ def test_work_at_the_cutoff_runs_while_requests_stream_and_nothing_after_the_cut
     assert run.at_cutoff == {"profiled": True} and len(calls) == 1
     assert (long.status, short.status) == ("cancelled", "cancelled")
     assert short.e2e is None and short.output_len == 0 and short.streamed_tokens < 80
-    assert 2.0 <= run.duration < 2.5 and long.streamed_tokens < 2.5 / 0.01
+    # the event loop may wake a hair before the 2 s cutoff
+    assert 1.9 <= run.duration < 2.5 and long.streamed_tokens < 2.5 / 0.01
     assert sum(run.tokens_by_quarter) == long.streamed_tokens + short.streamed_tokens
     assert len(run.tbt) == long.streamed_tokens - 1 + max(short.streamed_tokens - 1, 0)
     assert summarize_rate(1.0, [0], run, None, False).profile == {"profiled": True}

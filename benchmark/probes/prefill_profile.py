@@ -34,7 +34,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.probes.decode_profile import top_kernels  # noqa: E402
 from benchmark.probes.prefill_rate import add_system_args, fresh_prompt, system_flags  # noqa: E402
-from benchmark.server_log import GPU_CATEGORIES, family  # noqa: E402
+from benchmark.server_log import GPU_CATEGORIES, family, intervals_union  # noqa: E402
 from benchmark.serving import SYSTEMS  # noqa: E402
 from sparse_sglang.testing.models import write_llama3_8b_dummy  # noqa: E402
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
@@ -43,13 +43,7 @@ from sparse_sglang.testing.server import ServerProcess, flush_cache, generate_id
 
 def busy_ms(ops: list[dict]) -> float:
     """Milliseconds during which at least one of ``ops`` ran (their intervals' union)."""
-    total, end = 0.0, -np.inf
-    for op in sorted(ops, key=lambda e: e["ts"]):
-        start, stop = op["ts"], op["ts"] + op["dur"]
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total / 1e3
+    return sum(b - a for a, b in intervals_union([(op["ts"], op["ts"] + op["dur"]) for op in ops])) / 1e3
 
 
 def prefill_profile(events: list[dict]) -> dict:

@@ -56,7 +56,7 @@ def slots_for_budget(gb: float, page_size: int, head_dim: int, dtype: torch.dtyp
     return units_for_budget(gb, slot_bytes(page_size, head_dim, dtype), 1, what)
 
 
-def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+def host_to_device(values: list, device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device``, copied from pinned memory without waiting
     for the device (a copy from pageable memory waits for the work queued before it)."""
     host = torch.tensor(values, dtype=torch.int64)
@@ -378,10 +378,10 @@ class GPUPageCache:
         old = [self._width[r] for r in reqs]
         new = [widths[r] for r in reqs]
         top, dev = max(old), self.rows.device
-        index = host_to_device(reqs, dev)
+        index, old_width, new_width = host_to_device([reqs, old, new], dev)  # one copy
         column = torch.arange(top, device=dev)
-        inside = column < host_to_device(old, dev).view(-1, 1, 1, 1)  # [k, 1, 1, top]
-        kept = column < host_to_device(new, dev).view(-1, 1, 1, 1)
+        inside = column < old_width.view(-1, 1, 1, 1)  # [k, 1, 1, top]
+        kept = column < new_width.view(-1, 1, 1, 1)
         rows = self.rows[index, :, :, :top]  # [k, L, H, top], -1 past each row's width
         # Most recent first; columns past a row's width sort after all of its slots (-2 < the
         # empty slot's -1), and a stable sort keeps ties in row order, as sorting each row would.
