@@ -513,22 +513,65 @@ def test_rows_narrowed_in_one_pass_are_those_narrowed_one_at_a_time(lru_buckets)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_row_bookkeeping_never_waits_for_the_device():
-    """Opening rows (which narrows others), growing tables, write-allocating and closing rows (which
-    widens others) run while the step before is still on the GPU: none of them synchronizes."""
+    """What runs on the host between steps, while the step before is still on the GPU: opening
+    rows (which narrows others), growing and shrinking page tables, write-allocating, closing rows
+    (which widens others), the reselection stamps, the working-set tracker, an extend batch's save
+    runs. None of them synchronizes."""
+    from sparse_sglang.attention.scoring import candidate_pages
+    from sparse_sglang.mem_cache.kernels import SaveRuns
+    from sparse_sglang.scheduler import WorkingSetTracker
+
+    cuda = torch.device("cuda")
     cache = GPUPageCache(2 * 2 * 12, 2, 2, 4, 16, torch.bfloat16, max_requests=8, row_width=6, max_pages=12,
-                         total_pages=48, min_row_width=2, device="cuda")  # fmt: skip
+                         total_pages=48, min_row_width=2, device=cuda)  # fmt: skip
+    table = TwoLevelPageTable(2, 2, 2, 12, 16, 4, cuda)
+    tracker = WorkingSetTracker(8, 2, 2, 3, window=2, device=cuda)
+    # inputs built before debug mode: a tensor made from a Python list is copied from pageable memory
+    slots = torch.tensor([1, 3, -1], device=cuda)
+    reqs, pages, values, two, eight = (torch.arange(1, 7, device=cuda), torch.tensor([5, 7], device=cuda),
+                                       torch.tensor([50, 70], device=cuda), torch.arange(2, device=cuda),
+                                       torch.arange(8, device=cuda))  # fmt: skip
+    counts, steps = torch.full((3, 2, 2), 4, device=cuda), torch.full((3, 2, 2, 3), 5, device=cuda)
+    rows, starts, ends = (
+        torch.tensor([[[0, -1]]], device=cuda),
+        torch.tensor([2], device=cuda),
+        torch.tensor([10], device=cuda),
+    )
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for r in range(1, 7):
-            cache.open_request(r, 4)
+            cache.open_request(r, 4)  # from the third on, the widest rows narrow
             cache.write_allocate(r, 0, 4)
             cache.resize_request(r, 12)
+        due = cache.due_for_selection(reqs, torch.full((6,), 9), 4)  # host lengths
         for r in (2, 4, 6):
             cache.close_request(r)
+        table.resize(1, 10)
+        table.assign(1, 0, 0, pages, values)
+        table.resize(1, 6)  # drops a segment and clears the kept last one past page 5
+        table.resize(1, 8)
+        table.invalidate(1, 1, 1, two)
+        kept = table.lookup(1, 0, 0, eight)
+        table.release(0)
+        tracker.next_step()
+        tracker.record(slots, 0, counts)
+        tracker.record_step(slots, steps)
+        tracker.publish([1, 3])
+        tracker.forget(3)
+        runs = SaveRuns.for_extend([1, 3], [0, 5], [6, 3], 4, cuda)
+        chosen = candidate_pages(rows, starts, ends, 4, 12)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [cache.width(r) for r in (1, 3, 5)] == [4, 4, 4] and cache.num_free == 0
+    assert due.all() and cache.selected_at[1:7].tolist() == [9] * 6
+    assert kept.tolist() == [-1] * 5 + [50, -1, -1] and table.segments_in_use == 2 * 2 * 2
+    assert tracker.sizes(torch.tensor([1, 3], device=cuda)).tolist() == [
+        (2 + 1) * 2,
+        0,
+    ]  # layer 0: pages 4 and 5, layer 1: 5
+    assert runs.token_positions.tolist() == [0, 1, 2, 3, 4, 5, 5, 6, 7] and runs.length.tolist() == [4, 2, 3]
+    assert chosen.view(-1).tolist() == [True] * 4 + [False] * 4 + [True] * 2 + [False] * 2
 
 
 def host_with_pages(layers, heads, pages, page_size, dim, dtype, gen):

@@ -31,7 +31,7 @@ import torch
 from sparse_sglang.attention.constants import LayerConstants
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.plan import STAGING_BUFFERS, staging_buffer_pages
-from sparse_sglang.mem_cache.utils import kv_compute_dtype
+from sparse_sglang.mem_cache.utils import host_to_device, kv_compute_dtype
 
 # FlashInfer prefill wrappers planned once per forward. A forward with more pieces re-plans them
 # per layer in turn (each wrapper owns an 8 MiB GPU plan buffer, so their number is bounded). Six
@@ -170,9 +170,9 @@ class PrefixAttention:
         total = int(pages.sum())
         device = req_slots.device
         # Host page of every prefix page, request by request.
-        owner = torch.repeat_interleave(torch.arange(len(pages)), pages).to(device)
+        owner = host_to_device(torch.repeat_interleave(torch.arange(len(pages)), pages), device)
         first = torch.cumsum(pages, 0) - pages
-        column = (torch.arange(total) - torch.repeat_interleave(first, pages)).to(device) * page
+        column = host_to_device(torch.arange(total) - torch.repeat_interleave(first, pages), device) * page
         host_page = req_to_token[req_slots.long()[owner], column].long() // page  # [total]
         head = torch.arange(heads, device=device)
         # Host block of every (prefix page, kv head), + layer * H * N at run time.

@@ -394,7 +394,7 @@ def candidate_pages(supers: torch.Tensor, built: torch.Tensor, num_pages: torch.
     chosen = torch.zeros(batch, heads, max_pages // coarse_pages + 1, dtype=torch.bool, device=device)
     valid = (supers >= 0) & (supers < built.view(-1, 1, 1).to(device))
     chosen.scatter_(-1, torch.where(valid, supers, chosen.shape[-1] - 1).long(), True)
-    chosen[..., -1] = False
+    chosen[..., -1].fill_(False)  # fill_, not `= False`: see sparse_sglang.mem_cache.utils
     start = (built.to(device).long() * coarse_pages).view(-1, 1, 1)
     keep = chosen[..., (page // coarse_pages).clamp(max=chosen.shape[-1] - 1)] | (page >= start)
     return keep & (page < num_pages.to(device).view(-1, 1, 1))

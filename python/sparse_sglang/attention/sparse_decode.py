@@ -44,7 +44,7 @@ from sparse_sglang.mem_cache.kernels import build_coarse
 from sparse_sglang.mem_cache.key_sketch import project_query
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.summaries import coarse_built
-from sparse_sglang.mem_cache.utils import kv_compute_dtype
+from sparse_sglang.mem_cache.utils import host_to_device, kv_compute_dtype
 from sparse_sglang.stats import SparseStats
 
 TOPK_IMPLS = ("flashinfer", "torch")
@@ -270,7 +270,7 @@ class SparseDecoder:
         if seq_lens is not None:
             num_pages_dev = ((seq_lens + page - 1) // page).to(torch.int32)
         else:
-            num_pages_dev = num_pages_cpu.to(torch.int32).to(device, non_blocking=True)
+            num_pages_dev = host_to_device(num_pages_cpu, device, torch.int32)
         selected_cpu = num_pages_cpu.clamp(max=width).to(torch.int32)  # pages per (request, head)
         per_row = selected_cpu.repeat_interleave(heads)
         indptr = torch.zeros(batch * heads + 1, dtype=torch.int32)
@@ -306,7 +306,7 @@ class SparseDecoder:
             self._plan_coarse(num_pages_dev, num_pages_cpu, g)
             return
         self.reselect = reselect
-        self.indptr = indptr.to(device, non_blocking=True)
+        self.indptr = host_to_device(indptr, device, torch.int32)
         self.host_pages = host_pages
         self.num_pages = num_pages_dev
         self.row_pages = num_pages_dev.repeat_interleave(heads)
@@ -494,7 +494,7 @@ class TorchPathDecoder(SparseDecoder):
         j = torch.arange(width).view(1, 1, width)
         dest = torch.where(j < selected_cpu.view(-1, 1, 1), indptr[:-1].view(batch, self.num_kv_heads, 1) + j,
                            self.indices.numel() - 1)  # fmt: skip
-        self.dest = dest.view(-1).to(device, non_blocking=True)
+        self.dest = host_to_device(dest.view(-1), device, dest.dtype)
 
     def _build_coarse(self, max_built: int) -> None:
         self.store.summaries.build_coarse(self.host_pages, self.built)

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from sparse_sglang.mem_cache.page_table import TwoLevelPageTable
-from sparse_sglang.mem_cache.utils import FreeStack, check_kv_shape, units_for_budget
+from sparse_sglang.mem_cache.utils import FreeStack, check_kv_shape, host_to_device, units_for_budget
 
 
 class GPUCacheFull(RuntimeError):
@@ -54,15 +54,6 @@ def slots_for_budget(gb: float, page_size: int, head_dim: int, dtype: torch.dtyp
     check_kv_shape(page_size, head_dim, dtype)
     what = f"GPU page cache budget (one slot = K+V of {page_size} tokens x {head_dim} dims, {dtype})"
     return units_for_budget(gb, slot_bytes(page_size, head_dim, dtype), 1, what)
-
-
-def host_to_device(values: list, device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, copied from pinned memory without waiting
-    for the device (a copy from pageable memory waits for the work queued before it)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class CachedRows(NamedTuple):
@@ -337,8 +328,8 @@ class GPUPageCache:
         self._row_slots[req_slot] = slots
         self._filled[req_slot] = 0
         self._width[req_slot] = width
-        self.selected_at[req_slot] = -1
-        self.rows[req_slot] = -1
+        self.selected_at[req_slot].fill_(-1)  # fill_, not `= -1`: see mem_cache.utils
+        self.rows[req_slot].fill_(-1)
         self.rows[req_slot, :, :, :width] = slots.view(self.num_layers, self.num_kv_heads, width).to(self.rows.device)
 
     def close_request(self, req_slot: int) -> None:
@@ -348,10 +339,9 @@ class GPUPageCache:
         del self._filled[req_slot]
         del self._width[req_slot]
         self.page_table.release(req_slot)
-        dev = self.slot_page.device
-        self.slot_page[slots.to(dev)] = -1
-        self.last_used[slots.to(dev)] = -1
-        self.rows[req_slot] = -1
+        self.slot_page.index_fill_(0, slots, -1)  # the row's slots are on the device
+        self.last_used.index_fill_(0, slots, -1)
+        self.rows[req_slot].fill_(-1)
         self._free.push(slots)
         self._grow_narrowest()
 
@@ -391,8 +381,8 @@ class GPUPageCache:
         self.page_table.invalidate(index.view(-1, 1, 1, 1), self._layers.view(1, -1, 1, 1),
                                    self._heads.view(1, 1, -1, 1), self.slot_page[dropped])  # fmt: skip
         scratch = self.slot_page[self.num_slots].clone(), self.last_used[self.num_slots].clone()
-        self.slot_page[dropped] = -1
-        self.last_used[dropped] = -1
+        self.slot_page.index_fill_(0, dropped.reshape(-1), -1)
+        self.last_used.index_fill_(0, dropped.reshape(-1), -1)
         self.slot_page[self.num_slots], self.last_used[self.num_slots] = scratch  # as they were
         self.rows[index, :, :, :top] = torch.where(kept, ordered, -1)
         for i, (req, width) in enumerate(zip(reqs, new)):
@@ -487,7 +477,7 @@ class GPUPageCache:
         ``selected_at`` moves to now. Each request keeps its own phase, so the steps that load
         many pages are spread over the batch. No sync: ``seq_lens`` may be a CPU tensor."""
         slots = req_slots.long()
-        seq = seq_lens.to(self.selected_at.device, non_blocking=True).long()
+        seq = host_to_device(seq_lens, self.selected_at.device)
         at = self.selected_at[slots]
         due = (at < 0) | (seq - at >= interval)
         self.selected_at[slots] = torch.where(due, seq, at)

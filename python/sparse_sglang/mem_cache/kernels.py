@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_sglang.mem_cache.utils import host_to_device
+
 try:  # Triton comes with CUDA builds of torch (and runs on the CPU in its interpreter).
     import triton
     import triton.language as tl
@@ -65,7 +67,7 @@ class SaveRuns:
                    device: torch.device | str) -> SaveRuns:  # fmt: skip
         """Runs of an extend batch: request ``i`` saves positions ``[prefix_lens[i], prefix_lens[i] +
         extend_lens[i])``, its tokens following request ``i - 1``'s. Built on the host from the
-        scheduler's lengths (no device reads), copied to ``device`` without blocking."""
+        scheduler's lengths (no device reads), copied to ``device`` from pinned memory."""
         slots = torch.tensor(req_slots, dtype=torch.int64)
         starts = torch.tensor(prefix_lens, dtype=torch.int64)
         lens = torch.tensor(extend_lens, dtype=torch.int64)
@@ -84,7 +86,7 @@ class SaveRuns:
             torch.cat([torch.arange(s, e) for s, e in zip(starts.tolist(), ends.tolist())]) if len(req_slots) else lens
         )
         runs = (token_base[owner] + lo - starts[owner], hi - lo, slots[owner], page, lo % page_size)
-        to = lambda t, dtype: t.to(dtype).to(device, non_blocking=True)  # noqa: E731
+        to = lambda t, dtype: host_to_device(t, device, dtype)  # noqa: E731
         return cls(*(to(t, torch.int32) for t in runs), to(token_req, torch.int64), to(token_pos, torch.int64))
 
     @classmethod

@@ -14,7 +14,8 @@ Where the work happens
 - ``resize`` (segment allocation and release) runs on the host between steps: the scheduler
   calls it when a request's length crosses a segment boundary (where SGLang allocates KV for the
   next batch) and on finish/abort/retraction. The segment free list and the ids each request owns
-  are CPU tensors; ``resize`` only writes the device tables, never reads them back.
+  stay on the device, its page count on the host; ``resize`` only writes the device tables, never
+  reads them back.
 """
 
 from __future__ import annotations
@@ -187,7 +188,6 @@ class TwoLevelPageTable:
             raise ValueError(f"num_pages must be in [0, {self.max_pages}], got {num_pages}")
         owned = self._owned[req_slot]
         have, need = owned.shape[-1], math.ceil(num_pages / self.segment_pages)
-        dev = self.directory.device
         if need > have:
             count = self.num_layers * self.num_kv_heads * (need - have)
             if count > len(self._free):
@@ -196,18 +196,19 @@ class TwoLevelPageTable:
                     f"to grow to {num_pages} pages, {len(self._free)} free of {self.num_segments}"
                 )
             ids = self._free.pop(count).view(self.num_layers, self.num_kv_heads, need - have)
-            self.directory[req_slot, :, :, have:need] = ids.to(dev, torch.int32)
+            self.directory[req_slot, :, :, have:need] = ids.to(torch.int32)
             self._owned[req_slot] = torch.cat([owned, ids], dim=-1)
         elif need < have:
             ids = owned[:, :, need:]
-            self.segments[ids.reshape(-1).to(dev)] = -1  # free segments are all -1
-            self.directory[req_slot, :, :, need:have] = self.null
+            # fill_ and index_fill_, not `= -1`: see mem_cache.utils (the ids are on the device).
+            self.segments.index_fill_(0, ids.reshape(-1), -1)  # free segments are all -1
+            self.directory[req_slot, :, :, need:have].fill_(self.null)
             self._free.push(ids.reshape(-1))
             self._owned[req_slot] = owned[:, :, :need].clone()
         tail = num_pages % self.segment_pages
         if num_pages < self.num_pages[req_slot] and tail:
-            last = self._owned[req_slot][:, :, need - 1].reshape(-1).to(dev)
-            self.segments[last, tail:] = -1
+            last = self._owned[req_slot][:, :, need - 1].reshape(-1)
+            self.segments[:, tail:].index_fill_(0, last, -1)
         self.num_pages[req_slot] = num_pages
 
     def release(self, req_slot: int) -> None:

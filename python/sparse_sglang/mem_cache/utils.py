@@ -1,4 +1,9 @@
-"""Small pieces the memory managers share: the KV dtypes, size checks, and a tensor free stack."""
+"""Small pieces the memory managers share: the KV dtypes, size checks, host-to-device copies that
+do not wait for the device, and a tensor free stack.
+
+On the paths that run on the host between steps, writes into device tensors use ``fill_``,
+``index_fill_`` or a device-tensor value, never ``t[i] = scalar``: a Python scalar assigned through
+``__setitem__`` becomes a CPU tensor copied from pageable memory, which waits for the device."""
 
 from __future__ import annotations
 
@@ -40,6 +45,20 @@ def units_for_budget(gb: float, unit_bytes: int, minimum: int, what: str) -> int
             f"{what}: {gb:g} GiB holds {units} units of {unit_bytes / (1 << 20):.3f} MiB; need at least {minimum}"
         )
     return units
+
+
+def host_to_device(
+    values: list | torch.Tensor, device: torch.device | str, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """``values`` (a list, or a tensor on the host or already on ``device``) as a ``dtype`` tensor
+    on ``device``, copied from pinned memory without waiting for the device (a copy from pageable
+    memory waits for the work queued before it: a blocking one always, a ``non_blocking`` one
+    where the driver stages it)."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
 
 
 class FreeStack:

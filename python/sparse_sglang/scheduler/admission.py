@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparse_sglang.mem_cache.utils import host_to_device
 from sparse_sglang.stats import WorkingSetCounts
 
 
@@ -89,7 +90,7 @@ class WorkingSetTracker:
     def next_step(self) -> None:
         """Start a decode step: its column forgets the step ``window`` steps ago."""
         self.column = (self.column + 1) % self.window
-        self.ring[:, self.column] = -1
+        self.ring[:, self.column].fill_(-1)  # fill_, not `= -1`: see sparse_sglang.mem_cache.utils
 
     def record(self, req_slots: torch.Tensor, layer: int, page_ids: torch.Tensor) -> None:
         """Note this step's selection of one layer.
@@ -101,7 +102,7 @@ class WorkingSetTracker:
         assert k <= self.max_selected, f"{k} selected pages exceed max_selected ({self.max_selected})"
         rows = torch.where(req_slots < 0, self.max_requests, req_slots).long()
         self.ring[rows, self.column, layer, :, :k] = page_ids.to(torch.int32)
-        self.ring[rows, self.column, layer, :, k:] = -1
+        self.ring[:, self.column, layer, :, k:].index_fill_(0, rows, -1)
 
     def record_step(self, req_slots: torch.Tensor, selections: torch.Tensor) -> None:
         """Note a whole decode step's selection (a step of its own: :meth:`next_step` first).
@@ -142,7 +143,7 @@ class WorkingSetTracker:
         on_cuda = self.ring.device.type == "cuda"
         if on_cuda and len(self._in_flight) == 2:
             return
-        sizes = self.sizes(torch.tensor(req_slots, device=self.ring.device), num_pages)
+        sizes = self.sizes(host_to_device(req_slots, self.ring.device), num_pages)
         if not on_cuda:
             self._published = dict(zip(req_slots, sizes.tolist()))
             return
@@ -163,7 +164,10 @@ class WorkingSetTracker:
 
     def forget(self, req_slot: int | torch.Tensor) -> None:
         """Drop a finished, aborted or retracted request's history (its slot may be reused)."""
-        self.ring[req_slot] = -1
+        if isinstance(req_slot, torch.Tensor):
+            self.ring.index_fill_(0, req_slot.reshape(-1).long().to(self.ring.device), -1)
+        else:
+            self.ring[req_slot].fill_(-1)
 
 
 # Admission.
