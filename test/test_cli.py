@@ -13,7 +13,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from sparse_sglang import launch_server
     from sparse_sglang.integration.server_args import CLIError, SparseServerArgs, build_parser, prepare_server_args
-from sparse_sglang.config import SparseConfig
+from sparse_sglang.config import SparseConfig, SparseConfigError
 from sparse_sglang.testing.models import write_llama3_8b_dummy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +77,17 @@ def test_sparse_sets_the_sglang_modes_it_needs(model_dir):
     assert segmented.disable_overlap_schedule  # its loop is SGLang's normal one
     eager = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-decode-cuda-graph", "false"])
     assert eager.disable_prefill_cuda_graph and eager.disable_decode_cuda_graph
+
+
+def test_prefill_graphs_are_breakable_ones_on_request(model_dir):
+    graphs = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-prefill-cuda-graph", "true"])
+    assert not graphs.disable_prefill_cuda_graph and graphs.sparse.prefill_cuda_graph
+    given = prepare_server_args(["--model-path", model_dir, *CPU, "--cuda-graph-backend-prefill", "breakable"])
+    assert not given.disable_prefill_cuda_graph  # SGLang's own flag, with the one backend that keeps attention eager
+    with pytest.raises(CLIError, match=r"^--cuda-graph-backend-prefill full: .*only breakable prefill graphs"):
+        prepare_server_args(["--model-path", model_dir, *CPU, "--cuda-graph-backend-prefill", "full"])
+    with pytest.raises(SparseConfigError, match=r"^prefill_cuda_graph: segmented_prefill runs a prefill"):
+        SparseConfig(prefill_cuda_graph=True, segmented_prefill=True, host_cache_gb=1)
 
 
 def test_segmented_prefill_bounds_the_in_layer_chunk_unless_given(model_dir, monkeypatch):

@@ -232,6 +232,57 @@ def test_the_backend_reads_request_slots_from_the_host_mirror():
     assert SparseAttnBackend._req_slots_cpu(backend, torch.tensor([1, 2])) == [1, 2]  # longer: not this batch's
 
 
+def test_the_prefill_graph_runners_made_up_batches_touch_no_sparse_state():
+    """SGLang's prefill graph runner warms up and captures on a made-up batch in request slot 0
+    (``--sparse-prefill-cuda-graph``): its attention runs, without a prefix, and nothing opens a
+    cache row, binds save runs or saves KV; a real batch after it does all three."""
+    import types
+
+    import torch
+
+    from sparse_sglang.integration.attention_backend import PADDING_REQ_SLOT, SparseAttnBackend
+    from sparse_sglang.mem_cache import GPUPageCache
+
+    cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)
+    saved, bound, planned = [], [], []
+    store = types.SimpleNamespace(cache=cache, shape=types.SimpleNamespace(page_size=4, dtype=torch.bfloat16),
+                                  bind_runs=bound.append)  # fmt: skip
+    prefix = types.SimpleNamespace(active=False)
+
+    def plan(req_to_token, req_slots, prefix_lens, extend_lens):
+        prefix.active = any(prefix_lens)
+        planned.append(list(prefix_lens))
+
+    prefix.plan = plan
+    backend = types.SimpleNamespace(
+        store=store, prefix=prefix, next_req_slots=None, req_generation=torch.zeros(4, dtype=torch.int64),
+        row_generation={}, tracker=None, extend_runs="runs of the batch before",
+        req_to_token_pool=types.SimpleNamespace(req_to_token=torch.zeros(4, 64, dtype=torch.int32)),
+        constants=types.SimpleNamespace(check=lambda *a: None),
+        prefill_wrapper_ragged=types.SimpleNamespace(run=lambda q, k, v: torch.zeros_like(q)),
+        kv_pool=types.SimpleNamespace(save=lambda *a, **kw: saved.append(a)),
+    )  # fmt: skip
+    backend._req_slots_cpu = lambda slots: SparseAttnBackend._req_slots_cpu(backend, slots)
+    backend._open_rows = lambda slots: SparseAttnBackend._open_rows(backend, slots)
+    layer = types.SimpleNamespace(tp_q_head_num=4, tp_k_head_num=2, tp_v_head_num=2, head_dim=16, layer_id=0,
+                                  scaling=0.25, logit_cap=0.0)  # fmt: skip
+    q, k, v = torch.zeros(8, 64), torch.zeros(8, 32), torch.zeros(8, 32)
+
+    def batch(slot, prefix_len):
+        return types.SimpleNamespace(req_pool_indices=torch.tensor([slot]), extend_prefix_lens_cpu=[prefix_len],
+                                     extend_seq_lens_cpu=[8], out_cache_loc=torch.arange(8))  # fmt: skip
+
+    made_up = batch(PADDING_REQ_SLOT, 0)
+    SparseAttnBackend._begin_extend(backend, made_up)
+    SparseAttnBackend.forward_extend(backend, q, k, v, layer, made_up)
+    assert (cache.num_open, bound, saved, backend.extend_runs) == (0, [], [], None)
+    assert planned == [[0]] and not prefix.active
+    real = batch(2, 0)
+    SparseAttnBackend._begin_extend(backend, real)
+    SparseAttnBackend.forward_extend(backend, q, k, v, layer, real)
+    assert cache.is_open(2) and len(bound) == 1 and len(saved) == 1
+
+
 def test_a_request_the_scheduler_fails_on_fails_alone(monkeypatch):
     """SGLang's ``Scheduler.handle_generate_request`` (patched) on a stand-in scheduler that lacks
     what the method reads: instead of raising into the event loop, the request is queued finished

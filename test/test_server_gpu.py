@@ -152,6 +152,27 @@ def test_sparse_server_serves_like_vanilla(model, request, tmp_path):
     # rounding may flip a greedy choice: that case checks serving on every surface, not tokens.
 
 
+def test_prefill_graphs_serve_like_vanilla(smollm2_path, tmp_path):
+    """With ``--sparse-prefill-cuda-graph``, prefill replays SGLang's breakable graphs between the
+    sparse backend's eager attention calls, as vanilla's prefill does by default: the graphs are
+    captured, the capture's made-up batches (request slot 0) leave no cache row behind on the idle
+    server, and every surface answers as vanilla's."""
+    outputs, meta = {}, {}
+    outputs["vanilla"], meta["vanilla"] = _serve_and_probe("vanilla", smollm2_path, [], tmp_path)
+    args = [*COMMON_ARGS, "--sparse-prefill-cuda-graph", "true"]
+    with ServerProcess(SPARSE_MODULE, None, args, log_path=tmp_path / "sparse-graphs.log") as server:
+        idle = requests.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]["sparse"]
+        model_name = requests.get(server.url + "/get_model_info", timeout=30).json()["model_path"]
+        outputs["sparse"] = probe(server.url, model_name)
+        log = server.log_path.read_text(errors="replace")
+        meta["sparse"] = {"command": server.command, "idle_rows_open": idle["gpu_cache_rows_open"]}
+    assert server.stopped_cleanly, server.log_tail()
+    assert "Capture target prefill CUDA graph begin" in log and "Disable prefill CUDA graph" not in log
+    assert idle["gpu_cache_rows_open"] == 0
+    _record("smollm2-prefill-graphs", outputs, meta)
+    assert outputs["sparse"] == outputs["vanilla"]
+
+
 def _record(model: str, outputs: dict, meta: dict) -> None:
     out_dir = os.environ.get("SPARSE_SGLANG_RESULTS_DIR")
     if not out_dir:

@@ -174,6 +174,10 @@ class SparseConfig:
         True,
         help="Capture decode steps in SGLang's CUDA graphs (budgets too wide for the fused kernels, above ~4K tokens, decode eagerly); false = eager decode.",
     )
+    prefill_cuda_graph: bool = knob(
+        False,
+        help="Run prefill under SGLang's breakable CUDA graphs: the layers' work between attention calls replays from graphs, attention (which saves KV to the host) runs eagerly between them, as it does for plain SGLang; false = eager prefill.",
+    )
     reselect_interval: int = knob(
         1,
         help="Decode steps one page selection serves (LServe's reuse): in between, each kv head picks its top pages among those its GPU cache row holds, plus the sink and recent pages; 1 = select every step.",
@@ -335,6 +339,11 @@ class SparseConfig:
             raise SparseConfigError(
                 "interleave_prefill",
                 f"{mention('segmented_prefill')} already runs a decode step beside each layer segment: set one of them",
+            )
+        if self.prefill_cuda_graph and self.segmented_prefill:
+            raise SparseConfigError(
+                "prefill_cuda_graph",
+                f"{mention('segmented_prefill')} runs a prefill a few layers at a time, outside the graphs: set one of them",
             )
         if self.prefix_staging_tokens < 2 * self.page_size:  # two buffers of a page at least
             raise SparseConfigError("prefix_staging_tokens",

@@ -151,9 +151,16 @@ class SparseAttnBackend(FlashInferAttnBackend):
             self.row_generation[slot] = generation
 
     def _begin_extend(self, fb: ForwardBatch) -> None:
+        slots = self._req_slots_cpu(fb.req_pool_indices)
+        if PADDING_REQ_SLOT in slots:
+            # SGLang's prefill graph runner warms up and captures on made-up batches in slot 0,
+            # which no request holds: attend them (no prefix), but open no row and save nothing.
+            self.extend_runs = None
+            self.prefix.plan(self.req_to_token_pool.req_to_token, fb.req_pool_indices, [0] * len(slots),
+                             fb.extend_seq_lens_cpu)  # fmt: skip
+            return
         page = self.store.shape.page_size
         cache = self.store.cache
-        slots = self._req_slots_cpu(fb.req_pool_indices)
         self._open_rows(slots)
         for slot, prefix, new in zip(slots, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
             first, end = math.ceil(prefix / page), math.ceil((prefix + new) / page)
@@ -258,7 +265,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         else:
             o, lse = self.prefill_wrapper_ragged.run(q3, k3, v3, return_lse=True)
             self.prefix.run(layer.layer_id - self.kv_pool.start_layer, q3, o, lse, k_scale=k_scale, v_scale=v_scale)
-        if save_kv_cache:
+        if save_kv_cache and self.extend_runs is not None:  # None: a made-up batch (init_forward_metadata)
             self.kv_pool.save(layer.layer_id, forward_batch.out_cache_loc, k3, v3, staged=True,
                               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return o.view(-1, heads * dim)

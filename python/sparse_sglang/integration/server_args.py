@@ -139,9 +139,16 @@ class SparseServerArgs(ServerArgs):
         # normal (one batch at a time) loop, so it runs without overlap.
         if self.sparse.segmented_prefill:
             self.disable_overlap_schedule = True
-        # Prefill saves KV through host threads (FlashD2H), which a CUDA graph cannot replay. Decode
-        # steps are graph-safe (no host syncs, fixed shapes in graph mode); capturing them is a knob.
-        self.disable_prefill_cuda_graph = True
+        # Prefill saves KV through host threads (FlashD2H), which a CUDA graph cannot replay: under
+        # SGLang's breakable prefill graphs attention runs eagerly between the captured segments, so
+        # the saves stay out of the graphs (a knob, off by default). Decode steps are graph-safe (no
+        # host syncs, fixed shapes in graph mode); capturing them is a knob too.
+        prefill_graphs = self.cuda_graph_backend_prefill
+        if prefill_graphs not in (None, "breakable", "disabled"):
+            raise ServerArgRefused("cuda_graph_backend_prefill", prefill_graphs, "the sparse backend saves KV from its "
+                                   "attention calls, which only breakable prefill graphs run eagerly; use breakable or "
+                                   f"disabled, or leave it out and set {mention('prefill_cuda_graph')}")  # fmt: skip
+        self.disable_prefill_cuda_graph = prefill_graphs is None and not self.sparse.prefill_cuda_graph
         self.disable_decode_cuda_graph = not self.sparse.decode_cuda_graph
         if self.sparse.decode_cuda_graph:
             from sparse_sglang.mem_cache.plan import fits_fused_retrieve, row_width_for
