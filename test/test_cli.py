@@ -86,6 +86,9 @@ def test_prefill_graphs_are_breakable_ones_on_request(model_dir):
     assert not given.disable_prefill_cuda_graph  # SGLang's own flag, with the one backend that keeps attention eager
     with pytest.raises(CLIError, match=r"^--cuda-graph-backend-prefill full: .*only breakable prefill graphs"):
         prepare_server_args(["--model-path", model_dir, *CPU, "--cuda-graph-backend-prefill", "full"])
+    with pytest.raises(CLIError, match=r"^--cuda-graph-backend-prefill breakable: --sparse-segmented-prefill runs"):
+        prepare_server_args(["--model-path", model_dir, *CPU, "--cuda-graph-backend-prefill", "breakable",
+                             "--sparse-segmented-prefill", "true"])  # fmt: skip
     with pytest.raises(SparseConfigError, match=r"^prefill_cuda_graph: segmented_prefill runs a prefill"):
         SparseConfig(prefill_cuda_graph=True, segmented_prefill=True, host_cache_gb=1)
 

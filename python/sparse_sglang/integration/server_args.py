@@ -148,6 +148,9 @@ class SparseServerArgs(ServerArgs):
             raise ServerArgRefused("cuda_graph_backend_prefill", prefill_graphs, "the sparse backend saves KV from its "
                                    "attention calls, which only breakable prefill graphs run eagerly; use breakable or "
                                    f"disabled, or leave it out and set {mention('prefill_cuda_graph')}")  # fmt: skip
+        if prefill_graphs == "breakable" and self.sparse.segmented_prefill:
+            raise ServerArgRefused("cuda_graph_backend_prefill", prefill_graphs, f"{mention('segmented_prefill')} runs "
+                                   "a prefill a few layers at a time, outside the graphs: set one of them")  # fmt: skip
         self.disable_prefill_cuda_graph = prefill_graphs is None and not self.sparse.prefill_cuda_graph
         self.disable_decode_cuda_graph = not self.sparse.decode_cuda_graph
         if self.sparse.decode_cuda_graph:
