@@ -752,6 +752,19 @@ def summarize(paths: list[str], items_path: str) -> dict:
     }
 
 
+def unpack(result: dict, out_dir: Path) -> list[Path]:
+    """A result file's runs as the per-run files :func:`summarize` reads (their outputs as the file
+    keeps them): new runs summarize against a committed file's, e.g. sparse runs of a candidate
+    change against the dense runs of the same items."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for run in result["runs"]:
+        path = out_dir / f"{run['name']}.json"
+        path.write_text(json.dumps({**run, "outputs": result["outputs"][run["name"]]}))
+        paths.append(path)
+    return paths
+
+
 def _compact(row: dict) -> dict:
     """An output row as kept in the result file (what the summary reads, without long prompts)."""
     return {
@@ -888,6 +901,9 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("--items", required=True)
     sm.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
     sm.add_argument("--attach", action="append", default=[], help="name=path of a probe's JSON to keep in the file")
+    up = sub.add_parser("unpack", help="a result file's runs as per-run files, to summarize new runs against")
+    up.add_argument("result")
+    up.add_argument("--out-dir", required=True)
     gr = sub.add_parser("grid", help="run a grid of servers, several at once")
     gr.add_argument("--items", required=True)
     gr.add_argument("--grid", default="final", choices=sorted(GRIDS))
@@ -918,6 +934,9 @@ def main(argv: list[str] | None = None) -> None:
             device=", ".join(devices) or "cpu",
             commit=", ".join(commits) or None,
         )
+    elif args.cmd == "unpack":
+        for path in unpack(json.loads(Path(args.result).read_text()), Path(args.out_dir)):
+            print(path)
     elif args.cmd == "generate":
         from transformers import AutoTokenizer
 

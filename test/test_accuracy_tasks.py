@@ -182,6 +182,9 @@ def test_summary_bars_from_runs(tmp_path):
     assert summary["agreement_4x"] == pytest.approx(5 / 6, abs=1e-4)
     assert summary["accuracy_gap_16x"] == pytest.approx((0.5 + 0.0) / 2)
     assert result["by_family_batched"]["niah_single"]["16"]["sparse"] == 0.5
+    # a committed result's runs, unpacked, summarize to the same numbers
+    again = accuracy.summarize([str(p) for p in accuracy.unpack(result, tmp_path / "unpacked")], str(items_path))
+    assert again["summary"] == summary and again["by_family_alone_4x"] == result["by_family_alone_4x"]
 
 
 def test_grid_runs_agreement_cold_and_accuracy_batched(tmp_path, monkeypatch):
