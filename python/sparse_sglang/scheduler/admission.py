@@ -162,12 +162,9 @@ class WorkingSetTracker:
             self._published = dict(zip(slots, buffer[: len(slots)].tolist()))
         return self._published
 
-    def forget(self, req_slot: int | torch.Tensor) -> None:
+    def forget(self, req_slot: int) -> None:
         """Drop a finished, aborted or retracted request's history (its slot may be reused)."""
-        if isinstance(req_slot, torch.Tensor):
-            self.ring.index_fill_(0, req_slot.reshape(-1).long().to(self.ring.device), -1)
-        else:
-            self.ring[req_slot].fill_(-1)
+        self.ring[req_slot].fill_(-1)  # fill_, not `= -1`: see sparse_sglang.mem_cache.utils
 
 
 # Admission.
