@@ -6,7 +6,7 @@ when that file exists, without compiling; this script builds those files here (f
 H100/H200) so a device call only copies them in::
 
     python tools/flashinfer_aot.py .gpu-carry/aot           # here, about 15 minutes on 2 cores
-    python tools/flashinfer_aot.py .gpu-carry/aot64 --head-dim 64   # SmolLM2's modules
+    python tools/flashinfer_aot.py .gpu-carry/aot --head-dim 64     # SmolLM2's modules, beside them (about 25 minutes)
     # on the GPU host, after installing flashinfer into /tmp/site:
     for d in .gpu-carry/aot/*; do mkdir -p /tmp/site/flashinfer/data/aot/$(basename $d); cp $d/*.so $_; done
 
