@@ -6,7 +6,9 @@
 # the machine to itself; on a two-GPU machine "tests@0 grid@1" gives each job one GPU, on a four-GPU
 # one "serving_pair@0/1 tests+serving_tp@2/3" runs two chains of two-GPU jobs side by side). Results
 # gather in /root/o; collect them with `tar czf $OUT/o.tgz -C /root o` in a later call;
-# /root/o/stage.log says which stage runs.
+# /root/o/stage.log says which stage runs. $STAGE_LIMITS bounds stages ("300,": the first at most
+# 300 s, its jobs and their servers stopped there, so the timed stage after it keeps its share):
+# tools/gpu_host_stages.sh.
 #   SPARSE_SGLANG_COMMIT=<commit> JOBS="pin,startup,soak fuzz" bash tools/gpu_host_burst.sh
 # Write <commit> out (your checkout's `git rev-parse --short HEAD`): the git data in the call's copy
 # of the tree is not this checkout's, so `git rev-parse` there names another commit.
@@ -191,30 +193,10 @@ job_serving_tp() {
     --out-dir /root/o --log-dir /root/o/serving-tp-logs --merge-into /root/o/serving-tp1.json
   job_parallel
 }
-run_stages() {
-  IFS=',' read -ra stages <<< "$JOBS"
-  for stage in "${stages[@]}"; do
-    echo "$(date +%T) stage: $stage" >> /root/o/stage.log
-    # job@N: on GPU N only (a two-GPU machine runs two jobs side by side); job@2/3: on GPUs 2 and 3;
-    # a+b@2/3: a, then b, on GPUs 2 and 3 (a four-GPU machine runs two two-GPU chains side by side)
-    for job in $stage; do
-      local chain=${job%@*}
-      (
-        if [ "$chain" != "$job" ]; then gpus=${job#*@}; export CUDA_VISIBLE_DEVICES=${gpus//\//,}; fi
-        IFS='+' read -ra names <<< "$chain"
-        for name in "${names[@]}"; do
-          echo "$(date +%T) job: $name${CUDA_VISIBLE_DEVICES:+ on GPUs $CUDA_VISIBLE_DEVICES}" >> /root/o/stage.log
-          "job_$name" > "/root/o/$name.log" 2>&1
-        done
-      ) &
-    done
-    wait
-  done
-  echo "$(date +%T) done" >> /root/o/stage.log
-}
+source tools/gpu_host_stages.sh  # run_stages: $JOBS in stages, $STAGE_LIMITS
 JOBS=${JOBS:-"grid tests fuzz"}
-export -f run_stages $(compgen -A function job_)
+export -f run_stages run_job_chain descendants stop_trees $(compgen -A function job_)
 export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
-  DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS
+  STAGE_LIMITS DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
