@@ -381,8 +381,9 @@ class GPUPageCache:
         self.page_table.invalidate(index.view(-1, 1, 1, 1), self._layers.view(1, -1, 1, 1),
                                    self._heads.view(1, 1, -1, 1), self.slot_page[dropped])  # fmt: skip
         scratch = self.slot_page[self.num_slots].clone(), self.last_used[self.num_slots].clone()
-        self.slot_page.index_fill_(0, dropped.reshape(-1), -1)
-        self.last_used.index_fill_(0, dropped.reshape(-1), -1)
+        dropped = dropped.reshape(-1)
+        self.slot_page.index_fill_(0, dropped, -1)
+        self.last_used.index_fill_(0, dropped, -1)
         self.slot_page[self.num_slots], self.last_used[self.num_slots] = scratch  # as they were
         self.rows[index, :, :, :top] = torch.where(kept, ordered, -1)
         for i, (req, width) in enumerate(zip(reqs, new)):
