@@ -13,7 +13,7 @@
 # Write <commit> out (your checkout's `git rev-parse --short HEAD`): the git data in the call's copy
 # of the tree is not this checkout's, so `git rev-parse` there names another commit.
 # Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
-# its sparse servers), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
+# its sparse servers; $GRID_VARIANTS: several sets of them side by side), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
 # flags), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
 # its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store),
@@ -25,7 +25,8 @@
 # ($SERVING_WINDOW: the serving jobs' window in seconds, default 400; $SERVING_PROFILE_STEPS: profile
 # that many forward steps of each loaded server at its window's end, benchmark/server_log.py --trace)
 # serving_tp2 (TP=2 sparse and vanilla: side by side on four GPUs), parallel (the summary, after
-# serving_tp2, tp and dp; $TP1_JSON: the sparse TP=1 run), serving_tp (both, with sparse TP=1 between:
+# serving_tp2, tp and dp; $TP1_JSON: the sparse TP=1 run), serving_tp1 (sparse TP=1 alone),
+# serving_tp (both, with sparse TP=1 between:
 # nvidia-h100-x2; $TP_SPARSE_EXTRA: more sparse flags for these, apart from the single-GPU
 # headline's; $TP_WINDOW: their window, 600 s unless set, so that the counted second half spans
 # several sparse TP=2 request lifetimes: docs/results.md, Parallelism). On four GPUs, one session's
@@ -51,8 +52,17 @@ HEADLINE_KV="--kv-cache-dtype fp8_e4m3 --sparse-reselect-interval 8 --quantizati
 job_grid() {
   # the default model's key basis first, once (grid servers with --sparse-selector sketch read it)
   python3 -m sparse_sglang.calibrate --model-path "$(python3 -c 'from sparse_sglang.default_model import default_model_path as d; print(d())')"
-  python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz --out-dir /root/o/acc \
-    --parallel "${GRID_PARALLEL:-9}" --stagger 3 --sparse-args "${GRID_SPARSE_ARGS:-}" ${GRID_ARGS:-}
+  # $GRID_VARIANTS ("name=flags;name=flags"): the grid once per variant, side by side on the job's
+  # GPU, its sparse servers with $GRID_SPARSE_ARGS and the variant's flags, into acc-<name> (acc
+  # unnamed); unset: one unnamed variant
+  local variants variant name
+  IFS=';' read -ra variants <<< "${GRID_VARIANTS:-=}"
+  for variant in "${variants[@]}"; do
+    name=${variant%%=*}
+    python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz --out-dir "/root/o/acc${name:+-$name}" \
+      --parallel "${GRID_PARALLEL:-9}" --stagger 3 --sparse-args "${GRID_SPARSE_ARGS:-} ${variant#*=}" ${GRID_ARGS:-} &
+  done
+  wait
 }
 job_decode() {  # the decode step, 8B shape: today's default selector and the sketch selector
   for selector in quest sketch; do
@@ -182,21 +192,27 @@ job_parallel() {
     "${TP1_JSON:-/root/o/serving-tp1.json}" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json \
     /root/o/tp2-vs-tp1-one-layer-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
 }
+job_serving_tp1() {
+  # sparse TP=1 with the TP=2 runs' flags and window, on the job's first GPU, into serving-tp1.json
+  # (on four GPUs it runs in the stage before serving_tp2@0/1/2/3, so the session has all three)
+  local devices=${CUDA_VISIBLE_DEVICES:-0}
+  CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse \
+    --sparse-host-cache-gb 92 --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-}" \
+    --traces long-generation --rates-long-generation "${TP1_RATE:-2.0}" --max-seconds-per-rate "${TP_WINDOW:-600}" \
+    --profile-steps "${SERVING_PROFILE_STEPS:-0}" \
+    --out-dir /root/o --log-dir /root/o/serving-tp1-logs --merge-into /root/o/serving-tp1.json
+}
 job_serving_tp() {
   # the two-GPU host's whole serving side of TP (nvidia-h100-x2): TP=2 serving, then sparse TP=1 on
   # the first GPU (unless $TP1_JSON holds that run already), then the summary
   job_serving_tp2
-  local devices=${CUDA_VISIBLE_DEVICES:-0}
-  [ -n "${TP1_JSON:-}" ] || CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse \
-    --sparse-host-cache-gb 92 --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-}" \
-    --traces long-generation --rates-long-generation "${TP1_RATE:-2.0}" --max-seconds-per-rate "${TP_WINDOW:-600}" \
-    --out-dir /root/o --log-dir /root/o/serving-tp-logs --merge-into /root/o/serving-tp1.json
+  [ -n "${TP1_JSON:-}" ] || job_serving_tp1
   job_parallel
 }
 source tools/gpu_host_stages.sh  # run_stages: $JOBS in stages, $STAGE_LIMITS
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages run_job_chain descendants stop_trees $(compgen -A function job_)
-export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS STARTUP_REPEATS \
+export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS STARTUP_REPEATS \
   STAGE_LIMITS DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
