@@ -199,7 +199,6 @@ job_serving_tp1() {
   CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse \
     --sparse-host-cache-gb 92 --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-}" \
     --traces long-generation --rates-long-generation "${TP1_RATE:-2.0}" --max-seconds-per-rate "${TP_WINDOW:-600}" \
-    --profile-steps "${SERVING_PROFILE_STEPS:-0}" \
     --out-dir /root/o --log-dir /root/o/serving-tp1-logs --merge-into /root/o/serving-tp1.json
 }
 job_serving_tp() {
