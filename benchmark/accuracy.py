@@ -399,6 +399,7 @@ def generate(tokenizer, per_cell: int, seed: int, families=FAMILIES, lengths=LEN
 
 def save_items(items: list[Item], path: Path, meta: dict) -> None:
     body = {"meta": meta, "items": [asdict(i) for i in items]}
+    path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wt") as f:
         json.dump(body, f)
 
