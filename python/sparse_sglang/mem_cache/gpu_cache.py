@@ -213,11 +213,11 @@ class GPUPageCache:
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         self._heads = torch.arange(num_kv_heads, device=device)
         self._layers = torch.arange(num_layers, device=device)
-        # Free slots and each open row's slots (ids on the device: handing them out needs no
-        # sync), and per open request its width and write-allocated count (on the host).
+        # Free slots (ids on the device: handing them out needs no sync), and per open request
+        # its width and write-allocated count (on the host). An open row's slots are
+        # rows[req, :, :, :width], nowhere else.
         self._free = FreeStack(torch.arange(num_slots, device=device))
         # Write-allocation fills columns [0, filled) of a row in page order (see write_allocate).
-        self._row_slots: dict[int, torch.Tensor] = {}
         self._filled: dict[int, int] = {}
         self._width: dict[int, int] = {}
 
@@ -246,17 +246,17 @@ class GPUPageCache:
         return len(self._free)
 
     def is_open(self, req_slot: int) -> bool:
-        return req_slot in self._row_slots
+        return req_slot in self._width
 
     @property
     def num_open(self) -> int:
-        return len(self._row_slots)
+        return len(self._width)
 
     def working_set_pages(self, window: int) -> int:
         """Slots of the open rows used (hit, loaded or written) in the last ``window`` steps: the
         running requests' working sets as far as their rows hold them (SparseServe's w-step union,
         read from the LRU stamps the steps leave anyway)."""
-        return sum(self.working_set_pages_of(list(self._row_slots), window))
+        return sum(self.working_set_pages_of(list(self._width), window))
 
     def working_set_pages_of(self, req_slots: list[int], window: int) -> list[int]:
         """Per open request, the slots of its rows used in the last ``window`` steps (one read of
@@ -325,7 +325,6 @@ class GPUPageCache:
         if self.num_free < lh * width:
             self._shrink_widest(lh * width - self.num_free, floor=width)
         slots = self._free.pop(lh * width)
-        self._row_slots[req_slot] = slots
         self._filled[req_slot] = 0
         self._width[req_slot] = width
         self.selected_at[req_slot].fill_(-1)  # fill_, not `= -1`: see mem_cache.utils
@@ -335,14 +334,13 @@ class GPUPageCache:
     def close_request(self, req_slot: int) -> None:
         """Return the row of ``req_slot`` (finish, abort, or the slot's reuse) and drop its table;
         the narrowest open rows grow into the freed slots."""
-        slots = self._row_slots.pop(req_slot)
         del self._filled[req_slot]
-        del self._width[req_slot]
+        slots = self.rows[req_slot, :, :, : self._width.pop(req_slot)].reshape(-1)  # may be a view of rows
         self.page_table.release(req_slot)
         self.slot_page.index_fill_(0, slots, -1)  # the row's slots are on the device
         self.last_used.index_fill_(0, slots, -1)
+        self._free.push(slots)  # copies them: before the row is cleared
         self.rows[req_slot].fill_(-1)
-        self._free.push(slots)
         self._grow_narrowest()
 
     def _shrink_widest(self, slots_needed: int, floor: int) -> None:
@@ -387,7 +385,6 @@ class GPUPageCache:
         self.slot_page[self.num_slots], self.last_used[self.num_slots] = scratch  # as they were
         self.rows[index, :, :, :top] = torch.where(kept, ordered, -1)
         for i, (req, width) in enumerate(zip(reqs, new)):
-            self._row_slots[req] = ordered[i, :, :, :width].reshape(-1)
             self._free.push(ordered[i, :, :, width : old[i]].reshape(-1))
             self._width[req] = width
             # Its pages are no longer all cached in column order: no more write-allocation.
@@ -407,8 +404,6 @@ class GPUPageCache:
             new = self._free.pop(lh * add)
             dev = self.rows.device
             self.rows[req, :, :, width : width + add] = new.view(self.num_layers, self.num_kv_heads, add).to(dev)
-            self._row_slots[req] = torch.cat([self._row_slots[req].view(self.num_layers, self.num_kv_heads, width),
-                                              new.view(self.num_layers, self.num_kv_heads, add)], -1).reshape(-1)  # fmt: skip
             if self._filled[req] == width:  # decode steps may load into the new (empty) columns first
                 self._filled[req] = width + add
             self._width[req] = width + add

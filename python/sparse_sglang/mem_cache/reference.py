@@ -220,6 +220,5 @@ def shrink_rows_reference(cache, widths: dict[int, int]) -> None:
         cache.last_used[drop] = -1
         cache.rows[req, :, :, :width] = keep
         cache.rows[req, :, :, width:] = -1
-        cache._row_slots[req] = keep.reshape(-1)
         cache._free.push(drop.reshape(-1))
         cache._width[req] = cache._filled[req] = width
