@@ -5,7 +5,7 @@
 # run side by side, and a stage starts when the one before it has ended (so a timing job can have
 # the machine to itself; on a two-GPU machine "tests@0 grid@1" gives each job one GPU, on a four-GPU
 # one "serving_pair@0/1 tests+serving_tp@2/3" runs two chains of two-GPU jobs side by side). Results
-# gather in /root/o; collect them with `tar czf $OUT/o.tgz -C /root o` in a later call;
+# gather in /root/o; collect them with `bash tools/gpu_host_poll.sh` in each later call;
 # /root/o/stage.log says which stage runs. $STAGE_LIMITS bounds stages ("300,": the first at most
 # 300 s, its jobs and their servers stopped there, so the timed stage after it keeps its share):
 # tools/gpu_host_stages.sh.
