@@ -17,7 +17,8 @@ def run(tmp_path: Path, jobs: str, limits: str) -> float:
 source {STAGES}
 job_slow() {{ setsid sleep 300 & echo "server $!"; sleep 300; }}
 job_fast() {{ echo fast; }}
-export -f run_stages run_job_chain descendants stop_trees job_slow job_fast
+job_named() {{ echo "variant=$JOB_VARIANT"; }}
+export -f run_stages run_job_chain descendants stop_trees job_slow job_fast job_named
 JOBS="{jobs}" STAGE_LIMITS="{limits}" bash -c run_stages
 """
     env = {**os.environ, "BURST_OUT": str(tmp_path), "STOP_GRACE_S": "1"}
@@ -49,3 +50,10 @@ def test_stages_within_their_limits_run_in_order(tmp_path):
     run(tmp_path, "fast,fast", "30,")
     log = (tmp_path / "stage.log").read_text()
     assert "stage limit" not in log and log.count("job: fast") == 2 and log.rstrip().endswith("done")
+
+
+def test_a_job_variant_reaches_the_job_and_names_its_log(tmp_path):
+    run(tmp_path, "named:graphs+named", "")
+    assert (tmp_path / "named-graphs.log").read_text() == "variant=graphs\n"
+    assert (tmp_path / "named.log").read_text() == "variant=\n"
+    assert "job: named:graphs" in (tmp_path / "stage.log").read_text()

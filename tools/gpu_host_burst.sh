@@ -26,9 +26,9 @@
 # that many forward steps of each loaded server at its window's end, benchmark/server_log.py --trace)
 # serving_tp2 (TP=2 sparse and vanilla: side by side on four GPUs), parallel (the summary, after
 # serving_tp2, tp and dp; $TP1_JSON: the sparse TP=1 run), serving_tp1 (sparse TP=1 alone),
-# serving_tp (both, with sparse TP=1 between:
+# serving_tp2_sparse (sparse TP=2 alone, against serving_tp2's vanilla), serving_tp (both, with sparse TP=1 between:
 # nvidia-h100-x2; $TP_SPARSE_EXTRA: more sparse flags for these, apart from the single-GPU
-# headline's; $TP_WINDOW: their window, 600 s unless set, so that the counted second half spans
+# headline's; $TP_VARIANTS: sparse configurations these jobs take by name, serving_tp1:graphs; $TP_WINDOW: their window, 600 s unless set, so that the counted second half spans
 # several sparse TP=2 request lifetimes: docs/results.md, Parallelism). On four GPUs, one session's
 # whole TP record:
 #   JOBS="serving_tp2@0/1/2/3,serving_pair@0/1 tp+dp@2/3,parallel" PAIR_TRACES="long-generation 2.0" TP1_JSON=/root/o/serving.json
@@ -160,46 +160,73 @@ job_serving_pair() {
   done
 }
 
+# The TP serving jobs take a variant (serving_tp2:graphs@0/1/2/3): $TP_VARIANTS ("name=flags;name=flags")
+# gives its sparse flags (added to $TP_SPARSE_EXTRA), and its name goes into the job's files
+# (serving-tp2-graphs.json), so one session measures several sparse configurations at TP=2 and TP=1
+tp_variant_flags() {
+  local variants variant
+  [ -z "${JOB_VARIANT:-}" ] && return 0
+  IFS=';' read -ra variants <<< "${TP_VARIANTS:-}"
+  for variant in "${variants[@]}"; do
+    if [ "${variant%%=*}" = "$JOB_VARIANT" ]; then echo "${variant#*=}"; return 0; fi
+  done
+  echo "variant $JOB_VARIANT is not in \$TP_VARIANTS (\"${TP_VARIANTS:-}\")" >&2
+  return 1
+}
 job_serving_tp2() {
   # TP=2 serving, long generation: sparse against vanilla with the same KV bytes on each GPU. Each
   # rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and runs about twice the
   # requests: its CUDA graphs go twice as far. On four GPUs the two servers run side by side
   # (vanilla on the first two, sparse on the next two, the same windows), on two in turn
   # ($TP2_SYSTEMS: which of them there, default both).
+  local flags v=${JOB_VARIANT:+-$JOB_VARIANT} devices
+  flags=$(tp_variant_flags) || return 1
   local args=(--traces long-generation --rates-long-generation "${TP2_RATE:-4.0}" --tp-size 2
-    --max-seconds-per-rate "${TP_WINDOW:-600}" --out-dir /root/o --log-dir /root/o/serving-tp-logs
+    --max-seconds-per-rate "${TP_WINDOW:-600}" --out-dir /root/o --log-dir "/root/o/serving-tp-logs$v"
     --profile-steps "${SERVING_PROFILE_STEPS:-0}"
     --sparse-host-cache-gb "${TP2_HOST_GB:-184}" --vanilla-server-args "--cuda-graph-max-bs-decode 128"
-    --sparse-server-args "--cuda-graph-max-bs-decode 192 $HEADLINE_KV $SCALES_TP2 ${TP_SPARSE_EXTRA:-}")
-  local devices
+    --sparse-server-args "--cuda-graph-max-bs-decode 192 $HEADLINE_KV $SCALES_TP2 ${TP_SPARSE_EXTRA:-} $flags")
   IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"
   if [ ${#devices[@]} -lt 4 ]; then
-    python3 benchmark/serving.py --systems "${TP2_SYSTEMS:-vanilla,sparse}" "${args[@]}" --merge-into /root/o/serving-tp2.json
+    python3 benchmark/serving.py --systems "${TP2_SYSTEMS:-vanilla,sparse}" "${args[@]}" --merge-into "/root/o/${TP2_INTO:-serving-tp2$v}.json"
     return
   fi
   # vanilla takes the sparse server's KV dtype and scales from --sparse-server-args
   CUDA_VISIBLE_DEVICES=${devices[0]},${devices[1]} python3 benchmark/serving.py --systems vanilla "${args[@]}" \
     --merge-into /root/o/serving-tp2-vanilla.json > /root/o/serving-tp2-vanilla.log 2>&1 &
   CUDA_VISIBLE_DEVICES=${devices[2]},${devices[3]} python3 benchmark/serving.py --systems sparse "${args[@]}" \
-    --merge-into /root/o/serving-tp2-sparse.json > /root/o/serving-tp2-sparse.log 2>&1 &
+    --merge-into "/root/o/serving-tp2-sparse$v.json" > "/root/o/serving-tp2-sparse$v.log" 2>&1 &
   wait
-  python3 benchmark/serving.py --combine /root/o/serving-tp2.json /root/o/serving-tp2-vanilla.json /root/o/serving-tp2-sparse.json
+  python3 benchmark/serving.py --combine "/root/o/serving-tp2$v.json" /root/o/serving-tp2-vanilla.json "/root/o/serving-tp2-sparse$v.json"
+}
+job_serving_tp2_sparse() {
+  # sparse TP=2 alone on the job's two GPUs (a second sparse configuration, in a later stage than
+  # serving_tp2's four-GPU pair): into serving-tp2-sparse-<variant>.json, then with that pair's
+  # vanilla run into serving-tp2-<variant>.json
+  local v=${JOB_VARIANT:+-$JOB_VARIANT}
+  TP2_SYSTEMS=sparse TP2_INTO=serving-tp2-sparse$v job_serving_tp2 || return 1
+  if [ -e /root/o/serving-tp2-vanilla.json ]; then
+    python3 benchmark/serving.py --combine "/root/o/serving-tp2$v.json" /root/o/serving-tp2-vanilla.json "/root/o/serving-tp2-sparse$v.json"
+  fi
 }
 job_parallel() {
   # the parallel summary (no GPU): TP=2 serving, sparse TP=1 ($TP1_JSON: e.g. serving_pair's
-  # serving.json from the same session, the same flags and window), and the tp and dp tests' records
-  python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F).json" /root/o/serving-tp2.json \
-    "${TP1_JSON:-/root/o/serving-tp1.json}" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json \
+  # serving.json from the same session, the same flags and window), and the tp and dp tests' records;
+  # parallel:graphs summarizes the graphs variant's serving files into parallel-<date>-graphs.json
+  local v=${JOB_VARIANT:+-$JOB_VARIANT}
+  python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F)$v.json" "/root/o/serving-tp2$v.json" \
+    "${TP1_JSON:-/root/o/serving-tp1$v.json}" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json \
     /root/o/tp2-vs-tp1-one-layer-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
 }
 job_serving_tp1() {
   # sparse TP=1 with the TP=2 runs' flags and window, on the job's first GPU, into serving-tp1.json
-  # (on four GPUs it runs in the stage before serving_tp2@0/1/2/3, so the session has all three)
-  local devices=${CUDA_VISIBLE_DEVICES:-0}
+  # (on four GPUs it runs in the stage before or after serving_tp2@0/1/2/3, so the session has all three)
+  local flags v=${JOB_VARIANT:+-$JOB_VARIANT} devices=${CUDA_VISIBLE_DEVICES:-0}
+  flags=$(tp_variant_flags) || return 1
   CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse \
-    --sparse-host-cache-gb 92 --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-}" \
+    --sparse-host-cache-gb 92 --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-} $flags" \
     --traces long-generation --rates-long-generation "${TP1_RATE:-2.0}" --max-seconds-per-rate "${TP_WINDOW:-600}" \
-    --out-dir /root/o --log-dir /root/o/serving-tp1-logs --merge-into /root/o/serving-tp1.json
+    --out-dir /root/o --log-dir "/root/o/serving-tp1-logs$v" --merge-into "/root/o/serving-tp1$v.json"
 }
 job_serving_tp() {
   # the two-GPU host's whole serving side of TP (nvidia-h100-x2): TP=2 serving, then sparse TP=1 on
@@ -210,8 +237,8 @@ job_serving_tp() {
 }
 source tools/gpu_host_stages.sh  # run_stages: $JOBS in stages, $STAGE_LIMITS
 JOBS=${JOBS:-"grid tests fuzz"}
-export -f run_stages run_job_chain descendants stop_trees $(compgen -A function job_)
+export -f run_stages run_job_chain descendants stop_trees tp_variant_flags $(compgen -A function job_)
 export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS STARTUP_REPEATS \
-  STAGE_LIMITS DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS
+  STAGE_LIMITS DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_VARIANTS TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS TP2_INTO
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
