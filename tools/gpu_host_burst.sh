@@ -179,7 +179,7 @@ job_serving_tp2() {
   # requests: its CUDA graphs go twice as far. On four GPUs the two servers run side by side
   # (vanilla on the first two, sparse on the next two, the same windows), on two in turn
   # ($TP2_SYSTEMS: which of them there, default both).
-  local flags v=${JOB_VARIANT:+-$JOB_VARIANT} devices
+  local flags v=${JOB_VARIANT:+-$JOB_VARIANT} devices systems system
   flags=$(tp_variant_flags) || return 1
   local args=(--traces long-generation --rates-long-generation "${TP2_RATE:-4.0}" --tp-size 2
     --max-seconds-per-rate "${TP_WINDOW:-600}" --out-dir /root/o --log-dir "/root/o/serving-tp-logs$v"
@@ -187,8 +187,11 @@ job_serving_tp2() {
     --sparse-host-cache-gb "${TP2_HOST_GB:-184}" --vanilla-server-args "--cuda-graph-max-bs-decode 128"
     --sparse-server-args "--cuda-graph-max-bs-decode 192 $HEADLINE_KV $SCALES_TP2 ${TP_SPARSE_EXTRA:-} $flags")
   IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"
-  if [ ${#devices[@]} -lt 4 ]; then
-    python3 benchmark/serving.py --systems "${TP2_SYSTEMS:-vanilla,sparse}" "${args[@]}" --merge-into "/root/o/${TP2_INTO:-serving-tp2$v}.json"
+  if [ ${#devices[@]} -lt 4 ]; then  # one invocation per system: each run's record is written when it ends
+    IFS=',' read -ra systems <<< "${TP2_SYSTEMS:-vanilla,sparse}"
+    for system in "${systems[@]}"; do
+      python3 benchmark/serving.py --systems "$system" "${args[@]}" --merge-into "/root/o/${TP2_INTO:-serving-tp2$v}.json"
+    done
     return
   fi
   # vanilla takes the sparse server's KV dtype and scales from --sparse-server-args
