@@ -1216,6 +1216,45 @@ def combine(out: Path, inputs: list[Path], ablations: dict[str, Path] | None = N
     return document
 
 
+# Sparse server flags that differ between a TP=2 run and its TP=1 counterpart by design: the TP
+# size, each GPU's page cache and host share, the decode graphs' batch, the per-rank KV scales file
+TP_SIZED_FLAGS = frozenset({"--tp-size", "--sparse-gpu-cache-gb", "--sparse-host-cache-gb",
+                            "--cuda-graph-max-bs-decode", "--quantization-param-path", "--host", "--port"})  # fmt: skip
+
+
+def scaling_differences(tp2: dict, tp1: dict) -> list[str]:
+    """What else differs between the sparse TP=2 and TP=1 runs that ``tp2_over_tp1`` compares:
+    card, date, commit, window (the runs' durations, within 5%), and the sparse server's flags
+    apart from :data:`TP_SIZED_FLAGS`. Empty: the same configuration on the same kind of card the
+    same day; anything listed is a caveat on the ratio, which is still reported."""
+
+    def flags(doc: dict) -> dict[str, str]:
+        words = doc.get("servers", {}).get("sparse", {}).get("flags", [])
+        pairs, i = {}, 0
+        while i < len(words):
+            value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else ""
+            pairs[words[i]] = value
+            i += 2 if value else 1
+        return {k: v for k, v in pairs.items() if k not in TP_SIZED_FLAGS}
+
+    def duration(doc: dict) -> float | None:
+        runs = doc.get("results", {}).get("long-generation", {}).get("sparse") or []
+        return max(runs, key=lambda r: r["rate"])["duration_s"] if runs and "duration_s" in runs[0] else None
+
+    out = [
+        f"{key}: {tp2.get(key)} vs {tp1.get(key)}"
+        for key in ("device", "date", "commit")
+        if tp2.get(key) != tp1.get(key)
+    ]
+    d2, d1 = duration(tp2), duration(tp1)
+    if d2 and d1 and abs(d2 - d1) > 0.05 * max(d2, d1):
+        out.append(f"window: {d2:.0f} s vs {d1:.0f} s")
+    f2, f1 = flags(tp2), flags(tp1)
+    out += [f"{k}: {f2.get(k, '(unset)')} vs {f1.get(k, '(unset)')}" for k in sorted(f2.keys() | f1.keys())
+            if f2.get(k) != f1.get(k)]  # fmt: skip
+    return out
+
+
 def parallel_summary(
     tp2: dict,
     tp1: dict,
@@ -1225,7 +1264,8 @@ def parallel_summary(
     tp_vs_tp1_depth: dict | None = None,
 ) -> dict:
     """The two-GPU summary: sparse TP=2 against vanilla TP=2 (``tp2``, one invocation with
-    ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run), each at
+    ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run; with
+    :func:`scaling_differences`, what else differs between the two), each at
     its highest long-generation rate (against vanilla: at the same rate), output tokens/s in the
     window's second half (the steady state, as ``throughput_ratio``), as the client received them
     and (``_decoded``) as the servers' logs counted them, with each run's ``late_half_drift`` and
@@ -1276,6 +1316,7 @@ def parallel_summary(
         "tp2_greedy_equal": None if tp_exact is None else all(a["equal"] for a in tp_exact["agreement"]),
         "tp2_throughput_ratio_vs_vanilla": vs_vanilla,
         "tp2_over_tp1_throughput": scaling,
+        "tp2_over_tp1_differences": scaling_differences(tp2, tp1) if sparse2 and sparse1 else None,
         "tp2_decoded_ratio_vs_vanilla": decoded_vs_vanilla,
         "tp2_over_tp1_decoded": decoded_scaling,
         "tp2_selects_as_tp1": selects_as_tp1,

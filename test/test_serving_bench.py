@@ -940,7 +940,8 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
     summary = json.loads(out.read_text())["summary"]
     assert summary == {"tp2_greedy_equal": True, "tp2_throughput_ratio_vs_vanilla": 3.5,
-                       "tp2_over_tp1_throughput": 1.75, "tp2_decoded_ratio_vs_vanilla": 4.0,
+                       "tp2_over_tp1_throughput": 1.75, "tp2_over_tp1_differences": [],
+                       "tp2_decoded_ratio_vs_vanilla": 4.0,
                        "tp2_over_tp1_decoded": None, "tp2_selects_as_tp1": True,
                        "tp2_at_depth_nearer_than_selection": True, "tp_test_prompt_seed": 1,
                        "tp2_rate": 4.0, "tp1_rate": 2.0, "late_half_drift": {"tp2_vanilla": 0.05, "tp2_sparse": 0.05, "tp1_sparse": 0.05},
@@ -984,3 +985,27 @@ def test_parallel_summary_reads_the_tp_runs_and_the_two_gpu_tests(tmp_path):
     main(["--parallel", str(out), *(str(tmp_path / n) for n in files)])
     summary = json.loads(out.read_text())["summary"]
     assert summary["tp2_at_depth_nearer_than_selection"] is None and summary["tp2_selects_as_tp1"] is None
+
+
+def test_tp_scaling_names_what_else_differs_between_the_two_runs():
+    """``tp2_over_tp1`` is reported whatever the two runs were, with what differs besides the TP
+    size: the flags sized by TP do not count; another card, window or sparse flag does."""
+    from benchmark.serving import scaling_differences
+
+    def doc(device: str, duration: float, flags: list[str]) -> dict:
+        run = {"rate": 2.0, "duration_s": duration}
+        return {"device": device, "date": "d", "commit": "c", "servers": {"sparse": {"flags": flags}},
+                "results": {"long-generation": {"sparse": [run]}}}  # fmt: skip
+
+    base = ["--load-format", "dummy", "--skip-tokenizer-init", "--kv-cache-dtype", "fp8_e4m3"]
+    tp2 = doc(
+        "H200", 330.2, [*base, "--tp-size", "2", "--sparse-host-cache-gb", "184", "--cuda-graph-max-bs-decode", "192"]
+    )
+    tp1 = doc("H200", 329.9, [*base, "--sparse-host-cache-gb", "92", "--cuda-graph-max-bs-decode", "96"])
+    assert scaling_differences(tp2, tp1) == []
+    tp2["servers"]["sparse"]["flags"] += ["--sparse-prefill-cuda-graph", "true"]
+    assert scaling_differences(tp2, doc("H100", 540.0, tp1["servers"]["sparse"]["flags"])) == [
+        "device: H200 vs H100",
+        "window: 330 s vs 540 s",
+        "--sparse-prefill-cuda-graph: true vs (unset)",
+    ]
