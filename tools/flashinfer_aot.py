@@ -12,7 +12,8 @@ H100/H200) so a device call only copies them in::
 
 Modules: the fa2 batch-prefill module for bf16 and head_dim 128 (FlashInfer's tensor-core decode,
 which the sparse decoder runs for the 8B shape, and the prefill benchmark's ragged attention), the
-fa3 one (SGLang's ragged prefill and the prefix staging on Hopper), the single-request decode (the
+fa3 one (SGLang's ragged prefill and the prefix staging on Hopper), the fa2 one for fp8 KV (the
+serving runs' paged attention on fp8 pages), the single-request decode (the
 GPU tests' dense reference) and the radix top-k. A module that fails to load there is simply
 compiled there as usual. Two gaps of a CPU machine's CUDA toolkit are bridged: the curand headers
 come from the ``nvidia-*`` wheels, and ``libcuda`` (the driver) is linked against a stub with its
@@ -51,6 +52,8 @@ def specs(head_dim: int = 128):
     return [
         gen_batch_prefill_module("fa2", bf16, bf16, bf16, torch.int32, d, d, 0, False, False, False),
         gen_batch_prefill_module("fa3", bf16, bf16, bf16, torch.int32, d, d, 0, False, False, False),
+        # fp8 KV (the serving runs' --kv-cache-dtype fp8_e4m3): bf16 queries on e4m3 pages, fa2
+        gen_batch_prefill_module("fa2", bf16, torch.float8_e4m3fn, bf16, torch.int32, d, d, 0, False, False, False),
         gen_single_decode_module(bf16, bf16, bf16, d, d, 0, False, False),
         gen_topk_module(),
     ]
