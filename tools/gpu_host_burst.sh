@@ -26,9 +26,10 @@
 # that many forward steps of each loaded server at its window's end, benchmark/server_log.py --trace)
 # serving_tp2 (TP=2 sparse and vanilla: side by side on four GPUs), parallel (the summary, after
 # serving_tp2, tp and dp; $TP1_JSON: the sparse TP=1 run), serving_tp1 (sparse TP=1 alone),
-# serving_tp2_sparse (sparse TP=2 alone, against serving_tp2's vanilla), serving_tp (both, with sparse TP=1 between:
-# nvidia-h100-x2; $TP_SPARSE_EXTRA: more sparse flags for these, apart from the single-GPU
-# headline's; $TP_VARIANTS: sparse configurations these jobs take by name, serving_tp1:graphs; $TP_WINDOW: their window, 600 s unless set, so that the counted second half spans
+# serving_tp2_sparse (sparse TP=2 alone, against serving_tp2's vanilla), serving_tp (both, with
+# sparse TP=1 between: nvidia-h100-x2; $TP_SPARSE_EXTRA: more sparse flags for these, apart from
+# the single-GPU headline's; $TP_VARIANTS: sparse configurations these jobs take by name, as in
+# serving_tp1:graphs; $TP_WINDOW: their window, 600 s unless set, so that the counted second half spans
 # several sparse TP=2 request lifetimes: docs/results.md, Parallelism). On four GPUs, one session's
 # whole TP record:
 #   JOBS="serving_tp2@0/1/2/3,serving_pair@0/1 tp+dp@2/3,parallel" PAIR_TRACES="long-generation 2.0" TP1_JSON=/root/o/serving.json
