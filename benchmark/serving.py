@@ -1228,14 +1228,10 @@ def scaling_differences(tp2: dict, tp1: dict) -> list[str]:
     apart from :data:`TP_SIZED_FLAGS`. Empty: the same configuration on the same kind of card the
     same day; anything listed is a caveat on the ratio, which is still reported."""
 
-    def flags(doc: dict) -> dict[str, str]:
-        words = doc.get("servers", {}).get("sparse", {}).get("flags", [])
-        pairs, i = {}, 0
-        while i < len(words):
-            value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else ""
-            pairs[words[i]] = value
-            i += 2 if value else 1
-        return {k: v for k, v in pairs.items() if k not in TP_SIZED_FLAGS}
+    def flags(doc: dict) -> dict[str, str]:  # each flag's last value ("" for a switch)
+        words = without_flags(doc.get("servers", {}).get("sparse", {}).get("flags", []), TP_SIZED_FLAGS)
+        values = {w.split("=", 1)[0]: last_flag(words, w.split("=", 1)[0]) for w in words if w.startswith("--")}
+        return {k: "" if v is None or v.startswith("--") else v for k, v in values.items()}
 
     def duration(doc: dict) -> float | None:
         runs = doc.get("results", {}).get("long-generation", {}).get("sparse") or []
