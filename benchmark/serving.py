@@ -1258,9 +1258,11 @@ def parallel_summary(
     dp: dict | None,
     tp_vs_tp1: dict | None = None,
     tp_vs_tp1_depth: dict | None = None,
+    tp2_beside_tp1: dict | None = None,
 ) -> dict:
     """The two-GPU summary: sparse TP=2 against vanilla TP=2 (``tp2``, one invocation with
-    ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run; with
+    ``--tp-size 2``, long generation), sparse TP=2 over sparse TP=1 (``tp1``'s sparse run against
+    ``tp2_beside_tp1``'s, a sparse TP=2 run made beside it, else ``tp2``'s; with
     :func:`scaling_differences`, what else differs between the two), each at
     its highest long-generation rate (against vanilla: at the same rate), output tokens/s in the
     window's second half (the steady state, as ``throughput_ratio``), as the client received them
@@ -1278,14 +1280,18 @@ def parallel_summary(
         return max(runs, key=lambda r: r["rate"], default=None)
 
     sparse2, sparse1, vanilla2 = top(tp2, "sparse"), top(tp1, "sparse"), top(tp2, "vanilla")
-    scaling = _ratio(sparse2, sparse1, "late_output_throughput") if sparse2 and sparse1 else None
+    scaling_doc = tp2_beside_tp1 or tp2
+    scaled = top(scaling_doc, "sparse")  # the sparse TP=2 run the scaling ratio takes
+    scaling = _ratio(scaled, sparse1, "late_output_throughput") if scaled and sparse1 else None
     same_rate = sparse2 and vanilla2 and sparse2["rate"] == vanilla2["rate"]
     vs_vanilla = _ratio(sparse2, vanilla2, "late_output_throughput") if same_rate else None
     # the same by the servers' logs (what they decoded, whether or not the client kept up)
-    decoded_scaling = _ratio(sparse2, sparse1, "server_late_decode_throughput") if sparse2 and sparse1 else None
+    decoded_scaling = _ratio(scaled, sparse1, "server_late_decode_throughput") if scaled and sparse1 else None
     decoded_vs_vanilla = _ratio(sparse2, vanilla2, "server_late_decode_throughput") if same_rate else None
     # steady state is checked, not assumed: each run's last quarter against its third
     drifts = {"tp2_vanilla": vanilla2, "tp2_sparse": sparse2, "tp1_sparse": sparse1}
+    if tp2_beside_tp1:
+        drifts["tp2_sparse_beside_tp1"] = scaled
     drifts = {name: run.get("late_half_drift") for name, run in drifts.items() if run}
     known = [abs(d) <= STEADY_DRIFT for d in drifts.values() if d is not None]
     steady = False if not all(known) else None if len(known) < len(drifts) or not known else True
@@ -1312,7 +1318,7 @@ def parallel_summary(
         "tp2_greedy_equal": None if tp_exact is None else all(a["equal"] for a in tp_exact["agreement"]),
         "tp2_throughput_ratio_vs_vanilla": vs_vanilla,
         "tp2_over_tp1_throughput": scaling,
-        "tp2_over_tp1_differences": scaling_differences(tp2, tp1) if sparse2 and sparse1 else None,
+        "tp2_over_tp1_differences": scaling_differences(scaling_doc, tp1) if scaled and sparse1 else None,
         "tp2_decoded_ratio_vs_vanilla": decoded_vs_vanilla,
         "tp2_over_tp1_decoded": decoded_scaling,
         "tp2_selects_as_tp1": selects_as_tp1,
@@ -1320,7 +1326,7 @@ def parallel_summary(
         # the selection tests' prompts: their rules were set on seed 1 (records before the seed was
         # recorded all used it), so only another seed holds them to prompts they were not fitted on
         "tp_test_prompt_seed": None if tp_vs_tp1 is None else tp_vs_tp1.get("prompt_seed", 1),
-        "tp2_rate": None if sparse2 is None else sparse2["rate"],
+        "tp2_rate": None if (sparse2 or scaled) is None else (sparse2 or scaled)["rate"],
         "tp1_rate": None if sparse1 is None else sparse1["rate"],
         "late_half_drift": drifts,
         "serving_steady": steady,
@@ -1328,12 +1334,15 @@ def parallel_summary(
     }
 
 
-def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path]) -> dict:
-    """``serving.py --parallel OUT TP2.json TP1.json [TEST.json ...]``: :func:`parallel_summary` in
-    one file with its inputs (the GPU tests' records by name: tp2-exact-gpu-test.json, dp-gpu-test.json,
-    tp2-vs-tp1-one-layer-gpu-test.json, tp2-vs-tp1-gpu-test.json; ``-`` for a serving run not made)."""
+def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path], tp2_beside_tp1: Path | None = None) -> dict:
+    """``serving.py --parallel OUT TP2.json TP1.json [TEST.json ...] [--tp2-beside-tp1 TP2.json]``:
+    :func:`parallel_summary` in one file with its inputs (the GPU tests' records by name:
+    tp2-exact-gpu-test.json, dp-gpu-test.json, tp2-vs-tp1-one-layer-gpu-test.json,
+    tp2-vs-tp1-gpu-test.json; ``-`` for a serving run not made; ``--tp2-beside-tp1``: the sparse TP=2
+    run made beside TP=1, which the scaling ratio then takes, TP2.json's pair keeping the vanilla one)."""
     docs = {p.name: json.loads(p.read_text()) for p in tests if p.exists()}  # a test not run: None
     tp2_doc, tp1_doc = ({} if str(p) == "-" else json.loads(p.read_text()) for p in (tp2, tp1))  # "-": not run
+    beside = json.loads(tp2_beside_tp1.read_text()) if tp2_beside_tp1 else None
     first = tp2_doc or next(iter(docs.values()), {})
     document = {
         "device": first.get("device"),
@@ -1346,9 +1355,11 @@ def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path]) -> dict:
             docs.get("dp-gpu-test.json"),
             docs.get("tp2-vs-tp1-one-layer-gpu-test.json"),
             docs.get("tp2-vs-tp1-gpu-test.json"),
+            beside,
         ),
         "tp2": tp2_doc,
         "tp1": tp1_doc,
+        **({"tp2_beside_tp1": beside} if beside else {}),
         "tests": docs,
     }
     save_result(document, out)
@@ -1375,9 +1386,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nsummary: {json.dumps(document['summary'], indent=1)}\nwrote {argv[1]}")
         return
     if argv[:1] == ["--parallel"]:
-        if len(argv) < 4:
-            raise SystemExit("usage: serving.py --parallel OUT.json TP2.json TP1.json [GPU-TEST.json ...]")
-        document = write_parallel(Path(argv[1]), Path(argv[2]), Path(argv[3]), [Path(a) for a in argv[4:]])
+        words, beside = list(argv), None
+        if "--tp2-beside-tp1" in words:
+            at = words.index("--tp2-beside-tp1")
+            if at + 1 >= len(words):
+                raise SystemExit("--tp2-beside-tp1 takes a file: the sparse TP=2 run made beside sparse TP=1")
+            beside = Path(words.pop(at + 1))
+            words.pop(at)
+        if len(words) < 4:
+            raise SystemExit(
+                "usage: serving.py --parallel OUT.json TP2.json TP1.json [GPU-TEST.json ...] [--tp2-beside-tp1 TP2.json]"
+            )
+        document = write_parallel(Path(words[1]), Path(words[2]), Path(words[3]), [Path(a) for a in words[4:]], beside)
         print(f"summary: {json.dumps(document['summary'], indent=1)}\nwrote {argv[1]}")
         return
     args = parse_args(argv)

@@ -57,3 +57,30 @@ def test_a_job_variant_reaches_the_job_and_names_its_log(tmp_path):
     assert (tmp_path / "named-graphs.log").read_text() == "variant=graphs\n"
     assert (tmp_path / "named.log").read_text() == "variant=\n"
     assert "job: named:graphs" in (tmp_path / "stage.log").read_text()
+
+
+POLL = STAGES.parent / "gpu_host_poll.sh"
+
+
+def test_a_poll_returns_when_a_result_is_written_and_packs_the_folder(tmp_path):
+    """gpu_host_poll.sh waits for the stages' end or a new result file (a machine taken back
+    later loses nothing written), not its whole interval; it packs the out folder into $OUT."""
+    import tarfile
+
+    out, packed = tmp_path / "o", tmp_path / "packed"
+    out.mkdir(), packed.mkdir()
+    (out / "stage.log").write_text("10:00:00 stage: serving_tp1\n")
+    env = {**os.environ, "BURST_OUT": str(out), "OUT": str(packed), "POLL_TICK_S": "1"}
+    poll = subprocess.Popen(["bash", str(POLL), "60"], env=env, stdout=subprocess.PIPE, text=True)
+    time.sleep(2)
+    (out / "serving-tp1.json").write_text("{}")
+    started = time.monotonic()
+    stdout, _ = poll.communicate(timeout=30)
+    assert "a result was written" in stdout and time.monotonic() - started < 10
+    with tarfile.open(packed / "o.tgz.00") as pack:
+        assert {"o/stage.log", "o/serving-tp1.json"} <= set(pack.getnames())
+    # all stages done: it returns at once
+    (out / "stage.log").write_text("10:00:00 stage: serving_tp1\n10:09:00 done\n")
+    started = time.monotonic()
+    subprocess.run(["bash", str(POLL), "60"], env=env, check=True, capture_output=True, timeout=30)
+    assert time.monotonic() - started < 5

@@ -1009,3 +1009,40 @@ def test_tp_scaling_names_what_else_differs_between_the_two_runs():
         "window: 330 s vs 540 s",
         "--sparse-prefill-cuda-graph: true vs (unset)",
     ]
+
+
+def test_parallel_scaling_takes_the_tp2_run_made_beside_tp1(tmp_path):
+    """``--tp2-beside-tp1``: on four GPUs the scaling pair (sparse TP=2 beside sparse TP=1) and the
+    vanilla pair run in different stages; the scaling ratio takes the run beside TP=1, the vanilla
+    ratio stays within its own pair, and the extra run's drift counts toward ``serving_steady``."""
+    from benchmark.serving import main
+
+    def doc(systems: dict, duration: float = 330.0) -> dict:
+        runs = {s: [{"rate": r, "late_output_throughput": t, "late_half_drift": 0.05, "duration_s": duration}]
+                for s, (r, t) in systems.items()}  # fmt: skip
+        return {"device": "H200", "date": "d", "commit": "c", "results": {"long-generation": runs}}
+
+    files = {
+        "pair.json": doc({"vanilla": (4.0, 1000.0), "sparse": (4.0, 3100.0)}),
+        "tp1.json": doc({"sparse": (2.0, 1600.0)}),
+        "alone.json": doc({"sparse": (4.0, 3000.0)}, duration=500.0),
+    }
+    for name, body in files.items():
+        (tmp_path / name).write_text(json.dumps(body))
+    out, paths = tmp_path / "parallel.json", [str(tmp_path / n) for n in ("pair.json", "tp1.json")]
+    main(["--parallel", str(out), *paths])
+    assert json.loads(out.read_text())["summary"]["tp2_over_tp1_throughput"] == pytest.approx(3100 / 1600)
+    main(["--parallel", str(out), *paths, "--tp2-beside-tp1", str(tmp_path / "alone.json")])
+    document = json.loads(out.read_text())
+    summary = document["summary"]
+    assert summary["tp2_throughput_ratio_vs_vanilla"] == pytest.approx(3.1)
+    assert summary["tp2_over_tp1_throughput"] == pytest.approx(3000 / 1600)
+    assert summary["tp2_over_tp1_differences"] == ["window: 500 s vs 330 s"]  # the beside run's, not the pair's
+    assert summary["late_half_drift"]["tp2_sparse_beside_tp1"] == 0.05 and summary["serving_steady"] is True
+    assert document["tp2_beside_tp1"]["results"] == files["alone.json"]["results"]
+    files["alone.json"]["results"]["long-generation"]["sparse"][0]["late_half_drift"] = 0.4
+    (tmp_path / "alone.json").write_text(json.dumps(files["alone.json"]))
+    main(["--parallel", str(out), "--tp2-beside-tp1", str(tmp_path / "alone.json"), *paths])  # anywhere
+    assert json.loads(out.read_text())["summary"]["serving_steady"] is False
+    with pytest.raises(SystemExit, match="--tp2-beside-tp1 takes a file"):
+        main(["--parallel", str(out), *paths, "--tp2-beside-tp1"])

@@ -26,7 +26,7 @@
 # that many forward steps of each loaded server at its window's end, benchmark/server_log.py --trace)
 # serving_tp2 (TP=2 sparse and vanilla: side by side on four GPUs), parallel (the summary, after
 # serving_tp2, tp and dp; $TP1_JSON: the sparse TP=1 run), serving_tp1 (sparse TP=1 alone),
-# serving_tp2_sparse (sparse TP=2 alone, against serving_tp2's vanilla), serving_tp (both, with
+# serving_tp2_sparse (sparse TP=2 alone, beside sparse TP=1 or after a vanilla run), serving_tp (both, with
 # sparse TP=1 between: nvidia-h100-x2; $TP_SPARSE_EXTRA: more sparse flags for these, apart from
 # the single-GPU headline's; $TP_VARIANTS: sparse configurations these jobs take by name, as in
 # serving_tp1:graphs; $TP_WINDOW: their window, 600 s unless set, so that the counted second half spans
@@ -204,23 +204,26 @@ job_serving_tp2() {
   python3 benchmark/serving.py --combine "/root/o/serving-tp2$v.json" /root/o/serving-tp2-vanilla.json "/root/o/serving-tp2-sparse$v.json"
 }
 job_serving_tp2_sparse() {
-  # sparse TP=2 alone on the job's two GPUs (a second sparse configuration, in a later stage than
-  # serving_tp2's four-GPU pair): into serving-tp2-sparse-<variant>.json, then with that pair's
-  # vanilla run into serving-tp2-<variant>.json
+  # sparse TP=2 alone on the job's two GPUs, into serving-tp2-alone-<variant>.json (its own name:
+  # a four-GPU session runs it beside sparse TP=1 for the scaling bar, and serving_tp2's pair in
+  # another stage writes serving-tp2-sparse-<variant>.json), then with a vanilla TP=2 run of the
+  # session, if one was made before it, into serving-tp2-<variant>.json
   local v=${JOB_VARIANT:+-$JOB_VARIANT}
-  TP2_SYSTEMS=sparse TP2_INTO=serving-tp2-sparse$v job_serving_tp2 || return 1
+  TP2_SYSTEMS=sparse TP2_INTO=serving-tp2-alone$v job_serving_tp2 || return 1
   if [ -e /root/o/serving-tp2-vanilla.json ]; then
-    python3 benchmark/serving.py --combine "/root/o/serving-tp2$v.json" /root/o/serving-tp2-vanilla.json "/root/o/serving-tp2-sparse$v.json"
+    python3 benchmark/serving.py --combine "/root/o/serving-tp2$v.json" /root/o/serving-tp2-vanilla.json "/root/o/serving-tp2-alone$v.json"
   fi
 }
 job_parallel() {
   # the parallel summary (no GPU): TP=2 serving, sparse TP=1 ($TP1_JSON: e.g. serving_pair's
   # serving.json from the same session, the same flags and window), and the tp and dp tests' records;
   # parallel:graphs summarizes the graphs variant's serving files into parallel-<date>-graphs.json
-  local v=${JOB_VARIANT:+-$JOB_VARIANT}
+  # (serving_tp2_sparse's run beside sparse TP=1, if made, is the one the scaling ratio takes)
+  local v=${JOB_VARIANT:+-$JOB_VARIANT} beside=()
+  [ -e "/root/o/serving-tp2-alone$v.json" ] && beside=(--tp2-beside-tp1 "/root/o/serving-tp2-alone$v.json")
   python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F)$v.json" "/root/o/serving-tp2$v.json" \
     "${TP1_JSON:-/root/o/serving-tp1$v.json}" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json \
-    /root/o/tp2-vs-tp1-one-layer-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json
+    /root/o/tp2-vs-tp1-one-layer-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json "${beside[@]}"
 }
 job_serving_tp1() {
   # sparse TP=1 with the TP=2 runs' flags and window, on the job's first GPU, into serving-tp1.json
