@@ -218,10 +218,14 @@ job_parallel() {
   # the parallel summary (no GPU): TP=2 serving, sparse TP=1 ($TP1_JSON: e.g. serving_pair's
   # serving.json from the same session, the same flags and window), and the tp and dp tests' records;
   # parallel:graphs summarizes the graphs variant's serving files into parallel-<date>-graphs.json
-  # (serving_tp2_sparse's run beside sparse TP=1, if made, is the one the scaling ratio takes)
-  local v=${JOB_VARIANT:+-$JOB_VARIANT} beside=()
-  [ -e "/root/o/serving-tp2-alone$v.json" ] && beside=(--tp2-beside-tp1 "/root/o/serving-tp2-alone$v.json")
-  python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F)$v.json" "/root/o/serving-tp2$v.json" \
+  # (serving_tp2_sparse's run, if made, is the one the scaling ratio takes; with no vanilla pair
+  # in the session, the only TP=2 run)
+  local v=${JOB_VARIANT:+-$JOB_VARIANT} tp2 alone beside=()
+  tp2=/root/o/serving-tp2$v.json alone=/root/o/serving-tp2-alone$v.json
+  if [ -e "$alone" ]; then
+    if [ -e "$tp2" ]; then beside=(--tp2-beside-tp1 "$alone"); else tp2=$alone; fi
+  fi
+  python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F)$v.json" "$tp2" \
     "${TP1_JSON:-/root/o/serving-tp1$v.json}" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json \
     /root/o/tp2-vs-tp1-one-layer-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json "${beside[@]}"
 }

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One poll of a running burst (tools/gpu_host_burst.sh), in a call of its own: wait until its
 # stages are done, a result file (JSON) is written, or $1 seconds (default 540) have passed, then
-# pack everything /root/o holds so far into $OUT, so that a machine taken back mid-run (its
-# 30-minute hold, or the lender's, which took two holds at 7 and 16-23 minutes) loses at most one
-# poll's interval, and a run's record comes back within seconds of its writing. The pack keeps results, job logs and the serving servers' logs (a
-# run whose JSON was never written still has its decode throughput in them:
-# benchmark/server_log.py); not profiler traces, plots or the accuracy grid's server logs. Packs
-# over 15 MiB come back in pieces (a call returns files of at most 16 MiB):
+# pack everything $BURST_OUT (/root/o) holds so far into $OUT, so that a machine taken back mid-run
+# (its 30-minute hold, or sooner by the lender) loses at most one poll's interval, and a run's
+# record comes back within seconds of its writing. The pack keeps results, job logs and the
+# serving servers' logs (a run whose JSON was never written still has its decode throughput in
+# them: benchmark/server_log.py); not profiler traces, plots or the accuracy grid's server logs.
+# Packs over 15 MiB come back in pieces (a call returns files of at most 16 MiB):
 # `cat o.tgz.* | tar xz`.
 #   bash tools/gpu_host_poll.sh 540
 set -u
