@@ -1,11 +1,12 @@
 # The burst's stage runner (tools/gpu_host_burst.sh sources it; the job_* functions are the
 # burst's). $JOBS: stages separated by commas, each stage's jobs separated by spaces; a stage's jobs
 # run side by side, the next stage starts when they have all ended. A job is a chain a+b@GPUS (a,
-# then b, on GPUS: "2/3" = GPUs 2 and 3); a job named a:v runs job_a with $JOB_VARIANT=v (the
-# jobs that take variants say what v selects), its log in a-v.log. $STAGE_LIMITS: seconds per stage, in the same order
-# ("300,": the first stage at most 300 s, the second unlimited); at its limit a stage's jobs, and
-# every process they started (servers in their own sessions included), are stopped, so a stage that runs long cannot eat
-# the time of the timed stage after it. $BURST_OUT: where logs go (default /root/o).
+# then b, on GPUS: "2/3" = GPUs 2 and 3); a job named a:v runs job_a with $JOB_VARIANT=v (the jobs
+# that take variants say what v selects), its log in a-v.log. $STAGE_LIMITS: seconds per stage, in
+# the same order ("300,": the first stage at most 300 s, the second unlimited); at its limit a
+# stage's jobs, and every process they started (servers in their own sessions included), are
+# stopped, so a stage that runs long cannot eat the time of the timed stage after it. $BURST_OUT:
+# where logs go (default /root/o).
 
 run_job_chain() {  # one job of a stage
   local job=$1 chain=${1%@*} out=${BURST_OUT:-/root/o} names name variant
