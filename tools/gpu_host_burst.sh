@@ -201,11 +201,12 @@ job_serving_tp2() {
   local sampler=$!
   if [ ${#devices[@]} -lt 4 ]; then  # one invocation per system: each run's record is written when it ends
     IFS=',' read -ra systems <<< "${TP2_SYSTEMS:-vanilla,sparse}"
+    local rc=0
     for system in "${systems[@]}"; do
-      python3 benchmark/serving.py --systems "$system" "${args[@]}" --merge-into "/root/o/${TP2_INTO:-serving-tp2$v}.json"
+      python3 benchmark/serving.py --systems "$system" "${args[@]}" --merge-into "/root/o/${TP2_INTO:-serving-tp2$v}.json" || rc=$?
     done
     kill $sampler
-    return
+    return $rc
   fi
   # vanilla takes the sparse server's KV dtype and scales from --sparse-server-args
   CUDA_VISIBLE_DEVICES=${devices[0]},${devices[1]} python3 benchmark/serving.py --systems vanilla "${args[@]}" \
@@ -255,7 +256,9 @@ job_serving_tp1() {
     --sparse-host-cache-gb 92 --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-} $flags" \
     --traces long-generation --rates-long-generation "${TP1_RATE:-2.0}" --max-seconds-per-rate "${TP_WINDOW:-600}" \
     --out-dir /root/o --log-dir "/root/o/serving-tp1-logs$v" --merge-into "/root/o/serving-tp1$v.json"
+  local rc=$?
   kill $sampler
+  return $rc
 }
 job_serving_tp() {
   # the two-GPU host's whole serving side of TP (nvidia-h100-x2): TP=2 serving, then sparse TP=1 on
