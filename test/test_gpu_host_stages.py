@@ -18,7 +18,7 @@ source {STAGES}
 job_slow() {{ setsid sleep 300 & echo "server $!"; sleep 300; }}
 job_fast() {{ echo fast; }}
 job_named() {{ echo "variant=$JOB_VARIANT"; }}
-export -f run_stages run_job_chain descendants stop_trees job_slow job_fast job_named
+export -f run_stages run_job_chain descendants stop_trees sample_host_cpu job_slow job_fast job_named
 JOBS="{jobs}" STAGE_LIMITS="{limits}" bash -c run_stages
 """
     env = {**os.environ, "BURST_OUT": str(tmp_path), "STOP_GRACE_S": "1"}

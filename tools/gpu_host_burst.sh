@@ -174,15 +174,6 @@ tp_variant_flags() {
   echo "variant $JOB_VARIANT is not in \$TP_VARIANTS (\"${TP_VARIANTS:-}\")" >&2
   return 1
 }
-sample_host_cpu() {
-  # until killed: every 20 s the host's load and busiest processes (top's second 5 s sample), into
-  # $1: sparse TP=2's client received 2-3% less than its log decoded, and the host's load beside
-  # the output path is the suspect left (docs/results.md, Parallelism)
-  while true; do
-    { date +%T; cat /proc/loadavg; top -b -c -o %CPU -n 2 -d 5 -w 200 | awk '/^top -/ {n++} n == 2' | head -24; } >> "$1" 2>&1
-    sleep 15
-  done
-}
 job_serving_tp2() {
   # TP=2 serving, long generation: sparse against vanilla with the same KV bytes on each GPU. Each
   # rank's host share is TP=1's 92 GiB, so TP=2 holds twice the tokens and runs about twice the
@@ -197,26 +188,19 @@ job_serving_tp2() {
     --sparse-host-cache-gb "${TP2_HOST_GB:-184}" --vanilla-server-args "--cuda-graph-max-bs-decode 128"
     --sparse-server-args "--cuda-graph-max-bs-decode 192 $HEADLINE_KV $SCALES_TP2 ${TP_SPARSE_EXTRA:-} $flags")
   IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"
-  sample_host_cpu "/root/o/host-cpu-tp2$v.log" &
-  local sampler=$!
   if [ ${#devices[@]} -lt 4 ]; then  # one invocation per system: each run's record is written when it ends
     IFS=',' read -ra systems <<< "${TP2_SYSTEMS:-vanilla,sparse}"
-    local rc=0
     for system in "${systems[@]}"; do
-      python3 benchmark/serving.py --systems "$system" "${args[@]}" --merge-into "/root/o/${TP2_INTO:-serving-tp2$v}.json" || rc=$?
+      python3 benchmark/serving.py --systems "$system" "${args[@]}" --merge-into "/root/o/${TP2_INTO:-serving-tp2$v}.json"
     done
-    kill $sampler
-    return $rc
+    return
   fi
   # vanilla takes the sparse server's KV dtype and scales from --sparse-server-args
   CUDA_VISIBLE_DEVICES=${devices[0]},${devices[1]} python3 benchmark/serving.py --systems vanilla "${args[@]}" \
     --merge-into /root/o/serving-tp2-vanilla.json > /root/o/serving-tp2-vanilla.log 2>&1 &
-  local runs=($!)
   CUDA_VISIBLE_DEVICES=${devices[2]},${devices[3]} python3 benchmark/serving.py --systems sparse "${args[@]}" \
     --merge-into "/root/o/serving-tp2-sparse$v.json" > "/root/o/serving-tp2-sparse$v.log" 2>&1 &
-  runs+=($!)
-  wait "${runs[@]}"
-  kill $sampler
+  wait
   python3 benchmark/serving.py --combine "/root/o/serving-tp2$v.json" /root/o/serving-tp2-vanilla.json "/root/o/serving-tp2-sparse$v.json"
 }
 job_serving_tp2_sparse() {
@@ -250,15 +234,10 @@ job_serving_tp1() {
   # (on four GPUs it runs in the stage before or after serving_tp2@0/1/2/3, so the session has all three)
   local flags v=${JOB_VARIANT:+-$JOB_VARIANT} devices=${CUDA_VISIBLE_DEVICES:-0}
   flags=$(tp_variant_flags) || return 1
-  sample_host_cpu "/root/o/host-cpu-tp1$v.log" &
-  local sampler=$!
   CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse \
     --sparse-host-cache-gb 92 --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-} $flags" \
     --traces long-generation --rates-long-generation "${TP1_RATE:-2.0}" --max-seconds-per-rate "${TP_WINDOW:-600}" \
     --out-dir /root/o --log-dir "/root/o/serving-tp1-logs$v" --merge-into "/root/o/serving-tp1$v.json"
-  local rc=$?
-  kill $sampler
-  return $rc
 }
 job_serving_tp() {
   # the two-GPU host's whole serving side of TP (nvidia-h100-x2): TP=2 serving, then sparse TP=1 on

@@ -6,7 +6,7 @@
 # the same order ("300,": the first stage at most 300 s, the second unlimited); at its limit a
 # stage's jobs, and every process they started (servers in their own sessions included), are
 # stopped, so a stage that runs long cannot eat the time of the timed stage after it. $BURST_OUT:
-# where logs go (default /root/o).
+# where logs go (default /root/o); host-cpu.log there samples the host's load all along.
 
 run_job_chain() {  # one job of a stage
   local job=$1 chain=${1%@*} out=${BURST_OUT:-/root/o} names name variant
@@ -35,10 +35,23 @@ stop_trees() {  # jobs $@ and every process below them: TERM, then KILL what is 
   return 0
 }
 
+sample_host_cpu() {
+  # until killed: every 20 s the host's load and busiest processes (top's second 5 s sample), into
+  # $1: jobs share the host's cores with the servers' own threads (sparse TP=2's client received
+  # 2-3% less than its log decoded, and the load beside its output path is the suspect left:
+  # docs/results.md, Parallelism)
+  while true; do
+    { date +%T; cat /proc/loadavg; top -b -c -o %CPU -n 2 -d 5 -w 200 | awk '/^top -/ {n++} n == 2' | head -24; } >> "$1" 2>&1
+    sleep 15
+  done
+}
+
 run_stages() {
   local out=${BURST_OUT:-/root/o} stages limits i stage limit job pids watchdog
   IFS=',' read -ra stages <<< "$JOBS"
   IFS=',' read -ra limits <<< "${STAGE_LIMITS:-}"
+  sample_host_cpu "$out/host-cpu.log" &
+  local sampler=$!
   for i in "${!stages[@]}"; do
     stage=${stages[$i]} limit=${limits[$i]:-} pids=()
     echo "$(date +%T) stage: $stage${limit:+ (at most $limit s)}" >> "$out/stage.log"
@@ -58,5 +71,6 @@ run_stages() {
       wait "$watchdog" 2>/dev/null
     fi
   done
+  kill "$sampler"
   echo "$(date +%T) done" >> "$out/stage.log"
 }
