@@ -10,7 +10,8 @@ process in place of the GPU one. The fake scheduler takes the tokenized requests
 ``--skip-tokenizer-init --incremental-streaming-output`` (the serving benchmark's flags). The
 serving benchmark's client (:func:`benchmark.serving.drive`) sends the long-generation shape of
 request (``--prompt-tokens`` ids at ``--rate`` a second); the probe prints, by quarter of the
-window, the tokens a second the fake scheduler sent and the client received. CPU only::
+window, the tokens a second the fake scheduler sent and the client received. CPU only, from the
+repository root (the server half runs as ``python -m benchmark.probes.output_path --serve``)::
 
     python benchmark/probes/output_path.py --batch 164 --step-ms 26    # ~6,300 tokens/s, 2 minutes
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -29,9 +29,6 @@ import tempfile
 import time
 from array import array
 from pathlib import Path
-
-import psutil
-import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.serving import QUARTERS, Request, drive  # noqa: E402
@@ -116,35 +113,15 @@ def fake_scheduler(server_args, port_args, *ranks_and_pipe) -> None:
         running = [r for r in running if r[3] < r[2]]
 
 
-def serve(server_args) -> None:
+def serve(argv: list[str]) -> None:
+    """``--serve`` + SGLang's server flags: SGLang's own ``launch_server`` with the fake scheduler
+    (imported by module name, so SGLang's spawned scheduler process finds it)."""
     from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.server_args import prepare_server_args
 
-    launch_server(server_args, run_scheduler_process_func=fake_scheduler)
+    from benchmark.probes.output_path import fake_scheduler
 
-
-def wait_healthy(url: str, timeout: float = 180.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if requests.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"the server at {url} did not answer /health in {timeout:.0f} s")
-
-
-def stop_tree(pid: int) -> None:
-    try:
-        parent = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    procs = [*parent.children(recursive=True), parent]
-    for proc in procs:
-        proc.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for proc in alive:
-        proc.kill()
+    launch_server(prepare_server_args(argv), run_scheduler_process_func=fake_scheduler)
 
 
 def main() -> None:
@@ -155,33 +132,24 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16_000, help="token ids in each request")
     parser.add_argument("--new-tokens", type=int, default=6_000, help="max_new_tokens of each request")
     parser.add_argument("--window", type=float, default=120.0, help="seconds of sending, then the cutoff")
-    parser.add_argument("--port", type=int, default=31_999)
     args = parser.parse_args()
 
-    from sglang.srt.server_args import ServerArgs
-
     from sparse_sglang.testing.models import write_llama3_8b_dummy
+    from sparse_sglang.testing.server import ServerProcess
 
     work = Path(tempfile.mkdtemp(prefix="output-path-probe-"))
-    os.environ.update({BATCH_ENV: str(args.batch), STEP_ENV: str(args.step_ms), SENT_ENV: str(work / "sent.txt")})
-    server_args = ServerArgs(
-        model_path=write_llama3_8b_dummy(work / "model"), load_format="dummy", device="cpu",
-        skip_tokenizer_init=True, incremental_streaming_output=True, skip_server_warmup=True,
-        port=args.port, log_level="error",
-    )  # fmt: skip
-    server = multiprocessing.get_context("spawn").Process(target=serve, args=(server_args,))
-    server.start()
-    try:
-        url = f"http://127.0.0.1:{args.port}"
-        wait_healthy(url)
-        rng, arrival, trace = random.Random(0), 0.0, []
-        while arrival < args.window:
-            arrival += rng.expovariate(args.rate)
-            ids = [rng.randrange(1000, 100_000) for _ in range(args.prompt_tokens)]
-            trace.append(Request(arrival, ids, args.new_tokens))
-        run = asyncio.run(drive(url, trace, args.window, request_timeout=3600))
-    finally:
-        stop_tree(server.pid)
+    env = {BATCH_ENV: str(args.batch), STEP_ENV: str(args.step_ms), SENT_ENV: str(work / "sent.txt")}
+    flags = ["--serve", "--load-format", "dummy", "--device", "cpu", "--skip-tokenizer-init",
+             "--incremental-streaming-output", "--skip-server-warmup", "--log-level", "error"]  # fmt: skip
+    rng, arrival, trace = random.Random(0), 0.0, []
+    while arrival < args.window:
+        arrival += rng.expovariate(args.rate)
+        trace.append(
+            Request(arrival, [rng.randrange(1000, 100_000) for _ in range(args.prompt_tokens)], args.new_tokens)
+        )
+    model = write_llama3_8b_dummy(work / "model")
+    with ServerProcess("benchmark.probes.output_path", model, flags, log_path=work / "server.log", env=env) as server:
+        run = asyncio.run(drive(server.url, trace, args.window, request_timeout=3600))
     steps = [tuple(map(float, line.split())) for line in (work / "sent.txt").read_text().splitlines()]
     quarter = run.duration / QUARTERS
     edges = [run.started_at + q * quarter for q in range(QUARTERS + 1)]
@@ -196,4 +164,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--serve" in sys.argv:
+        serve([a for a in sys.argv[1:] if a != "--serve"])
+    else:
+        main()
