@@ -318,7 +318,7 @@ def pool_state(url: str) -> dict | None:
 
 def summarize(records: list[dict], deaths: int, fresh: list[int], after: list[int] | None,
               idle: dict | None, now: dict | None) -> dict:  # fmt: skip
-    from benchmark.soak import leaks
+    from sparse_sglang.testing.server import leaks
 
     by_kind: dict[str, dict[str, int]] = {}
     for r in records:

@@ -59,7 +59,7 @@ from sparse_sglang.testing.models import (  # noqa: E402
     write_llama3_8b_dummy,
 )
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sparse_state  # noqa: E402
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, leaks, sparse_state  # noqa: E402
 
 # Synthetic prompt ids: clear of the special tokens, inside the vocabulary of the tokenizer served
 # (the default model's, which shrinks the 8B shape's vocabulary to its own)
@@ -114,16 +114,6 @@ def bad_requests(context_len: int, host_tokens: int) -> dict[str, bytes]:
     if host_tokens + PAGE_SIZE < context_len:  # a prompt the model takes but the host store cannot hold
         cases["kv_exceeds_host_cache"] = body(input_ids=prompt(host_tokens + PAGE_SIZE), sampling_params=greedy)
     return cases
-
-
-def leaks(idle: dict, now: dict) -> dict:
-    """What an idle server holds beyond what the fresh one did (all zero when nothing leaked)."""
-    return {
-        "leaked_gpu_slots": idle["gpu_cache_slots_free"] - now["gpu_cache_slots_free"],
-        "leaked_gpu_rows": now["gpu_cache_rows_open"] - idle["gpu_cache_rows_open"],
-        "leaked_host_pages": (idle["host_tokens_free"] - now["host_tokens_free"]) // PAGE_SIZE,
-        "leaked_request_slots": idle["request_slots_free"] - now["request_slots_free"],
-    }
 
 
 def prompt_ids(rid: str, n: int) -> list[int]:

@@ -13,10 +13,10 @@ import pytest
 import requests
 import torch
 
-from benchmark.soak import leaks, run_burst
+from benchmark.soak import run_burst
 from sparse_sglang.testing.models import write_llama3_8b_dummy
 from sparse_sglang.testing.provenance import save_gpu_test_record
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, leaks
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from benchmark.soak import PAGE_SIZE, bad_requests, leaks, mixed_plan
+from benchmark.soak import PAGE_SIZE, bad_requests, mixed_plan
+from sparse_sglang.testing.server import leaks
 
 
 def test_mixed_plan_is_seeded_poisson_with_log_uniform_prompts_and_a_share_aborted():

@@ -15,6 +15,8 @@ from pathlib import Path
 import orjson
 import requests
 
+from sparse_sglang.config import SparseConfig
+
 SPARSE_MODULE = "sparse_sglang.launch_server"
 VANILLA_MODULE = "sglang.launch_server"
 
@@ -56,6 +58,18 @@ def greedy_comparison(reference: list[dict], other: list[dict]) -> dict:
 def sparse_state(url: str) -> dict:
     """The sparse server's pools and counters: ``GET /get_server_info``'s ``internal_states[0]["sparse"]``."""
     return requests.get(url + "/get_server_info", timeout=60).json()["internal_states"][0]["sparse"]
+
+
+def leaks(idle: dict, now: dict, page_size: int = SparseConfig().page_size) -> dict:
+    """What an idle server holds beyond what the fresh one did (all zero when nothing leaked):
+    ``idle`` and ``now`` are two :func:`sparse_state` readings of one server, ``page_size`` its
+    ``--sparse-page-size``."""
+    return {
+        "leaked_gpu_slots": idle["gpu_cache_slots_free"] - now["gpu_cache_slots_free"],
+        "leaked_gpu_rows": now["gpu_cache_rows_open"] - idle["gpu_cache_rows_open"],
+        "leaked_host_pages": (idle["host_tokens_free"] - now["host_tokens_free"]) // page_size,
+        "leaked_request_slots": idle["request_slots_free"] - now["request_slots_free"],
+    }
 
 
 def warm_then_each_alone(url: str, prompts: list[list[int]], run) -> list[dict]:
