@@ -50,7 +50,7 @@ import aiohttp  # noqa: E402
 import requests  # noqa: E402
 
 from benchmark import fuzz  # noqa: E402
-from sparse_sglang.config import GIB  # noqa: E402
+from sparse_sglang.config import GIB, SparseConfig  # noqa: E402
 from sparse_sglang.default_model import default_model_path  # noqa: E402
 from sparse_sglang.testing.models import (  # noqa: E402
     LLAMA3_8B_CONFIG,
@@ -64,7 +64,7 @@ from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cac
 # Synthetic prompt ids: clear of the special tokens, inside the vocabulary of the tokenizer served
 # (the default model's, which shrinks the 8B shape's vocabulary to its own)
 TOKEN_IDS = (LLAMA3_8B_TOKEN_IDS[0], 40000)
-PAGE_SIZE = 32
+PAGE_SIZE = SparseConfig().page_size  # the server's default --sparse-page-size
 
 
 @dataclass(frozen=True)
