@@ -37,9 +37,8 @@ stop_trees() {  # jobs $@ and every process below them: TERM, then KILL what is 
 
 sample_host_cpu() {
   # until killed: every 20 s the host's load and busiest processes (top's second 5 s sample), into
-  # $1: jobs share the host's cores with the servers' own threads (sparse TP=2's client received
-  # 2-3% less than its log decoded, and the load beside its output path is the suspect left:
-  # docs/results.md, Parallelism)
+  # $1: jobs share the host's cores with the servers' own threads and their single-threaded HTTP
+  # processes, so a run's host-side limits show here (docs/results.md, Parallelism, reads them)
   while true; do
     { date +%T; cat /proc/loadavg; top -b -c -o %CPU -n 2 -d 5 -w 200 | awk '/^top -/ {n++} n == 2' | head -24; } >> "$1" 2>&1
     sleep 15
