@@ -84,3 +84,15 @@ def test_a_poll_returns_when_a_result_is_written_and_packs_the_folder(tmp_path):
     started = time.monotonic()
     subprocess.run(["bash", str(POLL), "60"], env=env, check=True, capture_output=True, timeout=30)
     assert time.monotonic() - started < 5
+
+
+def test_a_poll_on_a_machine_with_no_burst_fails_at_once(tmp_path):
+    """A machine the lender swapped between calls holds no burst: the poll says so and exits
+    non-zero at once, instead of spending its whole interval of device time waiting."""
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    env = {**os.environ, "BURST_OUT": str(tmp_path / "o"), "OUT": str(packed), "POLL_TICK_S": "1"}
+    started = time.monotonic()
+    poll = subprocess.run(["bash", str(POLL), "60"], env=env, capture_output=True, text=True, timeout=30)
+    assert poll.returncode == 3 and "no burst on this machine" in poll.stderr
+    assert time.monotonic() - started < 5 and not list(packed.iterdir())
