@@ -100,6 +100,8 @@ class Policy:
     # only: the server's page cache rows hold a budget's pages, not a whole context.
     dense_layers: int = 0
     rerank_factor: int = 1  # --sparse-rerank-factor: F x the budget's candidates, the budget's by exact mass
+    page_bounds: str = DEFAULTS.page_bounds  # --sparse-page-bounds: minmax (Quest's) or meanstd corners
+    bound_spread: float = DEFAULTS.bound_spread  # --sparse-bound-spread: meanstd's std multiple
 
     def is_dense(self, layer: int) -> bool:
         """Whether this policy attends densely in ``layer``."""
@@ -340,14 +342,32 @@ class SparseDecoder:
     def __init__(self, model, policy: Policy, max_tokens: int, bound_format: str = "exact"):
         cfg = model.config
         self.policy = self._check(policy)
-        self.summaries = PageSummaries(cfg.num_hidden_layers, cfg.num_key_value_heads, -(-max_tokens // PAGE_SIZE),
-                                       PAGE_SIZE, cfg.head_dim, torch.float32, bound_format=bound_format)  # fmt: skip
+        self.bound_format = bound_format
+        self.summaries = self._summaries(cfg, max_tokens, policy)
+        self.prompt_keys: dict[int, torch.Tensor] = {}  # layer -> [Hkv, T, D], the dense prefill's
         self.recall: list[float] = []
 
+    def _summaries(self, cfg, max_tokens: int, policy: Policy) -> PageSummaries:
+        return PageSummaries(cfg.num_hidden_layers, cfg.num_key_value_heads, -(-max_tokens // PAGE_SIZE), PAGE_SIZE,
+                             cfg.head_dim, torch.float32, bound_format=self.bound_format,
+                             page_bounds=policy.page_bounds, bound_spread=policy.bound_spread)  # fmt: skip
+
     def fork(self, policy: Policy) -> SparseDecoder:
-        """A decoder continuing from this one's summaries under another policy."""
+        """A decoder continuing from this one's summaries under another policy (right after the
+        prefill, summaries of other page bounds are built anew from the prompt's keys)."""
         other = copy.copy(self)
-        other.policy, other.summaries, other.recall = self._check(policy), copy.deepcopy(self.summaries), []
+        other.policy, other.recall = self._check(policy), []
+        mine = (self.summaries.page_bounds, self.summaries.bound_spread)
+        if (policy.page_bounds, policy.bound_spread) == mine:
+            other.summaries = copy.deepcopy(self.summaries)
+            return other
+        s = self.summaries
+        assert int(s.count.sum()) == sum(k.shape[1] for k in self.prompt_keys.values()), "fork right after prefill"
+        num_layers, heads, _, dim = s.kmin.shape
+        cfg = type("Shape", (), {"num_hidden_layers": num_layers, "num_key_value_heads": heads, "head_dim": dim})
+        other.summaries = self._summaries(cfg, s.num_pages * PAGE_SIZE, policy)
+        for layer, k in self.prompt_keys.items():
+            other.summaries.update(layer, k.transpose(0, 1), torch.arange(k.shape[1]))
         return other
 
     @staticmethod
@@ -361,6 +381,7 @@ class SparseDecoder:
         self.summaries.update(layer, key[0, :, tokens - new :].transpose(0, 1), torch.arange(tokens - new, tokens))
         if new > 1:
             assert new == tokens, "multi-token steps only as the first prefill"
+            self.prompt_keys[layer] = key[0]
             return dense(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         q, seq_len = query[:, :, 0], torch.tensor([tokens])
         pages = None

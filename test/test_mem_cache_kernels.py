@@ -63,18 +63,22 @@ def test_save_runs_split_each_request_at_its_page_boundaries():
     assert decode.token_positions.tolist() == [8, 15] and decode.length.tolist() == [1, 1]
 
 
-@pytest.mark.parametrize("dtype,with_radius,with_mean,bound_format", [
-    (torch.bfloat16, True, True, "exact"), (torch.float16, False, False, "exact"), (torch.float8_e4m3fn, True, False, "auto"),
-    (torch.bfloat16, True, False, "int8"), (torch.float16, False, True, "auto"),
+@pytest.mark.parametrize("dtype,with_radius,with_mean,bound_format,page_bounds", [
+    (torch.bfloat16, True, True, "exact", "minmax"), (torch.float16, False, False, "exact", "minmax"),
+    (torch.float8_e4m3fn, True, False, "auto", "minmax"), (torch.bfloat16, True, False, "int8", "minmax"),
+    (torch.float16, False, True, "auto", "minmax"), (torch.bfloat16, False, False, "auto", "meanstd"),
+    (torch.float8_e4m3fn, False, False, "auto", "meanstd"), (torch.float16, False, True, "exact", "meanstd"),
 ])  # fmt: skip
-def test_index_runs_equals_its_reference(dtype, with_radius, with_mean, bound_format):
+def test_index_runs_equals_its_reference(dtype, with_radius, with_mean, bound_format, page_bounds):
     """Prefill batches with prefixes, then decode steps: the fused kernel leaves the summaries and
     the cached blocks as the torch reference does (fp8: bounds stored in fp8, compared as floats;
-    int8: the same levels and scales, bit for bit); a page started anew ends no built super-page."""
+    int8: the same levels and scales, bit for bit); a page started anew ends no built super-page.
+    Mean/std corners are sums in another order: within a level of int8 corners, float rounding of
+    exact ones."""
     gen = torch.Generator().manual_seed(3)
     layers, heads, page, dim, host_pages = 2, 2, 8, 16, 40
     ref_summ = PageSummaries(layers, heads, host_pages, page, dim, dtype, DEVICE, with_radius=with_radius, with_mean=with_mean,
-                             bound_format=bound_format, coarse_pages=2)  # fmt: skip
+                             bound_format=bound_format, page_bounds=page_bounds, coarse_pages=2)  # fmt: skip
     ref_summ.coarse_first.fill_(7)  # as if every page ended a built super-page
     ref_cache = make_cache(80, layers, heads, page, dim, dtype, width=4)
     summ, cache = copy.deepcopy(ref_summ), copy.deepcopy(ref_cache)
@@ -112,15 +116,29 @@ def test_index_runs_equals_its_reference(dtype, with_radius, with_mean, bound_fo
     for _ in range(12):  # decode, one token each; pages fill and start
         forward({1: 1, 3: 1})
     held = [p for pages in page_of.values() for p in pages]
-    for name in ("kmin", "kmax"):
-        assert torch.equal(getattr(summ, name)[..., held, :].float(), getattr(ref_summ, name)[..., held, :].float()), (
-            name
-        )
-    assert summ.bound_format == (
-        "int8" if bound_format == "int8" or (bound_format == "auto" and dtype.itemsize == 2) else "exact"
-    )
-    if summ.bound_format == "int8":
+    int8 = bound_format == "int8" or (bound_format == "auto" and (dtype.itemsize == 2 or page_bounds == "meanstd"))
+    assert summ.bound_format == ("int8" if int8 else "exact")
+    if page_bounds == "meanstd":
+        got = [torch.stack(summ.bounds(layer))[..., held, :] for layer in range(layers)]
+        want = [torch.stack(ref_summ.bounds(layer))[..., held, :] for layer in range(layers)]
+        for layer, (g, w) in enumerate(zip(got, want)):
+            if int8:  # a level at the larger of the two scales
+                e = torch.maximum(summ.bound_exp[layer][:, held], ref_summ.bound_exp[layer][:, held])
+                step = 2.0 ** e.float().unsqueeze(-1)
+            else:
+                step = w.abs() * 2**-9
+            filled = ref_summ.count[layer, held] > 0  # empty pages hold +-inf corners in both
+            assert ((g - w).abs() <= step * 1.001 + 1e-6)[:, :, filled].all(), layer
+            assert torch.equal(g[:, :, ~filled], w[:, :, ~filled]), layer
+    else:
+        for name in ("kmin", "kmax"):
+            assert torch.equal(
+                getattr(summ, name)[..., held, :].float(), getattr(ref_summ, name)[..., held, :].float()
+            ), name
+    if summ.bound_format == "int8" and page_bounds == "minmax":
         assert summ.kmin.dtype == torch.int8 and torch.equal(summ.bound_exp[:, :, held], ref_summ.bound_exp[:, :, held])
+    elif summ.bound_format == "int8":
+        assert (summ.bound_exp[:, :, held].int() - ref_summ.bound_exp[:, :, held].int()).abs().max() <= 1
     else:
         assert summ.bound_exp is None and "bound_exp" not in summ.layer(0)
     assert torch.equal(summ.count[:, held], ref_summ.count[:, held])

@@ -23,6 +23,9 @@ GROUP_REDUCES = ("sum", "max")
 # Storage of the page key bounds (sparse_sglang.mem_cache.summaries; kept here so the config
 # imports no torch).
 BOUND_FORMATS = ("auto", "exact", "int8")
+# What a page's two key corners are (sparse_sglang.mem_cache.summaries): Quest's channel-wise
+# min and max, or the keys' mean less and plus a spread of standard deviations.
+PAGE_BOUNDS = ("minmax", "meanstd")
 
 # Fraction of the machine's available RAM the host KV store takes when
 # --sparse-host-cache-gb is not given: the rest stays for the OS, the
@@ -144,6 +147,13 @@ class SparseConfig:
         "auto",
         help=f"How the GPU keeps each page's key bounds: {' | '.join(BOUND_FORMATS)}. exact = in the KV dtype; int8 = half the bytes of bf16 bounds, rounded outward so they still bound every key; auto = int8 for 16-bit KV, exact for fp8.",
     )
+    page_bounds: str = knob(
+        "minmax",
+        help=f"The two key corners each page keeps for scoring: {' | '.join(PAGE_BOUNDS)}. minmax = every key's channel-wise min and max (Quest: an upper bound of q . k); meanstd = the keys' channel-wise mean less and plus --sparse-bound-spread standard deviations (the same bytes and scoring cost; ranks pages by their keys' spread, not by their most extreme one).",
+    )
+    bound_spread: float = knob(
+        2.0, help="meanstd page bounds: standard deviations from each page's mean key to its corners."
+    )
     coarse_pages: int = knob(
         0,
         help="Coarse-first selection: S > 0 scores super-pages of S pages from their joint key bounds, then page by page only within the best ones (reads ~1/S of the bounds, keeps a second set of them); 0 = score every page.",
@@ -252,6 +262,10 @@ class SparseConfig:
             raise SparseConfigError(
                 "group_reduce", f"must be one of {', '.join(GROUP_REDUCES)}; got {self.group_reduce!r}"
             )
+        if self.page_bounds not in PAGE_BOUNDS:
+            raise SparseConfigError("page_bounds", f"must be one of {', '.join(PAGE_BOUNDS)}; got {self.page_bounds!r}")
+        if not self.bound_spread > 0:
+            raise SparseConfigError("bound_spread", f"must be positive, got {self.bound_spread}")
         if self.selector not in SELECTORS:
             raise SparseConfigError("selector", f"must be one of {', '.join(SELECTORS)}; got {self.selector!r}")
         if self.sketch_rank is not None and self.sketch_rank < 1:

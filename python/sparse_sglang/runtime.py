@@ -126,6 +126,7 @@ def build_store(config: SparseConfig, shape: StoreShape, device: torch.device | 
 
     return SparseKVStore(shape, device, **kept_summaries(config.selector), lru_buckets=config.cache_lru_buckets,
                          lru_steps_per_bucket=config.cache_lru_steps_per_bucket, bound_format=config.bound_format,
+                         page_bounds=config.page_bounds, bound_spread=config.bound_spread,
                          coarse_pages=config.coarse_pages, key_basis=key_basis, d2h_threads=d2h_threads)  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from sglang.srt.server_args import ServerArgs
 from sparse_sglang.config import (
     BOUND_FORMATS,
     GROUP_REDUCES,
+    PAGE_BOUNDS,
     SEGMENTED_CHUNK_TOKENS,
     SELECTORS,
     SparseConfig,
@@ -270,7 +271,7 @@ def _shown(default: Any) -> str:
 
 
 # The sparse knobs that take one of a few words: --help lists them, argparse refuses others.
-CHOICES = {"selector": SELECTORS, "bound_format": BOUND_FORMATS, "group_reduce": GROUP_REDUCES}
+CHOICES = {"selector": SELECTORS, "bound_format": BOUND_FORMATS, "group_reduce": GROUP_REDUCES, "page_bounds": PAGE_BOUNDS}
 
 
 def add_sparse_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
 """Fused Triton kernels of the save path, each one launch per layer:
 
-- :func:`index_runs` (the *Index* half of a save): fold new keys into the page summaries and
-  write new K/V into the cached blocks of their pages. Its reference is
+- :func:`index_runs` (the *Index* half of a save): fold new keys into the page summaries (min/max
+  bounds, or mean/std corners merged with Chan's update) and write new K/V into the cached blocks
+  of their pages. Its reference is
   :meth:`PageSummaries.update` + :meth:`GPUPageCache.store` (dozens of torch ops with atomics
   when a page's tokens contend: too slow for a long prefill).
 - :func:`build_coarse`: the coarse bounds of the super-pages not built yet, every layer at once.
@@ -101,7 +102,7 @@ class SaveRuns:
 
 
 if triton is not None:
-    from sparse_sglang.mem_cache.bounds import pow2, quantize_outward
+    from sparse_sglang.mem_cache.bounds import pow2, quantize_nearest, quantize_outward
 
     @triton.jit
     def _index_runs_kernel(
@@ -109,9 +110,9 @@ if triton is not None:
         run_start_ptr, run_len_ptr, run_req_ptr, run_page_ptr, run_offset_ptr,
         kmin_ptr, kmax_ptr, exp_ptr, mean_ptr, radius_ptr, count_ptr, coarse_first_ptr,
         directory_ptr, segments_ptr, cache_k_ptr, cache_v_ptr,
-        layer, num_layers, num_heads, num_dir, summary_head_stride, exp_head_stride,
+        layer, num_layers, num_heads, num_dir, summary_head_stride, exp_head_stride, spread,
         P: tl.constexpr, D: tl.constexpr, SEG: tl.constexpr, WITH_MEAN: tl.constexpr, WITH_RADIUS: tl.constexpr,
-        STORE_CACHE: tl.constexpr, INT8_BOUNDS: tl.constexpr, COARSE: tl.constexpr,
+        STORE_CACHE: tl.constexpr, INT8_BOUNDS: tl.constexpr, COARSE: tl.constexpr, MEANSTD: tl.constexpr,
     ):  # fmt: skip
         # One program: one run (<= P tokens of one page) of one kv head.
         r = tl.program_id(0)
@@ -139,15 +140,28 @@ if triton is not None:
             e_at = h.to(tl.int64) * exp_head_stride + page
             old_exp = tl.load(exp_ptr + e_at, mask=ok & (offset > 0), other=0).to(tl.int32)
             old_min, old_max = old_min * pow2(old_exp), old_max * pow2(old_exp)
-        old_min = tl.where(keep, old_min, float("inf"))
-        old_max = tl.where(keep, old_max, float("-inf"))
-        lo = tl.minimum(old_min, tl.min(tl.where(tok[:, None], x, float("inf")), axis=0))
-        hi = tl.maximum(old_max, tl.max(tl.where(tok[:, None], x, float("-inf")), axis=0))
         c = offset.to(tl.float32)
         total = c + n.to(tl.float32)
+        if MEANSTD:  # PageSummaries._merge_moments: the old moments from the corners, Chan's update
+            old_mean = tl.where(keep, (old_min + old_max) * 0.5, 0.0)
+            old_std = tl.where(keep, (old_max - old_min) * (0.5 / spread), 0.0)
+            sums = tl.sum(tl.where(tok[:, None], x, 0.0), axis=0)
+            squares = tl.sum(tl.where(tok[:, None], x * x, 0.0), axis=0)
+            mean = (old_mean * c + sums) / total
+            second = (c * (old_std * old_std + old_mean * old_mean) + squares) / total
+            std = tl.sqrt(tl.maximum(second - mean * mean, 0.0))
+            lo, hi = mean - spread * std, mean + spread * std
+        else:
+            old_min = tl.where(keep, old_min, float("inf"))
+            old_max = tl.where(keep, old_max, float("-inf"))
+            lo = tl.minimum(old_min, tl.min(tl.where(tok[:, None], x, float("inf")), axis=0))
+            hi = tl.maximum(old_max, tl.max(tl.where(tok[:, None], x, float("-inf")), axis=0))
         store = ok & (d < D)
-        if INT8_BOUNDS:  # requantized outward (bounds.quantize_bounds, bit for bit)
-            lo, hi, e = quantize_outward(lo, hi)
+        if INT8_BOUNDS:  # requantized (bounds.quantize_bounds or quantize_corners, bit for bit)
+            if MEANSTD:
+                lo, hi, e = quantize_nearest(lo, hi)
+            else:
+                lo, hi, e = quantize_outward(lo, hi)
             tl.store(exp_ptr + h.to(tl.int64) * exp_head_stride + page, e.to(tl.int8), mask=ok)
             lo_value, hi_value = lo * pow2(e), hi * pow2(e)
         else:
@@ -276,7 +290,8 @@ def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, t
         k, v, token_slots, runs.start, runs.length, runs.req_slot, runs.logical_page, runs.page_offset,
         kmin, lay["kmax"], exp, lay.get("mean", kmin), lay.get("radius", kmin), count, coarse_first, pt.directory, pt.segments,
         cache.k_with_scratch, cache.v_with_scratch,
-        layer, pt.num_layers, heads, pt.directory.shape[-1], kmin.stride(0), exp.stride(0),
+        layer, pt.num_layers, heads, pt.directory.shape[-1], kmin.stride(0), exp.stride(0), summaries.bound_spread,
         P=cache.page_size, D=dim, SEG=pt.segment_pages, WITH_MEAN="mean" in lay, WITH_RADIUS="radius" in lay,
         STORE_CACHE=store_cache, INT8_BOUNDS="bound_exp" in lay, COARSE=summaries.coarse_first is not None,
+        MEANSTD=summaries.page_bounds == "meanstd",
     )  # fmt: skip

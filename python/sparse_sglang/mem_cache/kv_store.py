@@ -70,6 +70,9 @@ class SparseKVStore:
         The GPU page cache's replacement order (:meth:`GPUPageCache.recency`; 0 = exact LRU).
     bound_format : {"exact", "int8", "auto"}
         How the summaries store page key bounds (``--sparse-bound-format``; :class:`PageSummaries`).
+    page_bounds : {"minmax", "meanstd"}
+        Which two corners a page's bounds are, and ``bound_spread`` the std multiple of meanstd's
+        (``--sparse-page-bounds``, ``--sparse-bound-spread``; :class:`PageSummaries`).
     coarse_pages : int
         Also keep coarse bounds of super-pages of this many pages (``--sparse-coarse-pages``; 0 = none).
     key_basis : KeyBasis, optional
@@ -80,7 +83,8 @@ class SparseKVStore:
 
     def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False,
                  with_mean: bool = True, fused: bool | None = None, lru_buckets: int = 0,
-                 lru_steps_per_bucket: int = 1, bound_format: str = "auto", coarse_pages: int = 0,
+                 lru_steps_per_bucket: int = 1, bound_format: str = "auto", page_bounds: str = "minmax",
+                 bound_spread: float = 2.0, coarse_pages: int = 0,
                  key_basis: KeyBasis | None = None, d2h_threads: int | None = None):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)
@@ -91,7 +95,8 @@ class SparseKVStore:
         )
         self.summaries = PageSummaries(s.num_layers, s.num_kv_heads, s.num_host_pages, s.page_size, s.head_dim, s.dtype,
                                        self.device, with_radius=with_radius, with_mean=with_mean,
-                                       bound_format=bound_format, coarse_pages=coarse_pages,
+                                       bound_format=bound_format, page_bounds=page_bounds,
+                                       bound_spread=bound_spread, coarse_pages=coarse_pages,
                                        key_basis=key_basis)  # fmt: skip
         self.cache = GPUPageCache(
             s.num_slots, s.num_layers, s.num_kv_heads, s.page_size, s.head_dim, s.dtype,

@@ -123,11 +123,12 @@ def fixed_gpu_bytes(
     bound_format: str = "exact",
     coarse_pages: int = 0,
     sketch_row_bytes: int = 0,
+    page_bounds: str = "minmax",
 ) -> tuple[int, int, int]:
     """GPU bytes besides the page cache: ``(summaries, prefix staging, page table)`` for a host
     store of ``host_pages`` pages (summaries of every host page stay resident; with the sketch
     selector, ``sketch_row_bytes`` per (layer, kv head, page) of key sketches)."""
-    bounds = bound_dtype(dtype, bound_format)
+    bounds = bound_dtype(dtype, bound_format, page_bounds)
     bound_bytes = head_dim * 2 * bounds.itemsize + (1 if bounds == torch.int8 else 0)  # + int8 scale exponent
     float32_bytes = head_dim * ((4 if with_mean else 0) + (4 if with_radius else 0))
     per_page = float32_bytes + bound_bytes * (2 if coarse_pages else 1) + sketch_row_bytes  # coarse: bounds twice
@@ -197,7 +198,8 @@ def plan_memory(
     summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
                                                                 staging_tokens, with_radius, with_mean,
                                                                 config.bound_format, config.coarse_pages,
-                                                                page * sketch_rank * SKETCH_DTYPE.itemsize)  # fmt: skip
+                                                                page * sketch_rank * SKETCH_DTYPE.itemsize,
+                                                                config.page_bounds)  # fmt: skip
     if config.gpu_cache_gb is not None:
         cache_bytes = int(config.gpu_cache_gb * GIB)
     else:

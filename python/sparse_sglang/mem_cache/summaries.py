@@ -12,6 +12,12 @@ Storage types
   scoring kernel reads every step; ``"auto"`` takes it for 16-bit KV (fp8 bounds are one byte
   already, and exact). A page's bounds are requantized, outward again, whenever a token joins
   it, which loosens them by at most a level each time the page's scale grows.
+- With ``page_bounds="meanstd"`` (``--sparse-page-bounds``) ``kmin``/``kmax`` hold other corners
+  in the same storage: the page keys' channel-wise mean less and plus ``bound_spread`` population
+  standard deviations. Quest's scorer reads them unchanged (``q . mean + spread |q| . std``), so
+  they cost what min/max bounds cost; they bound nothing. A token joining a page merges into the
+  moments its stored corners and count give back (Chan's pairwise update), and int8 corners round
+  to the nearest level (:func:`~sparse_sglang.mem_cache.bounds.quantize_corners`).
 - ``mean`` is float32: it is the one running statistic (updated as a page fills across decode
   steps), and bf16 would drift by a rounding error per update.
 
@@ -51,6 +57,7 @@ from sparse_sglang.mem_cache.bounds import (
     dequantize_bounds,
     empty_bounds,
     quantize_bounds,
+    quantize_corners,
     resolve_bound_format,
 )
 from sparse_sglang.mem_cache.key_sketch import SKETCH_DTYPE, KeyBasis, project_keys
@@ -131,13 +138,16 @@ class PageSummaries:
         with_radius: bool = False,
         with_mean: bool = True,
         bound_format: str = "exact",
+        page_bounds: str = "minmax",
+        bound_spread: float = 2.0,
         coarse_pages: int = 0,
         key_basis: KeyBasis | None = None,
     ):
         # One extra page at index num_pages: padding tokens fold into it, so updates need no masks.
         shape = (num_layers, num_kv_heads, num_pages + 1, head_dim)
         self.page_size, self.num_pages = page_size, num_pages
-        self.bound_format = resolve_bound_format(bound_format, kv_dtype)
+        self.bound_format = resolve_bound_format(bound_format, kv_dtype, page_bounds)
+        self.page_bounds, self.bound_spread = page_bounds, float(bound_spread)
         bounds = bound_dtype(kv_dtype, self.bound_format)
         self.empty_bounds = empty_bounds(bounds)
         self._kmin = torch.full(shape, self.empty_bounds[0], dtype=bounds, device=device)
@@ -260,9 +270,12 @@ class PageSummaries:
             self._coarse_first[fresh] = -1
 
         kf = k.float().transpose(0, 1)  # [H, T, D]
-        self._merge_bounds(layer, page, kf)
-
         count = self._count[layer]
+        if self.page_bounds == "meanstd":
+            self._merge_moments(layer, page, kf, count[page])
+        else:
+            self._merge_bounds(layer, page, kf)
+
         count.index_add_(0, page, torch.ones_like(page, dtype=count.dtype))
         scale = count[page].view(1, -1, 1).float()  # c + n
         if self._mean is not None:
@@ -314,29 +327,47 @@ class PageSummaries:
         row of one representative token of its page (the page's first in sorted order); then every
         token writes its page's result, the same value for all of a page's tokens, so the
         duplicate writes do not race. Fixed shapes, no host synchronization (CUDA-graph safe)."""
-        order = page.argsort()
-        sorted_page = page[order]
-        position = torch.arange(page.numel(), device=page.device)
-        starts = torch.ones_like(sorted_page, dtype=torch.bool)
-        starts[1:] = sorted_page[1:] != sorted_page[:-1]
-        first = torch.where(starts, position, 0).cummax(0).values  # where each page's run starts
-        representative = torch.empty_like(order)
-        representative[order] = order[first]
+        representative = _page_representatives(page)
         index = representative.view(1, -1, 1).expand_as(kf)
         old = self._stored_values(layer, page)
         lo, hi = (value.scatter_reduce_(1, index, kf, reduce)[:, representative]  # rows of representatives
                   for value, reduce in zip(old, ("amin", "amax")))  # fmt: skip
         self._store_bounds((self._kmin, self._kmax, self._exp), (layer, slice(None), page), lo, hi)
 
-    def _store_bounds(self, dest: tuple, at: tuple, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    def _merge_moments(self, layer: int, page: torch.Tensor, kf: torch.Tensor, old_count: torch.Tensor) -> None:
+        """Fold keys ``kf`` ``[H, T, D]`` (float32) into the mean/std corners of their pages ``page``
+        ``[T]``, which held ``old_count`` ``[T]`` tokens before: the old moments come back from
+        the stored corners (mean = their midpoint, std = their half-distance over the spread), the
+        new tokens' sums reduce into each page's representative row (as :meth:`_merge_bounds`),
+        and Chan's update merges the two. Fixed shapes, no host synchronization."""
+        representative = _page_representatives(page)
+        sums = torch.zeros_like(kf).index_add_(1, representative, kf)[:, representative]
+        squares = torch.zeros_like(kf).index_add_(1, representative, kf * kf)[:, representative]
+        added = torch.zeros_like(page, dtype=torch.float32).index_add_(
+            0, representative, torch.ones_like(page, dtype=torch.float32)
+        )
+        old = old_count.float().view(1, -1, 1)
+        total = old + added[representative].view(1, -1, 1)
+        lo, hi = self._stored_values(layer, page)
+        held = old > 0  # a page started anew holds the empty corners (+-inf): no moments
+        old_mean = torch.where(held, (hi + lo) * 0.5, 0.0)
+        old_std = torch.where(held, (hi - lo) * (0.5 / self.bound_spread), 0.0)
+        mean = (old_mean * old + sums) / total
+        second = (old * (old_std * old_std + old_mean * old_mean) + squares) / total
+        std = (second - mean * mean).clamp_min(0.0).sqrt()
+        self._store_bounds((self._kmin, self._kmax, self._exp), (layer, slice(None), page),
+                           mean - self.bound_spread * std, mean + self.bound_spread * std, nearest=True)  # fmt: skip
+
+    def _store_bounds(self, dest: tuple, at: tuple, lo: torch.Tensor, hi: torch.Tensor, nearest: bool = False) -> None:
         """Write float32 bounds ``lo``/``hi`` at index ``at`` of ``dest = (kmin, kmax, exp)``
         (``exp`` indexed without the last dim): as they are in the bounds' type (exact: a min or
-        max of stored values is one), or as int8 levels and scale rounded outward."""
+        max of stored values is one), or as int8 levels and scale rounded outward (to the nearest
+        level with ``nearest``: mean/std corners)."""
         kmin, kmax, exp = dest
         if self._exp is None:
             kmin[at], kmax[at] = lo.to(kmin.dtype), hi.to(kmax.dtype)
         else:
-            kmin[at], kmax[at], exp[at] = quantize_bounds(lo, hi)
+            kmin[at], kmax[at], exp[at] = (quantize_corners if nearest else quantize_bounds)(lo, hi)
 
     def reset(self, pages: torch.Tensor) -> None:
         """Empty the summaries of ``pages`` (host page ids, ``[n]``) in every layer and head,
@@ -404,6 +435,21 @@ class PageSummaries:
             dest = tuple(self._coarse.get(name) for name in ("kmin", "kmax", "bound_exp"))
             self._store_bounds(dest, (layer, slice(None), last), lo, hi)
         self._coarse_first[last] = pages[:, 0].to(torch.int32)
+
+
+def _page_representatives(page: torch.Tensor) -> torch.Tensor:
+    """For tokens of pages ``page`` ``[T]`` (repeats allowed), the index of one token of each
+    token's page (its page's first in sorted order), so per-page reductions can scatter into the
+    rows of those tokens. Fixed shapes, no host synchronization."""
+    order = page.argsort()
+    sorted_page = page[order]
+    position = torch.arange(page.numel(), device=page.device)
+    starts = torch.ones_like(sorted_page, dtype=torch.bool)
+    starts[1:] = sorted_page[1:] != sorted_page[:-1]
+    first = torch.where(starts, position, 0).cummax(0).values  # where each page's run starts
+    representative = torch.empty_like(order)
+    representative[order] = order[first]
+    return representative
 
 
 def coarse_built(num_pages: torch.Tensor, coarse_pages: int, recent_pages: int) -> torch.Tensor:
