@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
-from sparse_sglang.config import BOUND_FORMATS, SparseConfig
+from sparse_sglang.config import BOUND_FORMATS, PAGE_BOUNDS, SparseConfig
 from sparse_sglang.mem_cache.bounds import resolve_bound_format
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import finish_run
@@ -45,6 +45,7 @@ from sparse_sglang.testing.provenance import finish_run
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Llama8BShape(num_layers=1)
 KV_DTYPE_CHOICES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}  # fp8: summaries' bounds in fp8 too
+DEFAULTS = SparseConfig(host_cache_gb=1.0)
 HOST_GIB_PER_STORE = 24  # pinned host KV of one (context, batch) store: bounds its layers
 
 
@@ -145,68 +146,73 @@ def layers_for(batch: int, context: int, max_batch: int, wanted: int) -> int:
 
 
 def run(args) -> dict:
-    config = SparseConfig(token_budget=args.budget, host_cache_gb=1.0, bound_format=args.bound_format,
-                          coarse_pages=args.coarse_pages, coarse_candidates=args.coarse_candidates,
-                          selector=args.selector, rerank_factor=args.rerank_factor)  # fmt: skip
-    max_batch, max_context = max(args.batches), max(args.contexts)
+    # the page bounds timed, each cell's side by side: the default's, then quest's min/max with
+    # --versus-minmax (the step ratio between them is the summary's step_ratio_vs_quest_max)
+    page_bounds = [args.page_bounds] + (["minmax"] if args.versus_minmax and args.page_bounds != "minmax" else [])
+    configs = {pb: SparseConfig(token_budget=args.budget, host_cache_gb=1.0, bound_format=args.bound_format,
+                                coarse_pages=args.coarse_pages, coarse_candidates=args.coarse_candidates,
+                                selector=args.selector, rerank_factor=args.rerank_factor, page_bounds=pb,
+                                bound_spread=args.bound_spread) for pb in page_bounds}  # fmt: skip
+    cells = [(c, b) for c in args.contexts for b in args.batches]
+    if args.cells:
+        cells = [tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")]
+    max_batch, max_context = max(b for _, b in cells), max(c for c, _ in cells)
     workspace = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     max_pages = max_batch * -(-(max_context + 1) // 32)
     kv_dtype = KV_DTYPE_CHOICES[args.kv_dtype]
     dense_kv = torch.randn(2, max_pages, SHAPE.num_kv_heads, 32, SHAPE.head_dim, device="cuda").to(kv_dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for context in args.contexts:
-        for batch in args.batches:
-            layers = layers_for(batch, context, max_batch, args.layers_per_graph)
-            store = make_store(Llama8BShape(num_layers=layers), config, batch, context, dtype=kv_dtype)
-            b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
-            b.fill_summaries_randomly(gen)
-            b.plan()
-            q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
-            row = {"context": context, "batch": batch, "budget": args.budget, "layers": layers}
-            row["dense_ms"] = time_graph(
-                dense_step(batch, context, workspace, dense_kv, q, layers), args.iters, per=layers
-            )
+    for (context, batch), (pb, config) in ((cell, pc) for cell in cells for pc in configs.items()):
+        # one (context, batch) cell under one page bounds
+        layers = layers_for(batch, context, max_batch, args.layers_per_graph)
+        store = make_store(Llama8BShape(num_layers=layers), config, batch, context, dtype=kv_dtype)
+        b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
+        b.fill_summaries_randomly(gen)
+        b.plan()
+        q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+        row = {"context": context, "batch": batch, "budget": args.budget, "layers": layers, "page_bounds": pb}
+        row["dense_ms"] = time_graph(dense_step(batch, context, workspace, dense_kv, q, layers), args.iters, per=layers)
 
-            def step():
-                for layer in range(layers):
-                    b.decoder.run(layer, q)
+        def step():
+            for layer in range(layers):
+                b.decoder.run(layer, q)
 
-            step()  # loads every selected page: the cache is warm from here on
-            pages = [b.decoder.select(layer, q) for layer in range(layers)]
-            row["sparse_hit_ms"] = time_graph(step, args.iters, per=layers)
-            if args.kernels:
-                row["sparse_hit_kernels_us"] = kernel_times(step, args.iters, per=layers)
+        step()  # loads every selected page: the cache is warm from here on
+        pages = [b.decoder.select(layer, q) for layer in range(layers)]
+        row["sparse_hit_ms"] = time_graph(step, args.iters, per=layers)
+        if args.kernels:
+            row["sparse_hit_kernels_us"] = kernel_times(step, args.iters, per=layers)
 
-            def select():
-                for layer in range(layers):
-                    b.decoder.select_raw(layer, q)
+        def select():
+            for layer in range(layers):
+                b.decoder.select_raw(layer, q)
 
-            row["select_ms"] = time_graph(select, args.iters, per=layers)
-            for impl in TOPK_IMPLS:  # the top-k alone, each implementation (the default by measurement)
-                prios = [torch.randn(batch, SHAPE.num_kv_heads, b.num_pages, device="cuda") for _ in range(layers)]
+        row["select_ms"] = time_graph(select, args.iters, per=layers)
+        for impl in TOPK_IMPLS:  # the top-k alone, each implementation (the default by measurement)
+            prios = [torch.randn(batch, SHAPE.num_kv_heads, b.num_pages, device="cuda") for _ in range(layers)]
 
-                def topk(impl=impl, prios=prios):
-                    for prio in prios:
-                        topk_pages(prio, b.decoder.width, impl, b.decoder.row_pages, b.decoder.topk_offsets)
+            def topk(impl=impl, prios=prios):
+                for prio in prios:
+                    topk_pages(prio, b.decoder.width, impl, b.decoder.row_pages, b.decoder.topk_offsets)
 
-                row[f"topk_{impl}_ms"] = time_graph(topk, args.iters, per=layers)
-            for frac in args.miss_fracs:
-                counts = []
+            row[f"topk_{impl}_ms"] = time_graph(topk, args.iters, per=layers)
+        for frac in args.miss_fracs:
+            counts = []
 
-                def evict(frac=frac, counts=counts):
-                    counts.append(sum(b.evict(layer, pages[layer], frac, gen) for layer in range(layers)) / layers)
+            def evict(frac=frac, counts=counts):
+                counts.append(sum(b.evict(layer, pages[layer], frac, gen) for layer in range(layers)) / layers)
 
-                row[f"sparse_miss{int(frac * 100)}_ms"] = time_graph(step, args.iters, before=evict, per=layers)
-                row[f"miss{int(frac * 100)}_pages"] = statistics.median(counts)
-            store.close()
-            b = store = None  # the next (context, batch) allocates its own: free this one first
-            gc.collect()
-            torch.cuda.empty_cache()
-            row["speedup"] = row["dense_ms"] / row["sparse_hit_ms"]
-            row["select_frac"] = row["select_ms"] / row["sparse_hit_ms"]
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            row[f"sparse_miss{int(frac * 100)}_ms"] = time_graph(step, args.iters, before=evict, per=layers)
+            row[f"miss{int(frac * 100)}_pages"] = statistics.median(counts)
+        store.close()
+        b = store = None  # the next (context, batch) allocates its own: free this one first
+        gc.collect()
+        torch.cuda.empty_cache()
+        row["speedup"] = row["dense_ms"] / row["sparse_hit_ms"]
+        row["select_frac"] = row["select_ms"] / row["sparse_hit_ms"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return {"rows": rows}
 
 
@@ -215,11 +221,24 @@ def summarize(rows: list[dict]) -> dict:
         vals = [r[key] for r in rows if r["context"] == context]
         return agg(vals) if vals else None
 
+    compared = [r for r in rows if r.get("page_bounds", "minmax") == "minmax"]
+    default = [r for r in rows if r not in compared]
+    rows = default or compared  # the headline numbers are the timed default's
+
     summary = {
         "speedup_128k": at(131072, "speedup", min),
         "speedup_32k": at(32768, "speedup", min),
         "select_frac_128k": at(131072, "select_frac", max),
     }
+    if default and compared:  # the default's all-hit step over quest's min/max one, cell by cell
+        quest = {(r["context"], r["batch"]): r["sparse_hit_ms"] for r in compared}
+        ratios = [
+            r["sparse_hit_ms"] / quest[(r["context"], r["batch"])]
+            for r in default
+            if (r["context"], r["batch"]) in quest
+        ]
+        summary["step_ratio_vs_quest_max"] = round(max(ratios), 3)
+        summary["page_bounds"] = default[0]["page_bounds"]
     return summary
 
 
@@ -279,6 +298,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--coarse-candidates", type=float, default=4.0, help="--sparse-coarse-candidates")
     parser.add_argument("--selector", choices=("quest", "sketch"), default="quest", help="--sparse-selector")
     parser.add_argument("--rerank-factor", type=int, default=1, help="--sparse-rerank-factor")
+    parser.add_argument("--page-bounds", choices=PAGE_BOUNDS, default=DEFAULTS.page_bounds, help="--sparse-page-bounds")
+    parser.add_argument("--bound-spread", type=float, default=DEFAULTS.bound_spread, help="--sparse-bound-spread")
+    parser.add_argument("--versus-minmax", action="store_true",
+                        help="also time quest's min/max bounds in each cell: the summary's step_ratio_vs_quest_max")  # fmt: skip
+    parser.add_argument("--cells", default="", help="CONTEXTxBATCH,... instead of --contexts x --batches")
     parser.add_argument("--miss-fracs", type=float, nargs="+", default=[0.1, 0.5])
     parser.add_argument(
         "--kernels", action="store_true", help="also record each kernel's time in the all-hit step (torch's profiler)"
@@ -293,16 +317,18 @@ def main(argv=None) -> dict:
     if args.q1 and args.q1.exists():
         summary.update(json.loads(args.q1.read_text()))
     summary.update(quality_summary())
-    bounds = resolve_bound_format(args.bound_format, KV_DTYPE_CHOICES[args.kv_dtype])
+    bounds = resolve_bound_format(args.bound_format, KV_DTYPE_CHOICES[args.kv_dtype], args.page_bounds)
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": args.selector, "kv_dtype": args.kv_dtype,
               "bound_format": bounds, "coarse_pages": args.coarse_pages, "coarse_candidates": args.coarse_candidates,
               "rerank_factor": args.rerank_factor, "layers_per_graph": args.layers_per_graph,
+              "page_bounds": args.page_bounds, "bound_spread": args.bound_spread, "versus_minmax": args.versus_minmax,
               "l2_flushed": True}  # fmt: skip
     name = (
         "decode-{date}"
         + ("" if args.kv_dtype == "bf16" else "-fp8")
         + ("" if args.bound_format == "auto" else f"-{bounds}-bounds")
         + ("" if args.selector == "quest" else f"-{args.selector}")
+        + ("-vs-minmax" if args.versus_minmax else "")
     )
     name += f"-coarse{args.coarse_pages}" if args.coarse_pages else ""
     name += f"-rerank{args.rerank_factor}" if args.rerank_factor > 1 else ""
