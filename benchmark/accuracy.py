@@ -108,11 +108,30 @@ def _module_docs(name: str) -> list[str]:
 
 
 def corpus() -> list[str]:
-    """Deduplicated prose paragraphs, licenses first, then standard-library docstrings (fixed order)."""
+    """Deduplicated prose paragraphs, licenses first, then standard-library docstrings (fixed order).
+
+    Read in a fresh interpreter without site-packages (``-S -s -P``), with a fixed hash seed and
+    UTF-8 I/O. The docstrings come from live module objects, which imported packages change: torch
+    replaces ``inspect.getfile``, transformers adds ``warning_once`` and others to
+    ``logging.Logger``. Read in the calling process, the corpus (and so every item) would follow
+    what that process had imported and which package versions its machine has."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(PYTHONHASHSEED="0", PYTHONUTF8="1")
+    cmd = [sys.executable, "-S", "-s", "-P", str(Path(__file__).resolve()), "corpus"]
+    return json.loads(subprocess.run(cmd, env=env, capture_output=True, check=True, text=True).stdout)
+
+
+def corpus_here() -> list[str]:
+    """:func:`corpus` as this process's modules give it (what the clean interpreter runs)."""
     texts = []
     if LICENSES.is_dir():
         texts += [
-            p.read_text(errors="replace") for p in sorted(LICENSES.iterdir()) if p.is_file() and not p.is_symlink()
+            p.read_text(encoding="utf-8", errors="replace")
+            for p in sorted(LICENSES.iterdir())
+            if p.is_file() and not p.is_symlink()
         ]
     for name in DOC_MODULES:
         texts += _module_docs(name)
@@ -123,6 +142,11 @@ def corpus() -> list[str]:
                 seen.add(para)
                 out.append(para)
     return out
+
+
+def corpus_digest(paragraphs: list[str]) -> str:
+    """What two machines compare when their items differ: the same digest, the same text."""
+    return hashlib.sha256("\n".join(paragraphs).encode()).hexdigest()[:16]
 
 
 def vocabulary(paragraphs: list[str]) -> list[str]:
@@ -902,6 +926,7 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("--items", required=True)
     sm.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
     sm.add_argument("--attach", action="append", default=[], help="name=path of a probe's JSON to keep in the file")
+    sub.add_parser("corpus", help="the corpus's paragraphs as JSON on stdout (corpus() runs it in a clean interpreter)")
     up = sub.add_parser("unpack", help="a result file's runs as per-run files, to summarize new runs against")
     up.add_argument("result")
     up.add_argument("--out-dir", required=True)
@@ -915,7 +940,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="flags every sparse server of the grid gets too: a candidate default, measured as the default is")  # fmt: skip
     gr.add_argument("--stagger", type=float, default=5.0, help="seconds between server starts")
     args = parser.parse_args(argv)
-    if args.cmd == "grid":
+    if args.cmd == "corpus":
+        json.dump(corpus_here(), sys.stdout)
+    elif args.cmd == "grid":
         grid(args)
     elif args.cmd == "summarize":
         from sparse_sglang.testing.provenance import finish_run
@@ -944,9 +971,11 @@ def main(argv: list[str] | None = None) -> None:
         from sparse_sglang.default_model import default_model_path
 
         tokenizer = AutoTokenizer.from_pretrained(args.model_path or default_model_path())
-        items = generate(tokenizer, args.per_cell, args.seed)
+        paragraphs = corpus()
+        items = generate(tokenizer, args.per_cell, args.seed, paragraphs=paragraphs)
         meta = {"seed": args.seed, "per_cell": args.per_cell, "families": FAMILIES, "lengths": LENGTHS,
-                "digest": items_digest(items), "python": sys.version.split()[0]}  # fmt: skip
+                "digest": items_digest(items), "corpus_digest": corpus_digest(paragraphs),
+                "python": sys.version.split()[0]}  # fmt: skip
         save_items(items, Path(args.out), meta)
         print(f"{len(items)} items, digest {meta['digest']}: {args.out}")
     elif args.cmd == "serve":

@@ -235,3 +235,52 @@ def test_reference_table_scores_each_policy_and_its_agreement_with_dense_by_fami
     assert list(table) == ["niah_single", "qa", "all"]  # families sorted, the total last
     assert table["niah_single"] == {"dense:score": 1.0, "oracle:score": 1.0, "oracle:agree": 1.0, "n": 1}
     assert table["all"] == {"dense:score": 1.0, "oracle:score": 0.5, "oracle:agree": 0.5, "n": 2}
+
+
+# Items built in a process of their own: one with another hash seed and a standard-library class
+# extended the way an imported package extends it (transformers adds methods to logging.Logger).
+# A stand-in tokenizer (words as tokens, ChatML) keeps it fast; the corpus is the real one.
+BUILD_IN_A_PROCESS = """
+import hashlib, json, logging, sys, types
+
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/python"]
+from benchmark import accuracy
+
+
+class WordTokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        ids = [t.split() for t in text] if isinstance(text, list) else text.split()
+        return types.SimpleNamespace(input_ids=ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        turns = "".join(f"<|im_start|>{m['role']}\\n{m['content']}<|im_end|>\\n" for m in messages)
+        return turns + "<|im_start|>assistant\\n"
+
+
+if sys.argv[2] == "patched":
+    def warning_once(self, *args):
+        \"\"\"Emit the warning with the same message only once, however many callers reach it with that text.\"\"\"
+
+    logging.Logger.warning_once = warning_once
+builder = accuracy.Builder(WordTokenizer(), accuracy.corpus(), seed=1)
+items = [builder.item("qa", 2048, i) for i in range(3)] + [builder.item("niah_single", 2048, 0)]
+print(json.dumps({i.id: hashlib.sha256(i.prompt.encode()).hexdigest() for i in items}))
+"""
+
+
+def test_items_are_the_same_whatever_the_hash_seed_and_the_imports_before():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(accuracy.__file__).resolve().parents[1])
+    builds = []
+    for hash_seed, imports in (("1", "plain"), ("2", "patched")):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run([sys.executable, "-c", BUILD_IN_A_PROCESS, repo, imports], env=env, check=True,
+                             capture_output=True, text=True).stdout  # fmt: skip
+        builds.append(json.loads(out))
+    assert len(builds[0]) == 4
+    assert builds[0] == builds[1]
