@@ -578,6 +578,30 @@ def serve(args) -> dict:
 # Through the torch reference.
 
 
+def turn_end_ids(tokenizer) -> list[int]:
+    """The ids that end an answer, the turn's end first: the special token the chat template writes
+    after a message (``<|im_end|>`` in ChatML), then the tokenizer's end of sequence. A converted
+    SmolLM2 names ``<|im_start|>`` its eos: stopping on that alone decodes past the turn's end, where
+    the server stops."""
+    marker = "turn-end-probe"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    after = text.split(marker, 1)[1]
+    special = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+    ends = sorted((t for t in special if t and after.startswith(t)), key=len, reverse=True)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ends[:1]]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def until_stop(generated: list[int], stop: list[int]) -> list[int]:
+    """``generated`` up to and including its first id in ``stop``."""
+    for n, token in enumerate(generated):
+        if token in stop:
+            return generated[: n + 1]
+    return generated
+
+
 def reference(args) -> dict:
     import copy
 
@@ -618,6 +642,7 @@ def reference(args) -> dict:
             for k, v in (f.split(":") for f in fields.split(","))
         }
         policies[name] = quality.Policy(**{"budget": args.budget, "logical_page_size": args.page_size, **knobs})
+    stop = turn_end_ids(tokenizer)
     outputs = []
     for item in chosen:
         ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
@@ -631,9 +656,9 @@ def reference(args) -> dict:
         row = {"id": item.id}
         for name, policy in policies.items():
             hook = prefill.fork(policy)
-            generated = quality.decode(
-                model, hook, copy.deepcopy(cache), [], item.max_new_tokens, first, stop=tokenizer.eos_token_id
-            )
+            # quality.decode stops on one id: the turn's end; the answer is then cut at any of them
+            generated = quality.decode(model, hook, copy.deepcopy(cache), [], item.max_new_tokens, first, stop=stop[0])
+            generated = until_stop(generated, stop)
             text = tokenizer.decode(generated, skip_special_tokens=True)
             row[name] = {"output": text, "score": score(item, text)}
         outputs.append(row)

@@ -284,3 +284,12 @@ def test_items_are_the_same_whatever_the_hash_seed_and_the_imports_before():
         builds.append(json.loads(out))
     assert len(builds[0]) == 4
     assert builds[0] == builds[1]
+
+
+def test_the_reference_stops_where_the_chat_template_ends_a_turn(tokenizer):
+    stop = accuracy.turn_end_ids(tokenizer)
+    assert tokenizer.convert_ids_to_tokens(stop) == ["<|im_end|>", tokenizer.eos_token]
+    end = stop[0]
+    assert accuracy.until_stop([5, 6, end, 7, 8], stop) == [5, 6, end]
+    assert accuracy.until_stop([5, stop[-1], end], stop) == [5, stop[-1]]
+    assert accuracy.until_stop([5, 6], stop) == [5, 6]
