@@ -1366,9 +1366,29 @@ def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path], tp2_besid
     return document
 
 
+def versus_quest(out: Path, default_path: Path, quest_path: Path) -> dict:
+    """The default's serving pair and quest's, made against one vanilla run in the same windows
+    (``--combine`` files): the default's document, its summary with ``ratio_vs_quest_default``
+    (the default's throughput ratio over vanilla, divided by quest's) and quest's summary beside."""
+    default, quest = (json.loads(Path(f).read_text()) for f in (default_path, quest_path))
+    ours, theirs = default["summary"].get("throughput_ratio"), quest["summary"].get("throughput_ratio")
+    document = {**default, "quest": {"summary": quest["summary"], "servers": quest.get("servers", {})}}
+    document["summary"] = {**default["summary"], "quest_throughput_ratio": theirs,
+                           "ratio_vs_quest_default": round(ours / theirs, 4) if ours and theirs else None}  # fmt: skip
+    document["combined_from"] = [Path(default_path).name, Path(quest_path).name]
+    save_result(document, out)
+    return document
+
+
 def main(argv: list[str] | None = None) -> None:
     if argv is None:
         argv = sys.argv[1:]
+    if argv[:1] == ["--versus-quest"]:
+        if len(argv) != 4:
+            raise SystemExit("usage: serving.py --versus-quest OUT.json DEFAULT.json QUEST.json (--combine files)")
+        document = versus_quest(Path(argv[1]), Path(argv[2]), Path(argv[3]))
+        print(f"summary: {json.dumps(document['summary'], indent=1)}\nwrote {argv[1]}")
+        return
     if argv[:1] == ["--combine"]:
         inputs, ablations, words = [], {}, iter(argv[2:])
         for word in words:

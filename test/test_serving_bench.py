@@ -1046,3 +1046,16 @@ def test_parallel_scaling_takes_the_tp2_run_made_beside_tp1(tmp_path):
     assert json.loads(out.read_text())["summary"]["serving_steady"] is False
     with pytest.raises(SystemExit, match="--tp2-beside-tp1 takes a file"):
         main(["--parallel", str(out), *paths, "--tp2-beside-tp1"])
+
+
+def test_versus_quest_divides_the_default_ratio_by_quest_s(tmp_path):
+    default = {"summary": {"throughput_ratio": 3.0, "p99_tbt_ms": 200}, "servers": {"sparse": {"flags": []}}}
+    quest = {"summary": {"throughput_ratio": 2.5}, "servers": {"sparse": {"flags": ["--sparse-page-bounds", "minmax"]}}}
+    paths = [tmp_path / "d.json", tmp_path / "q.json"]
+    for path, doc in zip(paths, (default, quest)):
+        path.write_text(json.dumps(doc))
+    out = tmp_path / "vs.json"
+    main(["--versus-quest", str(out), *map(str, paths)])
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["ratio_vs_quest_default"] == 1.2 and summary["quest_throughput_ratio"] == 2.5
+    assert summary["p99_tbt_ms"] == 200

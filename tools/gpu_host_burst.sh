@@ -13,7 +13,10 @@
 # Write <commit> out (your checkout's `git rev-parse --short HEAD`): the git data in the call's copy
 # of the tree is not this checkout's, so `git rev-parse` there names another commit.
 # Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
-# its sparse servers; $GRID_VARIANTS: several sets of them side by side), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
+# its sparse servers; $GRID_VARIANTS: several sets of them side by side; $GRID_CONFIGS: accuracy.py
+# grid --configs, more configurations in the same grid), decode_bounds (the default page bounds'
+# decode step against min/max, bf16 and fp8), kernels (the Triton kernel tests and the decode GPU
+# tests), answers (decode_bounds, then kernels beside grid), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
 # flags), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
 # its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store),
@@ -61,7 +64,8 @@ job_grid() {
   for variant in "${variants[@]}"; do
     name=${variant%%=*}
     python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz --out-dir "/root/o/acc${name:+-$name}" \
-      --parallel "${GRID_PARALLEL:-9}" --stagger 3 --sparse-args "${GRID_SPARSE_ARGS:-} ${variant#*=}" ${GRID_ARGS:-} &
+      --parallel "${GRID_PARALLEL:-9}" --stagger 3 --sparse-args "${GRID_SPARSE_ARGS:-} ${variant#*=}" \
+      ${GRID_CONFIGS:+--configs "$GRID_CONFIGS"} ${GRID_ARGS:-} &
   done
   wait
 }
@@ -70,6 +74,26 @@ job_decode() {  # the decode step, 8B shape: today's default selector and the sk
     python3 benchmark/decode.py --contexts ${DECODE_CONTEXTS:-131072} --batches ${DECODE_BATCHES:-32} \
       --selector "$selector" --out-dir /root/o ${DECODE_ARGS:-}
   done
+}
+job_decode_bounds() {  # the default page bounds' decode step against quest's min/max, each cell side by side
+  local kv
+  for kv in bf16 fp8_e4m3; do
+    python3 benchmark/decode.py --cells "${DECODE_CELLS:-131072x32,32768x8}" --versus-minmax --kv-dtype "$kv" \
+      --miss-fracs 0.1 --out-dir /root/o ${DECODE_ARGS:-}
+  done
+}
+job_kernels() {  # the Triton kernels against their references (compiled here), then the decode GPU tests
+  python3 -m pytest -q -p no:cacheprovider test/test_mem_cache_kernels.py test/test_page_bounds.py test/test_selectors.py \
+    > /root/o/kernels.log 2>&1
+  python3 -m pytest -m gpu -q -s -p no:cacheprovider ${KERNEL_GPU_TESTS:-test/test_sparse_decode_gpu.py test/test_selection_real_kv_gpu.py} \
+    >> /root/o/kernels.log 2>&1
+  tail -n 5 /root/o/kernels.log
+}
+job_answers() {  # the decode step timed alone on the job's GPU, then the kernel tests beside the accuracy grid
+  job_decode_bounds
+  job_kernels &
+  job_grid
+  wait
 }
 job_tests() {  # $GPU_TESTS: groups of pytest arguments separated by "|", the groups run side by side
   # (shell words: a group may quote, -k "not smollm2"); $TESTS_GPUS, e.g. "0 1": group i on the
@@ -159,6 +183,11 @@ job_serving_pair() {
     python3 benchmark/serving.py --combine "/root/o/${SERVING_FILE:-serving}${name:+-$name}.json" /root/o/serving-vanilla.json \
       "/root/o/serving-$tag.json"
   done
+  # variants named default and quest: the default's ratio over quest's (summary ratio_vs_quest_default)
+  local f=/root/o/${SERVING_FILE:-serving}
+  if [ -f "$f-default.json" ] && [ -f "$f-quest.json" ]; then
+    python3 benchmark/serving.py --versus-quest "$f-vs-quest.json" "$f-default.json" "$f-quest.json"
+  fi
 }
 
 # The TP serving jobs take a variant (serving_tp2:graphs@0/1/2/3): $TP_VARIANTS ("name=flags;name=flags")
@@ -249,7 +278,7 @@ job_serving_tp() {
 source tools/gpu_host_stages.sh  # run_stages: $JOBS in stages, $STAGE_LIMITS
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages run_job_chain descendants stop_trees tp_variant_flags sample_host_cpu $(compgen -A function job_)
-export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS STARTUP_REPEATS \
+export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS GRID_CONFIGS DECODE_CELLS KERNEL_GPU_TESTS STARTUP_REPEATS \
   STAGE_LIMITS DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_VARIANTS TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS TP2_INTO
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
