@@ -1,4 +1,4 @@
-"""Answers on real text: RULER-style tasks through the real servers, dense against sparse.
+"""Answers on real text: RULER-style tasks through the real servers, what sparse keeps of dense's answers.
 
 Items are generated offline, seeded, from prose any Debian + Python machine has (the license
 texts of ``/usr/share/common-licenses`` and the docstrings of the Python standard library),
@@ -18,19 +18,43 @@ statement among many. Families (after RULER, Hsieh et al. 2024):
 
 Each prompt is wrapped in the model's chat template and ends with an answer prefix, as RULER
 does. Scoring follows RULER: ``all`` (the share of the references the output contains) or
-``part`` (any reference), case-insensitive. ``agreement`` compares the answers themselves: the
-output text, whitespace-normalised, equal to the dense server's.
+``part`` (any reference), case-insensitive; an item is *fully right* at score 1.0.
 
-    python benchmark/accuracy.py generate --out items.json.gz                     # the items (CPU, ~2 min)
-    python benchmark/accuracy.py serve --items items.json.gz --name dense --vanilla --out dense.json
-    python benchmark/accuracy.py serve --items items.json.gz --name sparse-512 --budget 512 --out s512.json
-    python benchmark/accuracy.py reference --items items.json.gz --budget 512 --per-cell 4 --out ref512.json
-    python benchmark/accuracy.py summarize dense.json s512.json ... ref512.json   # accuracy-<date>.json
+What the suite measures is retention, item by item: what a user loses is the answers plain SGLang
+(dense) gets right that sparse decode gets wrong. Dense and each sparse configuration answer the
+same items one request at a time (``alone``: concurrency 1, radix cache off, so every answer is
+the same each time). In a cell (family x length x compression), of the items dense answers fully
+right, retention is the share the configuration answers fully right too; a *new error* is an item
+dense gets fully right and sparse not, a *new correct* the reverse. For the multi-value families
+(``niah_multivalue``, ``niah_multiquery``), value retention: of the reference values dense's
+output holds, the share sparse's holds too, pooled over values. A family is *judged* when dense
+answers at least ``JUDGED_SHARE`` of its items fully right; pooled numbers are over judged families
+only. The CPU reference's ``oracle`` policy (the pages with the most true attention mass) is held
+against the dense server's answers the same way: the ceiling of page selection. The summary
+reports the held-out items (``--seed 1``, ``HELD_OUT_SEED``; ``DEV_SEED`` 0 is what changes were
+tried on), each run's missing items, and ``check`` holds it to ``BARS``. Every run records what it
+is (``config``, ``alone``, ``budget``, ``vanilla``) and runs are paired by that, not by their names.
+The earlier measure, agreement (the answer :func:`answer` reads from the output equal to dense's),
+stays under ``legacy``.
+
+    python benchmark/accuracy.py generate --seed 1 --out items.json.gz          # the held-out items (CPU, ~2 min)
+    python benchmark/accuracy.py grid --items items.json.gz --out-dir acc --parallel 9 \
+        --configs "quest=--sparse-selector quest"     # dense-alone-<len>, <config>-alone-<budget>, headline-alone-<budget>
+    python benchmark/accuracy.py reference --items items.json.gz --budget 512 --lengths 2048 --per-cell 6 \
+        --policy oracle=rerank_factor:4 --name oracle-512 --out acc/oracle-512.reference.json
+    python benchmark/accuracy.py summarize acc/*.json --items items.json.gz     # benchmark/results/accuracy-<date>.json
+    python benchmark/accuracy.py check benchmark/results/accuracy-<date>.json   # exit 1 naming the first bar short
+    python benchmark/accuracy.py serve --items items.json.gz --name quest-alone-512 --config quest --alone \
+        --budget 512 --server-args "--sparse-selector quest" --out quest-alone-512.json    # one run by hand
 
 ``serve`` starts the server itself (``sparse_sglang.launch_server``, or ``sglang.launch_server``
-with ``--vanilla``) on the default model unless ``--url`` names a running one. ``reference`` runs
+with ``--vanilla``) on the default model unless ``--url`` names a running one; with ``--budget``
+it runs the lengths that budget compresses 4-32x (``--lengths`` narrows them). ``reference`` runs
 the same items through the pure-torch reference of sparse decode (``benchmark/quality.py``'s
-decoder: transformers, float32, exact page bounds unless ``--bound-format int8``).
+decoder: transformers, float32, exact page bounds unless ``--bound-format int8``); at 4x,
+``rerank_factor:4`` makes every page a candidate, so its re-rank is the oracle. ``unpack`` turns a
+result file back into run files, to summarize new runs against its dense ones (``--grid final``
+is the grid of the first results, batched runs included).
 """
 
 from __future__ import annotations
@@ -69,8 +93,14 @@ LENGTHS = (2048, 4096, 8000)  # prompt tokens; SmolLM2's context is 8192, answer
 COMPRESSIONS = (4, 8, 16, 32)  # context / budget
 NEW_TOKENS = {"niah_single": 32, "niah_multikey": 32, "niah_multivalue": 64, "niah_multiquery": 64,
               "vt": 48, "cwe": 64, "fwe": 32, "qa": 16}  # fmt: skip
-LENGTH_SLACK = 0.03
-GIVE_UP = 5  # items failing in a row after which a run stops sending  # a prompt holds between (1 - slack) x its length and its length in tokens
+LENGTH_SLACK = 0.03  # a prompt holds between (1 - slack) x its length and its length in tokens
+GIVE_UP = 5  # items failing in a row after which a run stops sending
+DEV_SEED = 0  # the items the suite was developed and tuned on
+HELD_OUT_SEED = 1  # the items the summary reports (generate --seed 1): no change was chosen by its answers
+MULTI_VALUE = ("niah_multivalue", "niah_multiquery")  # families asking for four values, scored per value too
+# A family is judged when dense answers at least this share of its items fully right; on the others
+# dense is right too rarely for what sparse keeps of it to mean anything.
+JUDGED_SHARE = 0.10
 
 
 # Corpus: real prose, one paragraph per entry, no paragraph twice.
@@ -253,13 +283,27 @@ class Builder:
         """``build(filler_tokens)`` (a family's ``(prompt, answers, metric, detail)``) at a filler
         that puts the prompt within ``LENGTH_SLACK`` under ``length`` tokens, and its token count."""
         lo_ok = int(length * (1 - LENGTH_SLACK))
-        filler = length
-        for _ in range(30):
+        filler, short, long = length, 16, None  # fillers known to give too few / too many tokens
+        for attempt in range(60):
             parts = build(filler)
             n = self.count(parts[0])
             if lo_ok <= n <= length:
                 return parts, n
-            filler = max(16, filler + (lo_ok + length) // 2 - n)
+            if n < lo_ok:
+                short = max(short, filler)
+            else:
+                long = filler if long is None else min(long, filler)
+            # The token count's own correction, 30 times (the items of every seed so far); a
+            # correction that keeps missing (a cut paragraph's tokens jump) then gives way to
+            # bisecting the bracket.
+            if attempt < 30:
+                filler = max(16, filler + (lo_ok + length) // 2 - n)
+            elif long is not None and long - short > 1:
+                filler = (short + long) // 2
+            else:
+                filler = 2 * filler if long is None else filler
+                if long is not None:
+                    break
         raise RuntimeError(f"could not fit a prompt to {length} tokens (last {n})")
 
     def item(self, family: str, length: int, index: int) -> Item:
@@ -444,10 +488,6 @@ def items_digest(items: list[Item]) -> str:
 # Scoring.
 
 
-def normalize(text: str) -> str:
-    return " ".join(text.split())
-
-
 def score(item: Item, output: str) -> float:
     """RULER's string match: ``all`` = share of references in the output, ``part`` = any (case-insensitive)."""
     out = output.lower()
@@ -458,7 +498,7 @@ def score(item: Item, output: str) -> float:
 
 
 def answer(item: Item, output: str) -> tuple:
-    """What a user reads as the answer, for agreement: the values asked for, in the order given
+    """What a user reads as the answer, for agreement (the legacy measure): the values asked for, in the order given
     (digit runs for numbers, UUID-like runs, words), as many as the item has references; the set of
     variable names (vt) or listed words (cwe, fwe); the first word (qa). Text around it is ignored,
     so two outputs giving the same answer in other words agree."""
@@ -491,8 +531,8 @@ def budget_lengths(budget: int, lengths=LENGTHS, compressions=COMPRESSIONS, page
     return out
 
 
-def nominal(ratio: float) -> int:
-    return min(COMPRESSIONS, key=lambda c: abs(c - ratio))
+def nominal(ratio: float, compressions=COMPRESSIONS) -> int:
+    return min(compressions, key=lambda c: abs(c - ratio))
 
 
 # Through a server.
@@ -545,12 +585,16 @@ def serve(args) -> dict:
         items = [i for i in items if str(i.length) in args.lengths.split(",")]
     if args.per_cell:
         items = [i for i in items if int(i.id.rsplit("-", 1)[1]) < args.per_cell]
+    alone = args.alone or args.concurrency == 1
+    concurrency = 1 if alone else args.concurrency
     extra = args.server_args.split() if args.server_args else []
+    if alone and "--disable-radix-cache" not in extra:  # every request prefills cold, as dense's alone runs do
+        extra.append("--disable-radix-cache")
     if not args.vanilla and args.budget:
         extra += ["--sparse-token-budget", str(args.budget)]
     started = time.time()
     if args.url:
-        outputs, command = run_server(items, args.url, args.concurrency), None
+        outputs, command = run_server(items, args.url, concurrency), None
     else:
         from sparse_sglang.default_model import default_model_path
         from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess
@@ -558,9 +602,9 @@ def serve(args) -> dict:
         module = VANILLA_MODULE if args.vanilla else SPARSE_MODULE
         with ServerProcess(module, args.model_path or default_model_path(), extra, log_path=args.log) as server:
             command = " ".join(server.command)
-            outputs = run_server(items, server.url, args.concurrency)
+            outputs = run_server(items, server.url, concurrency)
             if args.repeat:  # the same server again, items in reverse: dense's own run-to-run floor
-                again = run_server(items[::-1], server.url, args.concurrency)[::-1]
+                again = run_server(items[::-1], server.url, concurrency)[::-1]
                 for o, a in zip(outputs, again):
                     o["repeat_output"] = a["output"]
     by_id = {i.id: i for i in items}
@@ -569,10 +613,12 @@ def serve(args) -> dict:
             o["score"] = score(by_id[o["id"]], o["output"])
     import torch
 
-    return {"kind": "server", "name": args.name, "vanilla": bool(args.vanilla), "budget": args.budget,
-            "concurrency": args.concurrency, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "server_args": extra, "command": command, "items_digest": meta.get("digest"), "commit": git_commit(),
-            "seconds": round(time.time() - started, 1), "outputs": outputs}  # fmt: skip
+    run = {"kind": "server", "name": args.name, "config": args.config or ("dense" if args.vanilla else "default"),
+           "alone": alone, "vanilla": bool(args.vanilla), "budget": args.budget, "concurrency": concurrency,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "server_args": extra,
+           "command": command, "items_digest": meta.get("digest"), "items_seed": meta.get("seed"),
+           "commit": git_commit(), "seconds": round(time.time() - started, 1), "outputs": outputs}  # fmt: skip
+    return {**run, **run_counts(run)}
 
 
 # Through the torch reference.
@@ -665,14 +711,15 @@ def reference(args) -> dict:
         print(
             f"  {item.id}: " + " | ".join(f"{n}: {r['output'][:40]!r}" for n, r in row.items() if n != "id"), flush=True
         )
-    return {"kind": "reference", "name": f"reference-{args.budget}", "budget": args.budget,
-            "compressions": list(compressions), "bound_format": args.bound_format, "dense_layers": args.dense_layers,
-            "items_digest": meta.get("digest"),
-            "commit": git_commit(), "outputs": outputs,
-            "by_family": reference_table(outputs, {i.id: i for i in chosen})}  # fmt: skip
+    run = {"kind": "reference", "name": args.name or f"reference-{args.budget}", "budget": args.budget,
+           "policies": list(policies), "compressions": list(compressions), "bound_format": args.bound_format,
+           "dense_layers": args.dense_layers, "items_digest": meta.get("digest"), "items_seed": meta.get("seed"),
+           "commit": git_commit(), "outputs": outputs,
+           "by_family": reference_table(outputs, {i.id: i for i in chosen})}  # fmt: skip
+    return {**run, **run_counts(run)}
 
 
-# Summary.
+# Summary: what sparse decode keeps of dense's answers.
 
 
 def reference_table(outputs: list[dict], by_id: dict[str, Item]) -> dict:
@@ -700,19 +747,150 @@ def _mean(xs) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 
 
+def _share(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
+
+
 def _outputs(run: dict) -> dict[str, dict]:
     return {o["id"]: o for o in run["outputs"] if o.get("output") is not None}
 
 
-def _pairs(runs: list[dict], by_id: dict[str, Item], prefix: str, reference: list[dict]):
-    """(item, output, dense output) for every item a run named ``prefix*`` answered and a run in
-    ``reference`` (dense) answered too."""
+def run_identity(run: dict) -> dict:
+    """What a run is, the fields runs are paired by: ``config`` (``dense`` for plain SGLang,
+    ``default``, ``headline`` or a variant's name), ``alone`` (one request at a time), ``budget``
+    and ``vanilla``. As the run recorded them, or, in files written before runs recorded them, as its
+    name and concurrency say (``dense``, ``dense-alone-<len>``, ``sparse-<budget>``,
+    ``sparse-alone-<budget>``, ``headline-alone-<budget>``, ``<variant>-<budget>``)."""
+    name = run["name"]
+    if run["kind"] == "reference":
+        return {"config": "reference", "alone": True, "budget": run.get("budget"), "vanilla": False}
+    vanilla = run.get("vanilla", name.startswith("dense"))
+    alone = run.get("alone")
+    if alone is None:
+        alone = run["concurrency"] == 1 if "concurrency" in run else "-alone" in name
+    config = run.get("config")
+    if config is None:
+        base = name.rsplit("-", 1)[0].removesuffix("-alone")
+        config = "dense" if vanilla else {"sparse": "default"}.get(base, base)
+    return {"config": config, "alone": bool(alone), "budget": run.get("budget"), "vanilla": bool(vanilla)}
+
+
+def run_counts(run: dict) -> dict:
+    """``items_sent``, ``items_answered``, ``items_missing`` and the ``missing_ids``, as the run
+    recorded them or as its outputs give them: a server run's outputs hold every item it was given,
+    those it got no answer for (or never sent, after ``GIVE_UP``) with ``output`` None."""
+    if "items_sent" in run:
+        return {k: run[k] for k in ("items_sent", "items_answered", "items_missing", "missing_ids")}
+    missing = [] if run["kind"] == "reference" else [o["id"] for o in run["outputs"] if o.get("output") is None]
+    sent = len(run["outputs"])
+    return {"items_sent": sent, "items_answered": sent - len(missing), "items_missing": len(missing),
+            "missing_ids": missing}  # fmt: skip
+
+
+def fully_right(item: Item, output: str) -> bool:
+    return score(item, output) == 1.0
+
+
+def retention(pairs) -> dict:
+    """Over ``(item, sparse output, dense output)``: of the items dense answers fully right (RULER
+    score 1.0), how many sparse answers fully right too (``retained``, ``retention``); new errors
+    (dense fully right, sparse not) and new corrects (the reverse), counted and by id. Over the
+    multi-value families' items: of the reference values dense's output holds, the share sparse's
+    holds too (``value_retention``, pooled over values)."""
+    n = dense_right = retained = values_dense = values_kept = 0
+    new_errors, new_corrects, multi = [], [], False
+    for item, sparse, dense in pairs:
+        n += 1
+        dense_ok, sparse_ok = fully_right(item, dense), fully_right(item, sparse)
+        dense_right += dense_ok
+        retained += dense_ok and sparse_ok
+        if dense_ok and not sparse_ok:
+            new_errors.append(item.id)
+        if sparse_ok and not dense_ok:
+            new_corrects.append(item.id)
+        if item.family in MULTI_VALUE:
+            multi = True
+            held = [a.lower() for a in item.answers if a.lower() in dense.lower()]
+            values_dense += len(held)
+            values_kept += sum(a in sparse.lower() for a in held)
+    out = {"n": n, "n_dense_right": dense_right, "retained": retained, "retention": _share(retained, dense_right),
+           "new_errors": len(new_errors), "new_corrects": len(new_corrects),
+           "new_error_ids": new_errors, "new_correct_ids": new_corrects}  # fmt: skip
+    if multi:
+        out.update(values_dense=values_dense, values_kept=values_kept,
+                   value_retention=_share(values_kept, values_dense))  # fmt: skip
+    return out
+
+
+def _brief(cell: dict) -> dict:
+    return {k: cell[k] for k in ("retention", "n_dense_right", "new_errors", "new_corrects")}
+
+
+def config_pairs(server: list[dict], config: str, dense: dict[str, str], by_id: dict[str, Item]) -> list[tuple]:
+    """``(item, compression, sparse output, dense output)`` for each item a one-at-a-time run of
+    ``config`` answered that dense's one-at-a-time runs answered too."""
+    out = []
+    for run in server:
+        if run["vanilla"] or run["config"] != config or not run["alone"]:
+            continue
+        ratios = budget_lengths(run["budget"])
+        for i, o in _outputs(run).items():
+            if i in dense:
+                out.append((by_id[i], nominal(ratios[by_id[i].length]), o["output"], dense[i]))
+    return out
+
+
+def reference_pairs(ref: dict, policy: str, dense: dict[str, str], by_id: dict[str, Item]) -> list[tuple]:
+    """The same for one policy of a reference run, against the dense server's one-at-a-time answers."""
+    compressions = tuple(ref.get("compressions") or COMPRESSIONS)
+    ratios = budget_lengths(ref["budget"], compressions=compressions) if ref.get("budget") else {}
+    out = []
+    for row in ref["outputs"]:
+        item = by_id[row["id"]]
+        if policy in row and row["id"] in dense and item.length in ratios:
+            out.append((item, nominal(ratios[item.length], compressions), row[policy]["output"], dense[row["id"]]))
+    return out
+
+
+def pooled(pairs: list[tuple], compression: int, families, lengths=LENGTHS) -> dict:
+    """:func:`retention` over the pairs at ``compression`` of ``families`` and ``lengths``."""
+    return retention(
+        (i, s, d) for i, c, s, d in pairs if c == compression and i.family in families and i.length in lengths
+    )
+
+
+def retention_table(pairs: list[tuple]) -> dict:
+    """family -> length -> compression -> :func:`retention` of that cell."""
+    cells: dict = {}
+    for item, comp, sparse, dense in pairs:
+        by_length = cells.setdefault(item.family, {}).setdefault(str(item.length), {})
+        by_length.setdefault(str(comp), []).append((item, sparse, dense))
+    by_number = lambda kv: int(kv[0])  # noqa: E731
+    return {f: {n: {c: retention(v) for c, v in sorted(by_comp.items(), key=by_number)}
+                for n, by_comp in sorted(by_length.items(), key=by_number)}
+            for f, by_length in sorted(cells.items(), key=lambda kv: FAMILIES.index(kv[0]))}  # fmt: skip
+
+
+def family_judgement(items: list[Item], dense: dict[str, str]) -> dict:
+    """family -> dense's fully-right share of its items (those dense's one-at-a-time runs answered)
+    and whether the family is judged (share at least ``JUDGED_SHARE``)."""
+    out = {}
+    for family in [f for f in FAMILIES if any(i.family == f for i in items)]:
+        ran = [i for i in items if i.family == family and i.id in dense]
+        right = sum(fully_right(i, dense[i.id]) for i in ran)
+        share = _share(right, len(ran))
+        out[family] = {"items": len(ran), "dense_right": right, "dense_right_share": share,
+                       "judged": share is not None and share >= JUDGED_SHARE}  # fmt: skip
+    return out
+
+
+def _pairs(runs: list[dict], by_id: dict[str, Item], reference: list[dict]):
+    """(run, item, compression, output, dense output) for every item a run of ``runs`` answered and
+    a run in ``reference`` (dense) answered too."""
     dense = {}
     for run in reference:
         dense.update(_outputs(run))
     for run in runs:
-        if not run["name"].startswith(prefix):
-            continue
         ratios = budget_lengths(run["budget"])
         for i, o in _outputs(run).items():
             if i in dense:
@@ -732,19 +910,20 @@ def family_table(pairs) -> dict:
             for f, by in cells.items()}  # fmt: skip
 
 
-def summarize(paths: list[str], items_path: str) -> dict:
-    """The suite's result from ``serve`` and ``reference`` outputs (see the module doc and the bars
-    of the accuracy issue): family x compression tables, the dense run-to-run floors and the four
-    summary numbers."""
-    meta, items = load_items(Path(items_path))
-    by_id = {i.id: i for i in items}
-    runs = [json.loads(Path(p).read_text()) for p in paths]
-    server = [r for r in runs if r["kind"] == "server"]
-    dense_batched = [r for r in server if r["name"] == "dense"]
-    dense_alone = [r for r in server if r["name"].startswith("dense-alone")]
-    batched = family_table(_pairs(server, by_id, "sparse-", dense_batched))
-    alone = list(_pairs(server, by_id, "sparse-alone-", dense_alone))
-    headline = list(_pairs(server, by_id, "headline-alone-", dense_alone))
+def legacy(server: list[dict], references: list[dict], by_id: dict[str, Item]) -> tuple[dict, dict]:
+    """The suite's earlier measures, kept to compare with older files, not as bars: agreement
+    (answers equal to dense's, :func:`answer`) one request at a time, the batched accuracy gap, dense's
+    run-to-run floors, each variant's batched gap, and the reference against the server. Returns
+    (numbers, tables)."""
+    dense_batched = [r for r in server if r["vanilla"] and not r["alone"]]
+    dense_alone = [r for r in server if r["vanilla"] and r["alone"]]
+
+    def sparse(config: str, alone: bool) -> list[dict]:
+        return [r for r in server if not r["vanilla"] and r["config"] == config and r["alone"] == alone]
+
+    batched = family_table(_pairs(sparse("default", False), by_id, dense_batched))
+    alone = list(_pairs(sparse("default", True), by_id, dense_alone))
+    headline = list(_pairs(sparse("headline", True), by_id, dense_alone))
 
     def floor(run_list):
         pairs = [(by_id[o["id"]], o) for r in run_list for o in r["outputs"] if o.get("repeat_output") is not None]
@@ -754,52 +933,162 @@ def summarize(paths: list[str], items_path: str) -> dict:
         return _mean(answer(i, o["output"]) == answer(i, d["output"]) for _, i, c, o, d in pairs if c == comp)
 
     def gap(table: dict, comp: str) -> float | None:
-        gaps = [t[comp]["dense"] - t[comp]["sparse"] for t in table.values() if comp in t]
-        return _mean(gaps)
+        return _mean(t[comp]["dense"] - t[comp]["sparse"] for t in table.values() if comp in t)
 
-    summary = {
+    numbers = {
         "agreement_4x": agreement(alone, 4),
         "accuracy_gap_16x": gap(batched, "16"),
         "headline_config_agreement_4x": agreement(headline, 4),
         "dense_repeat_agreement_alone": floor(dense_alone),
         "dense_repeat_agreement_batched": floor(dense_batched),
-        "items": len(items),
     }
     variants = {}
-    named = {"dense", "dense-alone", "sparse", "sparse-alone", "headline-alone"}
-    for name in sorted({r["name"].rsplit("-", 1)[0] for r in server} - named):
-        table = family_table(_pairs(server, by_id, name + "-", dense_batched))
-        ran = {o["id"] for r in server if r["name"].startswith(name + "-") for o in r["outputs"]}
-        base = family_table(p for p in _pairs(server, by_id, "sparse-", dense_batched) if p[1].id in ran)
-        variants[name] = {c: {"gap": gap(table, c), "default_gap": gap(base, c)} for c in ("4", "8", "16", "32")
-                          if gap(table, c) is not None}  # fmt: skip
-    references = [r for r in runs if r["kind"] == "reference"]
+    for config in sorted({r["config"] for r in server if not r["vanilla"] and not r["alone"]} - {"default"}):
+        table = family_table(_pairs(sparse(config, False), by_id, dense_batched))
+        ran = {o["id"] for r in sparse(config, False) for o in r["outputs"]}
+        base = family_table(p for p in _pairs(sparse("default", False), by_id, dense_batched) if p[1].id in ran)
+        variants[config] = {c: {"gap": gap(table, c), "default_gap": gap(base, c)} for c in map(str, COMPRESSIONS)
+                            if gap(table, c) is not None}  # fmt: skip
     ref_rows = []
     for ref in references:
-        name = f"sparse-{ref['budget']}"
-        by_name = {r["name"]: _outputs(r) for r in server if not r["vanilla"]}
-        # the deterministic (one at a time) run's answers where there is one, the batched run's elsewhere
-        srv = {**by_name.get(name, {}), **by_name.get(f"sparse-alone-{ref['budget']}", {})}
+        name = f"sparse-{ref['budget']}"  # the reference's own policy at the server's default
+        # the default's one-at-a-time answers where there are, its batched answers elsewhere
+        at_budget = sorted(
+            (r for r in server if not r["vanilla"] and r["config"] == "default" and r["budget"] == ref["budget"]),
+            key=lambda r: r["alone"],
+        )
+        srv = {i: o for r in at_budget for i, o in _outputs(r).items()}
         for row in ref["outputs"]:
-            if row["id"] in srv:
+            if row["id"] in srv and name in row:
                 ref_rows.append({"id": row["id"], "budget": ref["budget"], "reference": row[name]["score"],
                                  "server": srv[row["id"]]["score"], "reference_dense": row["dense"]["score"]})  # fmt: skip
     if ref_rows:
-        summary["server_vs_reference_gap"] = round(
+        numbers["server_vs_reference_gap"] = round(
             abs(_mean(r["server"] for r in ref_rows) - _mean(r["reference"] for r in ref_rows)), 4
         )
-        summary["reference_items"] = len(ref_rows)
+        numbers["reference_items"] = len(ref_rows)
+    tables = {"by_family_batched": batched, "by_family_alone_4x": family_table(alone),
+              "headline_alone_4x": family_table(headline), "variants_gap_batched": variants,
+              "reference_vs_server": ref_rows}  # fmt: skip
+    return numbers, tables
+
+
+def summarize(paths: list[str], items_path: str) -> dict:
+    """The suite's result from ``serve`` and ``reference`` outputs (the module doc says what it
+    measures): retention by configuration x family x length x compression, pooled over the judged
+    families for the summary and its bars (:data:`BARS`), each run's missing items, and the legacy
+    agreement numbers."""
+    meta, items = load_items(Path(items_path))
+    by_id = {i.id: i for i in items}
+    runs = []
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        runs.append({**run, **run_identity(run), **run_counts(run)})
+    twice = sorted(n for n, k in Counter(r["name"] for r in runs).items() if k > 1)
+    if twice:  # outputs are kept by run name
+        raise ValueError(f"more than one run named {', '.join(twice)}: name them apart (serve/reference --name)")
+    for run in runs:
+        if run.get("items_digest") and meta.get("digest") and run["items_digest"] != meta["digest"]:
+            raise ValueError(
+                f"{run['name']} ran other items ({run['items_digest']}) than {items_path} ({meta['digest']})"
+            )
+    server = [r for r in runs if r["kind"] == "server"]
+    references = [r for r in runs if r["kind"] == "reference"]
+    dense = {}  # item id -> dense's one-at-a-time answer
+    for run in server:
+        if run["vanilla"] and run["alone"]:
+            dense.update((i, o["output"]) for i, o in _outputs(run).items())
+    families = family_judgement(items, dense)
+    judged = [f for f, j in families.items() if j["judged"]]
+    configs = sorted({r["config"] for r in server if not r["vanilla"] and r["alone"]})
+    pairs = {c: config_pairs(server, c, dense, by_id) for c in configs}
+    with_oracle = [r for r in references if any("oracle" in row for row in r["outputs"])]
+
+    def reference_4x(policy: str) -> dict:
+        rows = [p for ref in with_oracle for p in reference_pairs(ref, policy, dense, by_id)]
+        return pooled(rows, 4, judged)
+
+    summary = {
+        "retention_4x": pooled(pairs.get("default", []), 4, judged)["retention"],
+        "retention_4x_headline": pooled(pairs.get("headline", []), 4, judged)["retention"],
+        "retention_16x_long": pooled(pairs.get("default", []), 16, judged, lengths=(4096, 8000))["retention"],
+        "value_retention_4x": pooled(pairs.get("default", []), 4, MULTI_VALUE).get("value_retention"),
+        "oracle_retention_4x": reference_4x("oracle")["retention"],
+        "reference_dense_retention_4x": reference_4x("dense")["retention"],  # float32 torch against the server
+        "retention_by_config": {
+            c: {str(comp): _brief(pooled(pairs[c], comp, judged)) for comp in sorted({p[1] for p in pairs[c]})}
+            for c in configs
+        },
+        "held_out": meta.get("seed") is not None and meta["seed"] != DEV_SEED,
+        "items_seed": meta.get("seed"),
+        "items": len(items),
+        "items_answered": {r["name"]: r["items_answered"] for r in runs},
+        "items_missing": {r["name"]: r["items_missing"] for r in runs},
+        "judged_families": judged,
+        "dense_right_share": {f: j["dense_right_share"] for f, j in families.items()},
+    }
+    legacy_numbers, legacy_tables = legacy(server, references, by_id)
+    summary["legacy"] = legacy_numbers
+    reference_retention = {
+        ref["name"]: {policy: {str(comp): _brief(pooled(rows, comp, judged)) for comp in sorted({p[1] for p in rows})}
+                      for policy in ref.get("policies") or [k for k in ref["outputs"][0] if k != "id"]
+                      if (rows := reference_pairs(ref, policy, dense, by_id))}
+        for ref in references if ref["outputs"]
+    }  # fmt: skip
     return {
         "summary": summary,
-        "by_family_batched": batched,
-        "by_family_alone_4x": family_table(alone),
-        "headline_alone_4x": family_table(headline),
-        "variants_gap_batched": variants,
-        "reference_vs_server": ref_rows,
+        "families": families,
+        "retention": {c: retention_table(pairs[c]) for c in configs},
+        "reference_retention": reference_retention,
+        "legacy": legacy_tables,
         "items_meta": meta,
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
-        "outputs": {r["name"]: [_compact(o) for o in r["outputs"]] for r in runs},
+        "outputs": {r["name"]: [_compact(o, r) for o in r["outputs"]] for r in runs},
     }
+
+
+# The bars a result is held to (`check`): summary key, how it is held, the bar.
+BARS = (
+    ("retention_4x", ">=", 0.90),
+    ("retention_4x_headline", ">=", 0.87),
+    ("retention_16x_long", ">=", 0.50),
+    ("value_retention_4x", ">=", 0.80),
+    ("held_out", "true", None),
+    ("oracle_retention_4x", "present", None),
+    ("items_missing", "none in any run", None),
+)
+
+
+def bar_report(summary: dict, key: str, rule: str, bar) -> tuple[bool, str]:
+    """Whether the summary meets one bar, and the line that says so."""
+    value = summary.get(key)
+    if value is None:
+        return False, f"{key} missing"
+    if rule == ">=":
+        return value >= bar, f"{key} {value:.4g} {'>=' if value >= bar else '<'} {bar:.2f}"
+    if rule == "true":
+        why = "" if value is True else f" (items of seed {summary.get('items_seed')}; held out: --seed {HELD_OUT_SEED})"
+        return value is True, f"{key} {json.dumps(value)}{why}"
+    if rule == "present":
+        return True, f"{key} {value} (present)"
+    short = {name: n for name, n in value.items() if n}
+    answered = summary.get("items_answered", {})
+    missed = ", ".join(f"{name} {n} of {n + answered.get(name, 0)}" for name, n in short.items())
+    return not short, f"{key}: {missed}" if short else f"{key} 0 in every run"
+
+
+def check(result: dict) -> int:
+    """Prints the first bar of :data:`BARS` the result falls short of and returns 1, or prints
+    every bar and returns 0."""
+    lines = []
+    for key, rule, bar in BARS:
+        ok, line = bar_report(result["summary"], key, rule, bar)
+        if not ok:
+            print(line)
+            return 1
+        lines.append(line)
+    print("\n".join(lines))
+    return 0
 
 
 def unpack(result: dict, out_dir: Path) -> list[Path]:
@@ -815,13 +1104,12 @@ def unpack(result: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
-def _compact(row: dict) -> dict:
-    """An output row as kept in the result file (what the summary reads, without long prompts)."""
-    return {
-        k: v
-        for k, v in row.items()
-        if k in ("id", "output", "score", "repeat_output", "error", "dense") or k.startswith("sparse")
-    }
+def _compact(row: dict, run: dict) -> dict:
+    """An output row as kept in the result file: a server run's without token counts, a reference
+    run's whole (every policy's output and score)."""
+    if run["kind"] == "reference":
+        return row
+    return {k: v for k, v in row.items() if k in ("id", "output", "score", "repeat_output", "error")}
 
 
 # A grid: several servers at once on one GPU (SmolLM2 is small), each a `serve` subprocess.
@@ -838,6 +1126,7 @@ class Run:
     answers the same item the same way every time (batched runs vary with what shares the batch)."""
 
     name: str
+    config: str = "default"  # what the run's file records it as (serve --config)
     vanilla: bool = False
     budget: int | None = None
     flags: str = ""
@@ -847,28 +1136,67 @@ class Run:
     repeat: bool = False
 
 
-def _grid_final() -> list[Run]:
-    runs = [Run("dense", vanilla=True, repeat=True)]
-    runs += [Run(f"dense-alone-{n}", vanilla=True, lengths=(n,), alone=True, repeat=n == 2048) for n in LENGTHS]
-    runs += [Run(f"sparse-{b}", budget=b) for b in BUDGETS]
-    runs += [Run(f"sparse-alone-{b}", budget=b, lengths=(n,), alone=True) for n, b in FOUR_X.items()]
-    runs += [
-        Run(f"headline-alone-{b}", budget=b, lengths=(n,), alone=True, flags=HEADLINE_FLAGS) for n, b in FOUR_X.items()
-    ]
-    variants = (("arkvale", "--sparse-selector arkvale"), ("mean", "--sparse-selector mean"),
-                ("gmax", "--sparse-group-reduce max"), ("recent4", "--sparse-recent-pages 4"))  # fmt: skip
-    runs += [Run(f"{name}-{b}", budget=b, flags=flags, per_cell=25) for name, flags in variants for b in (256, 512)]
+# A configuration's runs in the retention grid: budget -> the lengths it runs. Together the 4x cells
+# of every length and the 16x cells of 4096 and 8000 (budget 512 is 4x at 2048 and 16x at 8000).
+RETENTION_BUDGETS = {512: (2048, 8000), 1024: (4096,), 2048: (8000,), 256: (4096,)}
+HEADLINE_BUDGETS = {512: (2048,), 1024: (4096,), 2048: (8000,)}  # 4x only
+
+
+def _grid_retention(configs: dict[str, str]) -> list[Run]:
+    """One request at a time only: dense at every length, the default and each of ``configs``
+    (name -> flags) over ``RETENTION_BUDGETS``, the serving headline's flags at 4x."""
+    runs = [Run(f"dense-alone-{n}", config="dense", vanilla=True, lengths=(n,), alone=True) for n in LENGTHS]
+    for config, flags in {"default": "", **configs}.items():
+        runs += [Run(f"{config}-alone-{b}", config=config, budget=b, flags=flags, lengths=lengths, alone=True)
+                 for b, lengths in RETENTION_BUDGETS.items()]  # fmt: skip
+    runs += [Run(f"headline-alone-{b}", config="headline", budget=b, flags=HEADLINE_FLAGS, lengths=lengths, alone=True)
+             for b, lengths in HEADLINE_BUDGETS.items()]  # fmt: skip
     return runs
 
 
-GRIDS = {"final": _grid_final}
+def _grid_final(configs: dict[str, str]) -> list[Run]:
+    """The grid of the first results: batched runs at every budget and variants beside the 4x
+    one-at-a-time runs (no ``--configs``)."""
+    if configs:
+        raise SystemExit("--configs goes with --grid retention")
+    runs = [Run("dense", config="dense", vanilla=True, repeat=True)]
+    runs += [Run(f"dense-alone-{n}", config="dense", vanilla=True, lengths=(n,), alone=True, repeat=n == 2048)
+             for n in LENGTHS]  # fmt: skip
+    runs += [Run(f"sparse-{b}", budget=b) for b in BUDGETS]
+    runs += [Run(f"sparse-alone-{b}", budget=b, lengths=(n,), alone=True) for n, b in FOUR_X.items()]
+    runs += [Run(f"headline-alone-{b}", config="headline", budget=b, lengths=(n,), alone=True, flags=HEADLINE_FLAGS)
+             for n, b in FOUR_X.items()]  # fmt: skip
+    variants = (("arkvale", "--sparse-selector arkvale"), ("mean", "--sparse-selector mean"),
+                ("gmax", "--sparse-group-reduce max"), ("recent4", "--sparse-recent-pages 4"))  # fmt: skip
+    runs += [Run(f"{name}-{b}", config=name, budget=b, flags=flags, per_cell=25) for name, flags in variants
+             for b in (256, 512)]  # fmt: skip
+    return runs
+
+
+GRIDS = {"retention": _grid_retention, "final": _grid_final}
+RESERVED_CONFIGS = ("dense", "default", "headline", "reference")  # what runs the grid or the summary name themselves
+
+
+def parse_configs(text: str) -> dict[str, str]:
+    """``"name=flags;name=flags"`` -> {name: flags}: configurations run beside the default."""
+    configs = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, flags = part.partition("=")
+        name = name.strip()
+        if not re.fullmatch(r"[A-Za-z0-9_.]+", name) or name in RESERVED_CONFIGS or name in configs:
+            raise SystemExit(f"--configs: {name!r} is not a free configuration name (letters, digits, _ and .)")
+        configs[name] = flags.strip()
+    return configs
+
+
 # Flags every grid server gets: a small share of the GPU and of pinned host memory each.
 GRID_SERVER_ARGS = "--mem-fraction-static 0.1 --cuda-graph-max-bs-decode 64 --max-running-requests 64"
 # Plain SGLang's attention backend: FlashInfer, which the sparse server's prefill and decode use too.
 GRID_VANILLA_ARGS = "--attention-backend flashinfer"
 GRID_SPARSE_ARGS = "--sparse-host-cache-gb 6"
-# One-at-a-time runs measure agreement: every request prefills cold, so the dense server's repeat
-# pass measures its own floor, not a cold prefill against one from a cached prefix.
+# One-at-a-time runs measure retention: every request prefills cold, so dense answers each item the
+# same way every time (its repeat pass measures that floor), not a cold prefill against one from a
+# cached prefix.
 GRID_ALONE_ARGS = "--disable-radix-cache"
 
 
@@ -877,9 +1205,9 @@ def grid(args) -> None:
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runs = [r for r in GRIDS[args.grid]() if not args.only or r.name in args.only.split(",")]
-    # the longest first: alone runs of many items
-    pending, running = sorted(runs, key=lambda r: not r.alone), []
+    runs = [r for r in GRIDS[args.grid](parse_configs(args.configs)) if not args.only or r.name in args.only.split(",")]
+    # the longest first: one-at-a-time runs, those of the most prompt tokens first
+    pending, running = sorted(runs, key=lambda r: (not r.alone, -sum(r.lengths))), []
     while pending or running:
         while pending and len(running) < args.parallel:
             run = pending.pop(0)
@@ -887,8 +1215,9 @@ def grid(args) -> None:
             flags = " ".join([GRID_SERVER_ARGS, run.flags, GRID_VANILLA_ARGS if run.vanilla else sparse_flags,
                               GRID_ALONE_ARGS if run.alone else ""])  # fmt: skip
             cmd = [sys.executable, __file__, "serve", "--items", args.items, "--name", run.name,
-                   "--out", str(out / f"{run.name}.json"), "--server-args", flags,
+                   "--config", run.config, "--out", str(out / f"{run.name}.json"), "--server-args", flags,
                    "--log", str(out / f"{run.name}.server.log"), "--concurrency", "1" if run.alone else "64"]  # fmt: skip
+            cmd += ["--alone"] if run.alone else []
             cmd += ["--vanilla"] if run.vanilla else []
             cmd += ["--budget", str(run.budget)] if run.budget else []
             cmd += ["--repeat"] if run.repeat else []
@@ -919,6 +1248,10 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--name", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--vanilla", action="store_true", help="plain sglang.launch_server (dense)")
+    s.add_argument("--config", default=None,
+                   help="what the run is, recorded in its file, runs paired by it (default: dense or default)")  # fmt: skip
+    s.add_argument("--alone", action="store_true",
+                   help="one request at a time, radix cache off (also implied by --concurrency 1)")  # fmt: skip
     s.add_argument(
         "--budget", type=int, default=None, help="--sparse-token-budget; runs the lengths it compresses 4-32x"
     )
@@ -934,6 +1267,7 @@ def main(argv: list[str] | None = None) -> None:
     r = sub.add_parser("reference", help="run a subset through the torch reference")
     r.add_argument("--items", required=True)
     r.add_argument("--out", required=True)
+    r.add_argument("--name", default=None, help="the run's name in a summary (default reference-<budget>)")
     r.add_argument("--budget", type=int, default=None)
     r.add_argument("--per-cell", type=int, default=4)
     r.add_argument("--bound-format", default="exact", choices=("exact", "int8"))
@@ -951,13 +1285,17 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("--items", required=True)
     sm.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
     sm.add_argument("--attach", action="append", default=[], help="name=path of a probe's JSON to keep in the file")
+    ck = sub.add_parser("check", help="exit 1 naming the first bar a summarized result falls short of")
+    ck.add_argument("result")
     sub.add_parser("corpus", help="the corpus's paragraphs as JSON on stdout (corpus() runs it in a clean interpreter)")
     up = sub.add_parser("unpack", help="a result file's runs as per-run files, to summarize new runs against")
     up.add_argument("result")
     up.add_argument("--out-dir", required=True)
     gr = sub.add_parser("grid", help="run a grid of servers, several at once")
     gr.add_argument("--items", required=True)
-    gr.add_argument("--grid", default="final", choices=sorted(GRIDS))
+    gr.add_argument("--grid", default="retention", choices=sorted(GRIDS))
+    gr.add_argument("--configs", default="",
+                    help='more configurations beside the default, "name=flags;name=flags": each runs the default\'s budgets')  # fmt: skip
     gr.add_argument("--only", default="", help="comma-separated run names")
     gr.add_argument("--out-dir", required=True)
     gr.add_argument("--parallel", type=int, default=6)
@@ -967,6 +1305,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.cmd == "corpus":
         json.dump(corpus_here(), sys.stdout)
+    elif args.cmd == "check":
+        raise SystemExit(check(json.loads(Path(args.result).read_text())))
     elif args.cmd == "grid":
         grid(args)
     elif args.cmd == "summarize":
@@ -1007,7 +1347,7 @@ def main(argv: list[str] | None = None) -> None:
         result = serve(args)
         Path(args.out).write_text(json.dumps(result))
         done = [o for o in result["outputs"] if o.get("output") is not None]
-        print(f"{args.name}: {len(done)}/{len(result['outputs'])} answered, mean score "
+        print(f"{args.name}: {result['items_answered']}/{result['items_sent']} answered, mean score "
               f"{sum(o['score'] for o in done) / max(1, len(done)):.3f}, {result['seconds']} s")  # fmt: skip
     elif args.cmd == "reference":
         result = reference(args)

@@ -149,9 +149,10 @@ def test_budgets_give_the_compressions_asked():
             assert 0.97 * accuracy.nominal(ratio) <= ratio <= accuracy.nominal(ratio)
 
 
-def test_summary_bars_from_runs(tmp_path):
-    """The summary's numbers from synthetic runs: agreement on the alone runs at 4x, the 16x gap as
-    the mean over families of dense minus sparse accuracy, and dense's own run-to-run floor."""
+def test_legacy_agreement_and_gap_from_runs(tmp_path):
+    """The legacy numbers from synthetic runs in the old files' form (no recorded identity: the
+    names say it): agreement on the alone runs at 4x, the 16x gap as the mean over families of dense
+    minus sparse accuracy."""
     items = [accuracy.Item(f"niah_single-2048-{i}", "niah_single", 2048, "p", [str(1000000 + i)], "all", 8,
                            detail={"kind": "numbers"}) for i in range(4)]  # fmt: skip
     items += [accuracy.Item(f"qa-2048-{i}", "qa", 2048, "p", ["word"], "part", 8) for i in range(2)]
@@ -178,46 +179,14 @@ def test_summary_bars_from_runs(tmp_path):
     # 16x at 2048 is budget 128: niah loses half its items, qa none
     sixteen = run("sparse-128", [" 1000000.", " 0", " 1000002.", " 0"] + right[4:], budget=128)
     result = accuracy.summarize([dense, dense_alone, alone, sixteen], str(items_path))
-    summary = result["summary"]
+    summary = result["summary"]["legacy"]
     assert summary["agreement_4x"] == pytest.approx(5 / 6, abs=1e-4)
     assert summary["accuracy_gap_16x"] == pytest.approx((0.5 + 0.0) / 2)
-    assert result["by_family_batched"]["niah_single"]["16"]["sparse"] == 0.5
+    assert result["legacy"]["by_family_batched"]["niah_single"]["16"]["sparse"] == 0.5
     # a committed result's runs, unpacked, summarize to the same numbers
     again = accuracy.summarize([str(p) for p in accuracy.unpack(result, tmp_path / "unpacked")], str(items_path))
-    assert again["summary"] == summary and again["by_family_alone_4x"] == result["by_family_alone_4x"]
-
-
-def test_grid_runs_agreement_cold_and_accuracy_batched(tmp_path, monkeypatch):
-    """The grid's one-at-a-time runs (agreement) prefill every request cold; its batched runs
-    (accuracy) keep SGLang's defaults. Commands are captured, no server starts."""
-    import argparse
-    import subprocess
-
-    started = []
-
-    class Done:
-        returncode = 0
-
-        def __init__(self, cmd, **kwargs):
-            started.append(cmd)
-
-        def poll(self):
-            return 0
-
-    monkeypatch.setattr(subprocess, "Popen", Done)
-    monkeypatch.setattr(accuracy.time, "sleep", lambda s: None)
-    args = argparse.Namespace(out_dir=str(tmp_path), grid="final", only="dense,dense-alone-2048,sparse-alone-512",
-                              items="items.json.gz", parallel=8, stagger=0,
-                              sparse_args="--sparse-selector sketch")  # fmt: skip
-    accuracy.grid(args)
-    flags = {cmd[cmd.index("--name") + 1]: cmd[cmd.index("--server-args") + 1] for cmd in started}
-    assert set(flags) == {"dense", "dense-alone-2048", "sparse-alone-512"}
-    assert "--disable-radix-cache" in flags["dense-alone-2048"] and "--disable-radix-cache" in flags["sparse-alone-512"]
-    assert "--disable-radix-cache" not in flags["dense"]
-    # a candidate default (--sparse-args) reaches the sparse servers only
-    assert (
-        "--sparse-selector sketch" in flags["sparse-alone-512"] and "--sparse-selector" not in flags["dense-alone-2048"]
-    )
+    assert again["summary"] == result["summary"]
+    assert again["legacy"]["by_family_alone_4x"] == result["legacy"]["by_family_alone_4x"]
 
 
 def test_reference_table_scores_each_policy_and_its_agreement_with_dense_by_family():
