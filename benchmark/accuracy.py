@@ -1138,7 +1138,10 @@ class Run:
 
 # A configuration's runs in the retention grid: budget -> the lengths it runs. Together the 4x cells
 # of every length and the 16x cells of 4096 and 8000 (budget 512 is 4x at 2048 and 16x at 8000).
-RETENTION_BUDGETS = {512: (2048, 8000), 1024: (4096,), 2048: (8000,), 256: (4096,)}
+# One server per (budget, length): the 4x cells of every length and the 16x cells of the long ones;
+# a server per length keeps every run near 400 items, so a grid's servers end together.
+RETENTION_BUDGETS = {(512, 2048): (2048,), (512, 8000): (8000,), (1024, 4096): (4096,), (2048, 8000): (8000,),
+                     (256, 4096): (4096,)}  # fmt: skip
 HEADLINE_BUDGETS = {512: (2048,), 1024: (4096,), 2048: (8000,)}  # 4x only
 
 
@@ -1147,8 +1150,8 @@ def _grid_retention(configs: dict[str, str]) -> list[Run]:
     (name -> flags) over ``RETENTION_BUDGETS``, the serving headline's flags at 4x."""
     runs = [Run(f"dense-alone-{n}", config="dense", vanilla=True, lengths=(n,), alone=True) for n in LENGTHS]
     for config, flags in {"default": "", **configs}.items():
-        runs += [Run(f"{config}-alone-{b}", config=config, budget=b, flags=flags, lengths=lengths, alone=True)
-                 for b, lengths in RETENTION_BUDGETS.items()]  # fmt: skip
+        runs += [Run(f"{config}-alone-{b}-{n}", config=config, budget=b, flags=flags, lengths=lengths, alone=True)
+                 for (b, n), lengths in RETENTION_BUDGETS.items()]  # fmt: skip
     runs += [Run(f"headline-alone-{b}", config="headline", budget=b, flags=HEADLINE_FLAGS, lengths=lengths, alone=True)
              for b, lengths in HEADLINE_BUDGETS.items()]  # fmt: skip
     return runs
@@ -1207,7 +1210,9 @@ def grid(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs = [r for r in GRIDS[args.grid](parse_configs(args.configs)) if not args.only or r.name in args.only.split(",")]
     # the longest first: one-at-a-time runs, those of the most prompt tokens first
-    pending, running = sorted(runs, key=lambda r: (not r.alone, -sum(r.lengths))), []
+    runs = sorted(runs, key=lambda r: (not r.alone, -sum(r.lengths)))
+    index, _, count = args.shard.partition("/")
+    pending, running = runs[int(index) :: int(count)], []  # --shard I/N: every N-th run from the I-th
     while pending or running:
         while pending and len(running) < args.parallel:
             run = pending.pop(0)
@@ -1299,6 +1304,7 @@ def main(argv: list[str] | None = None) -> None:
     gr.add_argument("--only", default="", help="comma-separated run names")
     gr.add_argument("--out-dir", required=True)
     gr.add_argument("--parallel", type=int, default=6)
+    gr.add_argument("--shard", default="0/1", help="I/N: this process runs every N-th run from the I-th (one GPU each)")
     gr.add_argument("--sparse-args", default="",
                     help="flags every sparse server of the grid gets too: a candidate default, measured as the default is")  # fmt: skip
     gr.add_argument("--stagger", type=float, default=5.0, help="seconds between server starts")

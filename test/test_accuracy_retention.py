@@ -262,7 +262,7 @@ def grid_commands(tmp_path, monkeypatch):
 
     def run(**args) -> list[list[str]]:
         defaults = dict(out_dir=str(tmp_path), grid="retention", only="", items="items.json.gz", parallel=9,
-                        stagger=0, sparse_args="", configs="")  # fmt: skip
+                        stagger=0, sparse_args="", configs="", shard="0/1")  # fmt: skip
         started.clear()
         accuracy.grid(argparse.Namespace(**{**defaults, **args}))
         return list(started)
@@ -272,6 +272,12 @@ def grid_commands(tmp_path, monkeypatch):
 
 def flag_value(cmd: list[str], flag: str) -> str | None:
     return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+
+def test_grid_shards_split_the_runs_between_processes(grid_commands):
+    names = [[flag_value(cmd, "--name") for cmd in grid_commands(shard=f"{i}/2")] for i in range(2)]
+    assert names[0] and names[1] and not set(names[0]) & set(names[1])
+    assert sorted(names[0] + names[1]) == sorted(flag_value(cmd, "--name") for cmd in grid_commands())
 
 
 def test_the_retention_grid_runs_one_at_a_time_and_covers_4x_and_long_16x(grid_commands):
@@ -284,13 +290,17 @@ def test_the_retention_grid_runs_one_at_a_time_and_covers_4x_and_long_16x(grid_c
         assert "--disable-radix-cache" in flag_value(cmd, "--server-args")
     assert sorted(runs) == sorted(
         ["dense-alone-2048", "dense-alone-4096", "dense-alone-8000"]
-        + [f"{c}-alone-{b}" for c in ("default", "quest") for b in (256, 512, 1024, 2048)]
+        + [
+            f"{c}-alone-{b}-{n}"
+            for c in ("default", "quest")
+            for b, n in ((256, 4096), (512, 2048), (512, 8000), (1024, 4096), (2048, 8000))
+        ]  # fmt: skip
         + ["headline-alone-512", "headline-alone-1024", "headline-alone-2048"]
     )
-    assert runs["default-alone-512"][:3] == ("default", "512", "2048,8000")
-    assert runs["quest-alone-256"][:3] == ("quest", "256", "4096")
-    assert "--sparse-selector quest" in runs["quest-alone-1024"][3]
-    assert "--sparse-selector" not in runs["default-alone-1024"][3]
+    assert runs["default-alone-512-8000"][:3] == ("default", "512", "8000")
+    assert runs["quest-alone-256-4096"][:3] == ("quest", "256", "4096")
+    assert "--sparse-selector quest" in runs["quest-alone-1024-4096"][3]
+    assert "--sparse-selector" not in runs["default-alone-1024-4096"][3]
     assert runs["headline-alone-512"][:3] == ("headline", "512", "2048")
     assert accuracy.HEADLINE_FLAGS in runs["headline-alone-512"][3]
     assert runs["dense-alone-4096"][0] == "dense" and runs["dense-alone-4096"][1] is None

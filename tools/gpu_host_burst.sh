@@ -55,17 +55,23 @@ HEADLINE_KV="--kv-cache-dtype fp8_e4m3 --sparse-reselect-interval 8 --quantizati
 
 job_grid() {
   # the default model's key basis first, once (grid servers with --sparse-selector sketch read it)
-  python3 -m sparse_sglang.calibrate --model-path "$(python3 -c 'from sparse_sglang.default_model import default_model_path as d; print(d())')"
+  if [[ "${GRID_SPARSE_ARGS:-} ${GRID_VARIANTS:-} ${GRID_CONFIGS:-}" == *sketch* ]]; then
+    python3 -m sparse_sglang.calibrate --model-path "$(python3 -c 'from sparse_sglang.default_model import default_model_path as d; print(d())')"
+  fi
   # $GRID_VARIANTS ("name=flags;name=flags"): the grid once per variant, side by side on the job's
   # GPU, its sparse servers with $GRID_SPARSE_ARGS and the variant's flags, into acc-<name> (acc
-  # unnamed); unset: one unnamed variant
-  local variants variant name
+  # unnamed); unset: one unnamed variant. A job of several GPUs (grid@0/1) shares each variant's
+  # runs between them, a grid process per GPU (accuracy.py grid --shard).
+  local variants variant name devices i
   IFS=';' read -ra variants <<< "${GRID_VARIANTS:-=}"
+  IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0}"
   for variant in "${variants[@]}"; do
     name=${variant%%=*}
-    python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz --out-dir "/root/o/acc${name:+-$name}" \
-      --parallel "${GRID_PARALLEL:-9}" --stagger 3 --sparse-args "${GRID_SPARSE_ARGS:-} ${variant#*=}" \
-      ${GRID_CONFIGS:+--configs "$GRID_CONFIGS"} ${GRID_ARGS:-} &
+    for i in "${!devices[@]}"; do
+      CUDA_VISIBLE_DEVICES=${devices[$i]} python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz \
+        --out-dir "/root/o/acc${name:+-$name}" --shard "$i/${#devices[@]}" --parallel "${GRID_PARALLEL:-9}" --stagger 3 \
+        --sparse-args "${GRID_SPARSE_ARGS:-} ${variant#*=}" ${GRID_CONFIGS:+--configs "$GRID_CONFIGS"} ${GRID_ARGS:-} &
+    done
   done
   wait
 }
