@@ -148,11 +148,11 @@ class SparseConfig:
         help=f"How the GPU keeps each page's key bounds: {' | '.join(BOUND_FORMATS)}. exact = in the KV dtype; int8 = half the bytes of bf16 bounds, rounded outward so they still bound every key; auto = int8 for 16-bit KV, exact for fp8.",
     )
     page_bounds: str = knob(
-        "minmax",
+        "meanstd",
         help=f"The two key corners each page keeps for scoring: {' | '.join(PAGE_BOUNDS)}. minmax = every key's channel-wise min and max (Quest: an upper bound of q . k); meanstd = the keys' channel-wise mean less and plus --sparse-bound-spread standard deviations (the same bytes and scoring cost; ranks pages by their keys' spread, not by their most extreme one).",
     )
     bound_spread: float = knob(
-        2.0, help="meanstd page bounds: standard deviations from each page's mean key to its corners."
+        1.5, help="meanstd page bounds: standard deviations from each page's mean key to its corners."
     )
     coarse_pages: int = knob(
         0,

@@ -271,7 +271,12 @@ def _shown(default: Any) -> str:
 
 
 # The sparse knobs that take one of a few words: --help lists them, argparse refuses others.
-CHOICES = {"selector": SELECTORS, "bound_format": BOUND_FORMATS, "group_reduce": GROUP_REDUCES, "page_bounds": PAGE_BOUNDS}
+CHOICES = {
+    "selector": SELECTORS,
+    "bound_format": BOUND_FORMATS,
+    "group_reduce": GROUP_REDUCES,
+    "page_bounds": PAGE_BOUNDS,
+}
 
 
 def add_sparse_cli_args(parser: argparse.ArgumentParser) -> None:
