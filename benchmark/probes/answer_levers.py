@@ -163,6 +163,50 @@ class RotatedQuestDecoder(QuestStepDecoder):
         return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling).unsqueeze(1)
 
 
+class PageStatDecoder(QuestStepDecoder):
+    """Pages ranked by other statistics of their keys than Quest's corners, each computed exactly
+    from the page's keys: ``meanstd<k>``, the cuboid of centre ``mean`` and radius ``k * std`` per
+    channel (Quest's score function on other corners: ``q . mean + k |q| . std``, the same bytes);
+    ``gauss``, the log of a page's expected softmax mass were its keys Gaussian with those
+    per-channel moments (``s q . mean + s^2 (q^2) . var / 2``); ``sub<n>``, Quest's bounds of
+    ``n``-token sub-pages, a page scored by its best sub-page (LServe)."""
+
+    stat: str = "meanstd2"
+
+    def rank(self, layer, scores, q, key, seq_len, scaling):
+        heads, tokens, dim = key.shape[1], key.shape[2], key.shape[3]
+        k = key[0].float()
+        pad = -tokens % quality.PAGE_SIZE
+        valid = torch.ones(heads, tokens + pad, 1)
+        valid[:, tokens:] = 0
+        k = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(heads, -1, quality.PAGE_SIZE, dim)
+        valid = valid.view(heads, -1, quality.PAGE_SIZE, 1)
+        qg = q.float().view(1, heads, -1, dim)
+        if self.stat.startswith("sub"):
+            sub = int(self.stat.removeprefix("sub"))
+            ks = k.view(heads, -1, sub, dim)
+            vs = valid.view(heads, -1, sub, 1).bool()
+            kmin = ks.masked_fill(~vs, math.inf).amin(2).unsqueeze(0)
+            kmax = ks.masked_fill(~vs, -math.inf).amax(2).unsqueeze(0)
+            empty = ~vs.any(2).squeeze(-1)
+            kmin, kmax = kmin.nan_to_num(0.0, 0.0, 0.0), kmax.nan_to_num(0.0, 0.0, 0.0)
+            s = quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
+            s = s.masked_fill(empty.unsqueeze(0), -math.inf)
+            return s.view(1, heads, -1, quality.PAGE_SIZE // sub).amax(-1)
+        count = valid.sum(2).clamp_min(1)
+        mean = (k * valid).sum(2) / count
+        var = (((k - mean.unsqueeze(2)) * valid) ** 2).sum(2) / count
+        if self.stat == "gauss":
+            s = scaling * qg @ mean.unsqueeze(0).transpose(-1, -2)
+            s = s + 0.5 * scaling**2 * (qg**2) @ var.unsqueeze(0).transpose(-1, -2)
+            return s.sum(2) if self.policy.group_reduce == "sum" else s.amax(2)
+        spread = float(self.stat.removeprefix("meanstd"))
+        std = var.sqrt()
+        return quality.get_selector("quest").score(
+            qg, (mean - spread * std).unsqueeze(0), (mean + spread * std).unsqueeze(0), None, self.policy.group_reduce
+        )
+
+
 def hadamard(dim: int) -> torch.Tensor:
     """The ``[dim, dim]`` orthonormal Walsh-Hadamard matrix (``dim`` a power of two)."""
     h = torch.ones(1, 1)
@@ -362,6 +406,10 @@ def main() -> None:
         "sketchfile-max": quality.Policy(budget=args.budget),  # --basis: sparse_sglang.calibrate's file
         "sketchfile-max8": quality.Policy(budget=args.budget),  # the same, sketches in fp8
         **{f"quest-rot-{k}": quality.Policy(budget=args.budget) for k in ("identity", "self", "cal", "hadamard")},
+        **{
+            f"stat-{k}": quality.Policy(budget=args.budget)
+            for k in ("meanstd0.5", "meanstd1", "meanstd1.5", "meanstd2", "meanstd3", "gauss", "sub16", "sub8")
+        },  # fmt: skip
     }
     if args.policies:
         policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
@@ -415,6 +463,9 @@ def main() -> None:
                 hook.sketch_rank, hook.reduce, hook.fp8 = int(rank), hook.reduce or "mass", fp8
                 hook.fit_tokens = int(window) if window else None
                 hook.basis = dict(calibration[hook.sketch_rank]) if name.startswith("sketchcal") else {}
+            if name.startswith("stat-"):
+                hook.__class__ = PageStatDecoder
+                hook.stat = name.removeprefix("stat-")
             if name.startswith("quest-rot-"):  # Quest's bounds in a rotated key space
                 hook.__class__ = RotatedQuestDecoder
                 kind = name.removeprefix("quest-rot-")
@@ -425,7 +476,13 @@ def main() -> None:
                 hook.__class__ = WindowDecoder
                 hook.pinned = pins if name == "quest-window" else bound_pins
             out = quality.decode(
-                model, hook, copy.deepcopy(cache), [], min(item.max_new_tokens, 24), first, stop=tokenizer.eos_token_id
+                model,
+                hook,
+                copy.deepcopy(cache),
+                [],
+                min(item.max_new_tokens, 24),
+                first,
+                stop=tokenizer.convert_tokens_to_ids("<|im_end|>"),
             )
             text = tokenizer.decode(out, skip_special_tokens=True)
             row[name] = accuracy.score(item, text)
