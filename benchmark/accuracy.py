@@ -60,6 +60,7 @@ is the grid of the first results, batched runs included).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import hashlib
 import inspect
@@ -683,10 +684,12 @@ def reference(args) -> dict:
                                                            logical_page_size=args.page_size)  # fmt: skip
     for extra in args.policy:  # name=field:value,field:value
         name, _, fields = extra.partition("=")
-        knobs = {
-            k: (v if k in ("selector", "group_reduce") else int(v))
-            for k, v in (f.split(":") for f in fields.split(","))
-        }
+        types = {f.name: type(f.default) for f in dataclasses.fields(quality.Policy)}  # str, int or float
+        pairs = [f.split(":", 1) for f in fields.split(",")]
+        unknown = [k for k, *_ in pairs if k not in types]
+        if unknown or any(len(p) != 2 for p in pairs):
+            raise SystemExit(f"--policy {extra!r}: fields are name:value among {', '.join(types)}")
+        knobs = {k: v if types[k] is str else types[k](v) for k, v in pairs}
         policies[name] = quality.Policy(**{"budget": args.budget, "logical_page_size": args.page_size, **knobs})
     stop = turn_end_ids(tokenizer)
     outputs = []

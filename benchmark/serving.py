@@ -832,9 +832,10 @@ def kv_budget_args(system: str, args: argparse.Namespace) -> list[str]:
         tokens = vanilla_max_total_tokens(args.kv_hbm_gb, dtype, args.tp_size)
         return ["--max-total-tokens", str(tokens), "--kv-cache-dtype", dtype,
                 *(["--quantization-param-path", scales] if scales else [])]  # fmt: skip
-    cache_gb = sparse_gpu_cache_gb(
-        args.kv_hbm_gb, args.sparse_host_cache_gb, kv_dtype=torch_kv_dtype(dtype), tp_size=args.tp_size
-    )
+    words = sparse_words(args)
+    cache_gb = sparse_gpu_cache_gb(args.kv_hbm_gb, args.sparse_host_cache_gb, kv_dtype=torch_kv_dtype(dtype),
+                                   tp_size=args.tp_size, page_bounds=last_flag(words, "--sparse-page-bounds"),
+                                   bound_format=last_flag(words, "--sparse-bound-format"))  # fmt: skip
     return ["--sparse-gpu-cache-gb", f"{cache_gb:.3f}", "--sparse-host-cache-gb", f"{args.sparse_host_cache_gb:g}"]
 
 
@@ -874,12 +875,14 @@ def kv_cache_dtype(server_args: str):
 
 
 def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int | None = None, kv_dtype=None,
-                       tp_size: int = 1) -> float:  # fmt: skip
+                       tp_size: int = 1, page_bounds: str | None = None, bound_format: str | None = None) -> float:  # fmt: skip
     """Page-cache GiB that, with the summaries, staging and table of ``host_cache_gb`` of host KV
     of ``kv_dtype`` (bf16 by default; :func:`~sparse_sglang.mem_cache.plan.plan_memory`'s sizes;
     the default staging buffer, no longer than ``context_len``, the 8B shape's by default), fills
     ``kv_hbm_gb``. With ``tp_size`` ranks, each GPU's: its 1/``tp_size`` of the kv heads and of
-    the host store (what the server's ``--sparse-gpu-cache-gb`` means on each rank)."""
+    the host store (what the server's ``--sparse-gpu-cache-gb`` means on each rank). The page
+    corners and their storage (``--sparse-page-bounds``, ``--sparse-bound-format``; None: the
+    defaults) set the summaries' bytes: int8 corners keep a scale byte per page that fp8 ones do not."""
     import torch
 
     from sparse_sglang.attention.selectors import kept_summaries
@@ -891,12 +894,13 @@ def sparse_gpu_cache_gb(kv_hbm_gb: float, host_cache_gb: float, context_len: int
     shape = (c["num_hidden_layers"], c["num_key_value_heads"] // tp_size)
     page = SparseConfig(host_cache_gb=1.0).page_size  # the default page
     host_pages = pages_for_budget(host_cache_gb / tp_size, *shape, page, c["head_dim"], dtype)
-    config = SparseConfig(host_cache_gb=1.0)  # the defaults
+    defaults = SparseConfig(host_cache_gb=1.0)
+    config = SparseConfig(host_cache_gb=1.0, page_bounds=page_bounds or defaults.page_bounds,
+                          bound_format=bound_format or defaults.bound_format)  # fmt: skip
     kept = kept_summaries(config.selector)  # the default selector's summaries
     staging = prefix_staging_tokens(config, context_len or c["max_position_embeddings"])
-    other = sum(
-        fixed_gpu_bytes(host_pages, *shape, c["head_dim"], dtype, staging, **kept, bound_format=config.bound_format)
-    )
+    other = sum(fixed_gpu_bytes(host_pages, *shape, c["head_dim"], dtype, staging, **kept,
+                                bound_format=config.bound_format, page_bounds=config.page_bounds))  # fmt: skip
     cache_gb = kv_hbm_gb - other / GIB
     if cache_gb <= 0:
         raise SystemExit(f"--kv-hbm-gb {kv_hbm_gb:g}: the summaries and staging of {host_cache_gb:g} GiB of host KV "
@@ -1369,9 +1373,14 @@ def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path], tp2_besid
 def versus_quest(out: Path, default_path: Path, quest_path: Path) -> dict:
     """The default's serving pair and quest's, made against one vanilla run in the same windows
     (``--combine`` files): the default's document, its summary with ``ratio_vs_quest_default``
-    (the default's throughput ratio over vanilla, divided by quest's) and quest's summary beside."""
+    (the default's throughput ratio over vanilla at its best, the windows' second halves, divided
+    by quest's) and quest's summary beside."""
     default, quest = (json.loads(Path(f).read_text()) for f in (default_path, quest_path))
-    ours, theirs = default["summary"].get("throughput_ratio"), quest["summary"].get("throughput_ratio")
+
+    def ratio(summary: dict) -> float | None:  # the steady state's: the windows' second halves
+        return summary.get("throughput_ratio_vs_best", summary.get("throughput_ratio"))
+
+    ours, theirs = ratio(default["summary"]), ratio(quest["summary"])
     document = {**default, "quest": {"summary": quest["summary"], "servers": quest.get("servers", {})}}
     document["summary"] = {**default["summary"], "quest_throughput_ratio": theirs,
                            "ratio_vs_quest_default": round(ours / theirs, 4) if ours and theirs else None}  # fmt: skip

@@ -21,11 +21,21 @@ from hypothesis import strategies as st
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from sparse_sglang import launch_server
-from sparse_sglang.config import BOUND_FORMATS, GROUP_REDUCES, INT32_MAX, SELECTORS, SparseConfig, field_type, flag_name
+from sparse_sglang.config import (
+    BOUND_FORMATS,
+    GROUP_REDUCES,
+    INT32_MAX,
+    PAGE_BOUNDS,
+    SELECTORS,
+    SparseConfig,
+    field_type,
+    flag_name,
+)
 
 FIELDS = {f.name: field_type(f) for f in dataclasses.fields(SparseConfig)}
 BOOL_WORDS = {"1", "true", "yes", "on", "0", "false", "no", "off"}
-CHOICES = {"selector": set(SELECTORS), "bound_format": set(BOUND_FORMATS), "group_reduce": set(GROUP_REDUCES)}
+CHOICES = {"selector": set(SELECTORS), "bound_format": set(BOUND_FORMATS), "group_reduce": set(GROUP_REDUCES),
+           "page_bounds": set(PAGE_BOUNDS)}  # fmt: skip
 
 non_numeric = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12).filter(
     lambda text: not _is_number(text) and text.strip() != "" and "\x00" not in text

@@ -114,14 +114,22 @@ def test_server_path_selects_what_the_reference_selects_on_real_kv(captured, bou
                 )
                 ties += bool(differ)
                 compared += 1
-            # the float32 selection over exact bounds of the same keys (quality.py's reference)
+            # the float32 selection over exact corners of the same keys (quality.py's reference):
+            # min/max, or mean -+ spread std, as the config's page bounds are
             k32 = ks[layer][:seq_len].float().transpose(0, 1)  # [Hkv, T, D]
             pages = -(-seq_len // config.page_size)
             padded = torch.nn.functional.pad(k32, (0, 0, 0, pages * config.page_size - seq_len))
             blocks = padded.view(heads, pages, config.page_size, -1)
             valid = (torch.arange(pages * config.page_size, device="cuda") < seq_len).view(1, pages, -1, 1)
-            kmin = torch.where(valid, blocks, torch.inf).amin(2).unsqueeze(0)
-            kmax = torch.where(valid, blocks, -torch.inf).amax(2).unsqueeze(0)
+            if config.page_bounds == "meanstd":
+                count = valid.sum(2, keepdim=True).clamp_min(1)
+                mean = torch.where(valid, blocks, 0.0).sum(2, keepdim=True) / count
+                std = (torch.where(valid, (blocks - mean) ** 2, 0.0).sum(2, keepdim=True) / count).sqrt()
+                kmin = (mean - config.bound_spread * std).squeeze(2).unsqueeze(0)
+                kmax = (mean + config.bound_spread * std).squeeze(2).unsqueeze(0)
+            else:
+                kmin = torch.where(valid, blocks, torch.inf).amin(2).unsqueeze(0)
+                kmax = torch.where(valid, blocks, -torch.inf).amax(2).unsqueeze(0)
             s32 = get_selector("quest").score(qg, kmin, kmax, None, config.group_reduce)
             exact = select_pages(
                 s32, decoder.num_pages, config.budget_pages, config.sink_pages, config.recent_pages
@@ -138,4 +146,4 @@ def test_server_path_selects_what_the_reference_selects_on_real_kv(captured, bou
             torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2, msg=f"step {step} layer {layer}")
     save_gpu_test_record(f"selection-real-kv-{bound_format}.json", {
         "tokens": tokens, "steps": STEPS, "layers": shape.num_layers, "compared_rows": compared, "rows_differing_by_ties": ties,
-        "overlap_with_float32_exact_bounds": round(exact_overlap / exact_total, 4)})  # fmt: skip
+        "overlap_with_float32_exact_corners": round(exact_overlap / exact_total, 4)})  # fmt: skip

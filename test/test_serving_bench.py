@@ -120,10 +120,11 @@ def test_sparse_gets_the_same_hbm_for_kv_as_vanilla():
 
 
 def test_sparse_kv_budget_follows_the_kv_cache_dtype_of_the_extra_server_args():
-    """fp8 KV: the same host GiB hold twice the pages; their bounds are one byte per channel, fp8
-    (exact), as bf16 KV's are int8 levels (--sparse-bound-format auto), so the summaries take twice
-    the GPU memory of bf16 KV's, and the page cache gets less of the same budget: that, the larger
-    table and the staged prefix's bf16 copy (the 2026-11-23 fp8 run's budget counted none of this)."""
+    """fp8 KV: the same host GiB hold twice the pages; their corners are one byte per channel (the
+    default mean/std corners: int8 levels and a scale byte, as bf16 KV's are), so the summaries
+    take twice the GPU memory of bf16 KV's, and the page cache gets less of the same budget: that,
+    the larger table and the staged prefix's bf16 copy (the 2026-11-23 fp8 run's budget counted none
+    of this)."""
     import torch
 
     from benchmark.serving import kv_cache_dtype, sparse_gpu_cache_gb
@@ -141,6 +142,9 @@ def test_sparse_kv_budget_follows_the_kv_cache_dtype_of_the_extra_server_args():
     assert 19.99 * GIB < plan.cache_bytes + plan.summary_bytes + plan.staging_bytes + plan.table_bytes <= 20 * GIB
     assert plan.shape.num_host_pages == 2 * bf16_plan.shape.num_host_pages
     assert plan.summary_bytes == pytest.approx(2 * bf16_plan.summary_bytes, rel=0.01)
+    # Quest's min/max corners of fp8 keys are fp8 themselves, without the scale byte: a larger cache
+    minmax = sparse_gpu_cache_gb(20.0, 16.0, kv_dtype=torch.float8_e4m3fn, page_bounds="minmax")
+    assert fp8 < minmax < fp8 + 0.01
 
 
 @pytest.mark.parametrize("extra", ["--sparse-host-cache-gb 92", "--cuda-graph-max-bs 64 --max-total-tokens=9999"])
@@ -1049,8 +1053,12 @@ def test_parallel_scaling_takes_the_tp2_run_made_beside_tp1(tmp_path):
 
 
 def test_versus_quest_divides_the_default_ratio_by_quest_s(tmp_path):
-    default = {"summary": {"throughput_ratio": 3.0, "p99_tbt_ms": 200}, "servers": {"sparse": {"flags": []}}}
-    quest = {"summary": {"throughput_ratio": 2.5}, "servers": {"sparse": {"flags": ["--sparse-page-bounds", "minmax"]}}}
+    default = {"summary": {"throughput_ratio_vs_best": 3.0, "throughput_ratio": 2.0, "p99_tbt_ms": 200},
+               "servers": {"sparse": {"flags": []}}}  # fmt: skip
+    quest = {
+        "summary": {"throughput_ratio_vs_best": 2.5},
+        "servers": {"sparse": {"flags": ["--sparse-page-bounds", "minmax"]}},
+    }
     paths = [tmp_path / "d.json", tmp_path / "q.json"]
     for path, doc in zip(paths, (default, quest)):
         path.write_text(json.dumps(doc))

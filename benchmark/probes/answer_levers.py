@@ -381,17 +381,18 @@ def main() -> None:
         keys = calibration_keys(model, tokenizer(other.prompt, add_special_tokens=False).input_ids)
         calibration = {r: {layer: key_basis(k, r) for layer, k in keys.items()} for r in (4, 8, 16)}
     policies = {
-        "quest": quality.Policy(budget=args.budget),
-        "quest-gmax": quality.Policy(budget=args.budget, group_reduce="max"),
+        # quest-*: Quest's min/max corners, as these policies were measured; ms-*: the default's mean/std corners
+        "quest": quality.Policy(budget=args.budget, page_bounds="minmax"),
+        "quest-gmax": quality.Policy(budget=args.budget, group_reduce="max", page_bounds="minmax"),
         "oracle": quality.Policy(budget=args.budget),
-        "quest-window": quality.Policy(budget=args.budget),
-        "quest-window-bounds": quality.Policy(budget=args.budget),
+        "quest-window": quality.Policy(budget=args.budget, page_bounds="minmax"),
+        "quest-window-bounds": quality.Policy(budget=args.budget, page_bounds="minmax"),
         "arkvale": quality.Policy(selector="arkvale", budget=args.budget),
         "mean": quality.Policy(selector="mean", budget=args.budget),
-        "quest-dense2": quality.Policy(budget=args.budget, dense_layers=2),  # Quest keeps its first two layers dense
-        "quest-rerank2": quality.Policy(budget=args.budget),
-        "quest-rerank3": quality.Policy(budget=args.budget),
-        "quest-rerank4": quality.Policy(budget=args.budget),
+        "quest-dense2": quality.Policy(budget=args.budget, dense_layers=2, page_bounds="minmax"),  # Quest's own
+        **{f"quest-rerank{f}": quality.Policy(budget=args.budget, page_bounds="minmax") for f in (2, 3, 4)},
+        "ms": quality.Policy(budget=args.budget),
+        **{f"ms-rerank{f}": quality.Policy(budget=args.budget) for f in (2, 3)},
         **{f"sketch{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
         "sketch16-max": quality.Policy(budget=args.budget),  # the per-request basis, scored as the server scores
         # the same from the prompt's first W tokens only (what a server fits at a first prefill chunk),
@@ -431,9 +432,11 @@ def main() -> None:
             hook = prefill.fork(policy)
             if name == "oracle":
                 hook.__class__ = OracleDecoder
-            if name.startswith("quest-rerank"):
+            if name == "ms":
+                hook.__class__ = QuestStepDecoder
+            if name.startswith(("quest-rerank", "ms-rerank")):
                 hook.__class__ = RerankDecoder
-                hook.factor = int(name.removeprefix("quest-rerank"))
+                hook.factor = int(name.rpartition("rerank")[2])
             if name == "sketchself":  # fitted on the prompt's own keys and queries (a per-request basis)
                 from sparse_sglang.calibrate import fit_basis
 
