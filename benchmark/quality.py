@@ -71,6 +71,9 @@ DEFAULTS = SparseConfig(host_cache_gb=1.0)
 PAGE_SIZE = DEFAULTS.page_size
 DEFAULT_SELECTOR = DEFAULTS.selector
 LICENSES = Path("/usr/share/common-licenses")
+# The selectors this study scores: the sketch selector reads per-token key sketches, which need a key
+# basis (benchmark/probes/answer_levers.py measures it with several).
+CPU_SELECTORS = tuple(s for s in SELECTORS if "sketch" not in SELECTORS[s].summaries)
 ORACLE = "oracle"  # Q2 only: pages ranked by their true attention mass (the best any selector can do)
 TARGET_RECALL = 0.90  # mean over layers, default selector, budget 512, ~7K tokens
 
@@ -197,10 +200,13 @@ def license_capture(tokens: int = 7168, num_queries: int = 32) -> tuple[Capture,
     return cap, model.model.layers[0].self_attn.scaling
 
 
-def summarize(keys: dict[int, torch.Tensor], page_size: int) -> PageSummaries:
-    """PageSummaries of all layers' keys ``[Hkv, T, D]`` at ``page_size``."""
+def summarize(keys: dict[int, torch.Tensor], page_size: int, page_bounds: str = "minmax",
+              bound_spread: float = 1.0) -> PageSummaries:  # fmt: skip
+    """PageSummaries of all layers' keys ``[Hkv, T, D]`` at ``page_size``, with ``page_bounds``
+    corners (``bound_spread`` for meanstd's)."""
     heads, tokens, dim = keys[0].shape
-    s = PageSummaries(len(keys), heads, -(-tokens // page_size), page_size, dim, keys[0].dtype)
+    s = PageSummaries(len(keys), heads, -(-tokens // page_size), page_size, dim, keys[0].dtype,
+                      page_bounds=page_bounds, bound_spread=bound_spread)  # fmt: skip
     for layer, k in keys.items():
         s.update(layer, k.transpose(0, 1), torch.arange(tokens))
     return s
@@ -272,7 +278,8 @@ def oracle_page_mass(q: torch.Tensor, k: torch.Tensor, seq_len: torch.Tensor, sc
 def recall_table(cap: Capture, policies: list[Policy], scale: float) -> list[dict]:
     num_layers, tokens = len(cap.k), cap.k[0].shape[1]
     seq_len = torch.arange(tokens - cap.num_queries, tokens) + 1  # query i sees its prefix
-    summaries = {lps: summarize(cap.k, lps) for lps in {p.logical_page_size for p in policies}}
+    kinds = {(p.logical_page_size, p.page_bounds, p.bound_spread) for p in policies}
+    summaries = {kind: summarize(cap.k, *kind) for kind in kinds}
     recall = {p: [] for p in policies}
     error = {p: [] for p in policies}
     sparse = {p: [layer for layer in range(num_layers) if not p.is_dense(layer)] for p in policies}
@@ -290,7 +297,8 @@ def recall_table(cap: Capture, policies: list[Policy], scale: float) -> list[dic
                 pages = select_pages(mass, -(-seq_len // PAGE_SIZE), policy.budget // PAGE_SIZE,
                                      policy.sink_pages, policy.recent_pages).page_ids  # fmt: skip
             else:
-                pages = choose_pages(policy, q, summaries[policy.logical_page_size], layer, k[:1], seq_len)
+                kind = (policy.logical_page_size, policy.page_bounds, policy.bound_spread)
+                pages = choose_pages(policy, q, summaries[kind], layer, k[:1], seq_len)
             o = sparse_attention_reference(q, k, v, pages, PAGE_SIZE, seq_len, scale)
             recall[policy].append(attention_mass_recall(q, k, pages, PAGE_SIZE, seq_len, scale).mean().item())
             error[policy].append(((o - o_dense).norm(dim=-1) / o_dense.norm(dim=-1)).mean().item())
@@ -307,14 +315,17 @@ DENSE_LAYERS = (0, 1, 2)  # knob values measured (the default among them or not)
 def recall_policies(budgets: list[int], extra: list[Policy] = ()) -> list[Policy]:
     """The main grid (every selector x group reduction x budget), then the knobs at budget 512,
     then ``extra`` (the pass-key policies, so each has its recall row)."""
-    grid = [Policy(s, g, b) for s in SELECTORS for g in GROUP_REDUCES for b in budgets]
+    grid = [Policy(s, g, b) for s in CPU_SELECTORS for g in GROUP_REDUCES for b in budgets]
+    grid += [Policy(DEFAULT_SELECTOR, g, b, page_bounds="minmax") for g in GROUP_REDUCES for b in budgets]
     grid += [Policy(ORACLE, "sum", b) for b in budgets]
     sink_recent = [(0, 1), (1, 1), (2, 2), (1, 4), (4, 4)]
     knobs = [Policy(DEFAULT_SELECTOR, g, 512, s, r) for g in GROUP_REDUCES for s, r in sink_recent]
     knobs += [
         Policy(s, DEFAULT_GROUP_REDUCE, 512, dense_layers=n) for s in (DEFAULT_SELECTOR, ORACLE) for n in DENSE_LAYERS
     ]
-    logical = [Policy(s, g, 512, logical_page_size=lps) for s in SELECTORS for g in GROUP_REDUCES for lps in (16, 8)]
+    logical = [
+        Policy(s, g, 512, logical_page_size=lps) for s in CPU_SELECTORS for g in GROUP_REDUCES for lps in (16, 8)
+    ]
     return list(dict.fromkeys(grid + knobs + logical + list(extra)))
 
 
@@ -327,7 +338,7 @@ def passkey_policies() -> list[Policy]:
         Policy(sink_pages=2, recent_pages=2, dense_layers=2),
         Policy(budget=1024),
     ]
-    return list(dict.fromkeys([Policy(s) for s in SELECTORS] + knobs))
+    return list(dict.fromkeys([Policy(s) for s in CPU_SELECTORS] + [Policy(page_bounds="minmax")] + knobs))
 
 
 # Q3: pass-key retrieval with sparse decode.
@@ -587,11 +598,11 @@ def print_tables(result: dict) -> None:
         f"queries, page {PAGE_SIZE}): mean attention-mass recall / mean output rel. error over layers "
         "(dense layers count 1 / 0; 'sparse': over the sparse layers only)"
     )
-    print(f"{'selector':8} {'reduce':6} {'sink':>4} {'rec':>3} {'lpage':>5} {'dense':>5} {'budget':>6} {'recall':>7} "
+    print(f"{'selector':8} {'corners':7} {'reduce':6} {'sink':>4} {'rec':>3} {'lpage':>5} {'dense':>5} {'budget':>6} {'recall':>7} "
           f"{'sparse':>7} {'min lyr':>7} {'lyr 2+':>7} {'rel err':>7}")  # fmt: skip
     for r in result["recall"]:
         sparse = "-" if r["recall_mean_sparse_layers"] is None else f"{r['recall_mean_sparse_layers']:.4f}"
-        print(f"{r['selector']:8} {r['group_reduce']:6} {r['sink_pages']:4} {r['recent_pages']:3} "
+        print(f"{r['selector']:8} {r['page_bounds']:7} {r['group_reduce']:6} {r['sink_pages']:4} {r['recent_pages']:3} "
               f"{r['logical_page_size']:5} {r['dense_layers']:5} {r['budget']:6} {r['recall_mean']:7.4f} {sparse:>7} "
               f"{r['recall_min_layer']:7.4f} {r['recall_mean_from_layer2']:7.4f} {r['rel_err_mean']:7.4f}")  # fmt: skip
     print(f"\nQ3 pass key ({result['passkey_setup']['protocol']})")
@@ -624,8 +635,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="Q3: what the dense prefill covers: 'prompt' = the whole prompt, as the server prefills; "
                              "'question' = all but its question, whose tokens then decode sparsely (stricter)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: 1K tokens, short prompts, one depth")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default OUT_DIR/quality-<date>.json)")
     parser.add_argument(
-        "--out", type=Path, default=None, help="JSON path (default benchmark/results/quality-<date>.json)"
+        "--out-dir", type=Path, default=REPO / "benchmark" / "results", help="where quality-<date>.json goes"
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -666,7 +678,7 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     result["summary"] = summarize_results(recall, passkey, pk_policies, len(ids), args.passkey_prefill)
     result["run_time_s"] = round(time.monotonic() - start, 1)
-    out = args.out or REPO / "benchmark" / "results" / f"quality-{today}.json"
+    out = args.out or args.out_dir / f"quality-{today}.json"
     save_result(result, out)
     print_tables(result)
     print(f"wrote {out}")
