@@ -152,7 +152,7 @@ class SparseConfig:
         help=f"The two key corners each page keeps for scoring: {' | '.join(PAGE_BOUNDS)}. minmax = every key's channel-wise min and max (Quest: an upper bound of q . k); meanstd = the keys' channel-wise mean less and plus --sparse-bound-spread standard deviations (the same bytes and scoring cost; ranks pages by their keys' spread, not by their most extreme one).",
     )
     bound_spread: float = knob(
-        1.5, help="meanstd page bounds: standard deviations from each page's mean key to its corners."
+        1.0, help="meanstd page bounds: standard deviations from each page's mean key to its corners."
     )
     coarse_pages: int = knob(
         0,
