@@ -84,7 +84,7 @@ class SparseKVStore:
     def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False,
                  with_mean: bool = True, fused: bool | None = None, lru_buckets: int = 0,
                  lru_steps_per_bucket: int = 1, bound_format: str = "auto", page_bounds: str = "minmax",
-                 bound_spread: float = 2.0, coarse_pages: int = 0,
+                 bound_spread: float = 1.0, coarse_pages: int = 0,
                  key_basis: KeyBasis | None = None, d2h_threads: int | None = None):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)

@@ -139,7 +139,7 @@ class PageSummaries:
         with_mean: bool = True,
         bound_format: str = "exact",
         page_bounds: str = "minmax",
-        bound_spread: float = 2.0,
+        bound_spread: float = 1.0,
         coarse_pages: int = 0,
         key_basis: KeyBasis | None = None,
     ):
