@@ -1310,7 +1310,12 @@ def main(argv: list[str] | None = None) -> None:
     gr.add_argument("--shard", default="0/1", help="I/N: this process runs every N-th run from the I-th (one GPU each)")
     gr.add_argument("--sparse-args", default="",
                     help="flags every sparse server of the grid gets too: a candidate default, measured as the default is")  # fmt: skip
-    gr.add_argument("--stagger", type=float, default=5.0, help="seconds between server starts")
+    gr.add_argument(
+        "--stagger",
+        type=float,
+        default=15.0,
+        help="seconds between server starts (servers on one GPU size their KV pool from what is free after loading)",
+    )
     args = parser.parse_args(argv)
     if args.cmd == "corpus":
         json.dump(corpus_here(), sys.stdout)

@@ -69,7 +69,7 @@ job_grid() {
     name=${variant%%=*}
     for i in "${!devices[@]}"; do
       CUDA_VISIBLE_DEVICES=${devices[$i]} python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz \
-        --out-dir "/root/o/acc${name:+-$name}" --shard "$i/${#devices[@]}" --parallel "${GRID_PARALLEL:-9}" --stagger 3 \
+        --out-dir "/root/o/acc${name:+-$name}" --shard "$i/${#devices[@]}" --parallel "${GRID_PARALLEL:-9}" --stagger "${GRID_STAGGER:-15}" \
         --sparse-args "${GRID_SPARSE_ARGS:-} ${variant#*=}" ${GRID_CONFIGS:+--configs "$GRID_CONFIGS"} ${GRID_ARGS:-} &
     done
   done
@@ -284,7 +284,7 @@ job_serving_tp() {
 source tools/gpu_host_stages.sh  # run_stages: $JOBS in stages, $STAGE_LIMITS
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages run_job_chain descendants stop_trees tp_variant_flags sample_host_cpu $(compgen -A function job_)
-export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS GRID_CONFIGS DECODE_CELLS KERNEL_GPU_TESTS STARTUP_REPEATS \
+export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS GRID_CONFIGS GRID_STAGGER DECODE_CELLS KERNEL_GPU_TESTS STARTUP_REPEATS \
   STAGE_LIMITS DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_VARIANTS TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS TP2_INTO
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
