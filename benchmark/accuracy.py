@@ -299,12 +299,12 @@ class Builder:
             # bisecting the bracket.
             if attempt < 30:
                 filler = max(16, filler + (lo_ok + length) // 2 - n)
-            elif long is not None and long - short > 1:
+            elif long is None:
+                filler *= 2
+            elif long - short > 1:
                 filler = (short + long) // 2
-            else:
-                filler = 2 * filler if long is None else filler
-                if long is not None:
-                    break
+            else:  # the bracket closed with no filler that fits
+                break
         raise RuntimeError(f"could not fit a prompt to {length} tokens (last {n})")
 
     def item(self, family: str, length: int, index: int) -> Item:

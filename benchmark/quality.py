@@ -354,29 +354,27 @@ class SparseDecoder:
         cfg = model.config
         self.policy = self._check(policy)
         self.bound_format = bound_format
-        self.summaries = self._summaries(cfg, max_tokens, policy)
+        self.shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, -(-max_tokens // PAGE_SIZE), cfg.head_dim)
+        self.summaries = self._summaries(policy)
         self.prompt_keys: dict[int, torch.Tensor] = {}  # layer -> [Hkv, T, D], the dense prefill's
         self.recall: list[float] = []
 
-    def _summaries(self, cfg, max_tokens: int, policy: Policy) -> PageSummaries:
-        return PageSummaries(cfg.num_hidden_layers, cfg.num_key_value_heads, -(-max_tokens // PAGE_SIZE), PAGE_SIZE,
-                             cfg.head_dim, torch.float32, bound_format=self.bound_format,
+    def _summaries(self, policy: Policy) -> PageSummaries:
+        layers, heads, pages, dim = self.shape
+        return PageSummaries(layers, heads, pages, PAGE_SIZE, dim, torch.float32, bound_format=self.bound_format,
                              page_bounds=policy.page_bounds, bound_spread=policy.bound_spread)  # fmt: skip
 
     def fork(self, policy: Policy) -> SparseDecoder:
         """A decoder continuing from this one's summaries under another policy (right after the
-        prefill, summaries of other page bounds are built anew from the prompt's keys)."""
+        prefill, summaries of other page corners are built anew from the prompt's keys)."""
         other = copy.copy(self)
         other.policy, other.recall = self._check(policy), []
-        mine = (self.summaries.page_bounds, self.summaries.bound_spread)
-        if (policy.page_bounds, policy.bound_spread) == mine:
+        if (policy.page_bounds, policy.bound_spread) == (self.summaries.page_bounds, self.summaries.bound_spread):
             other.summaries = copy.deepcopy(self.summaries)
             return other
-        s = self.summaries
-        assert int(s.count.sum()) == sum(k.shape[1] for k in self.prompt_keys.values()), "fork right after prefill"
-        num_layers, heads, _, dim = s.kmin.shape
-        cfg = type("Shape", (), {"num_hidden_layers": num_layers, "num_key_value_heads": heads, "head_dim": dim})
-        other.summaries = self._summaries(cfg, s.num_pages * PAGE_SIZE, policy)
+        summarized = int(self.summaries.count.sum())
+        assert summarized == sum(k.shape[1] for k in self.prompt_keys.values()), "fork right after prefill"
+        other.summaries = self._summaries(policy)
         for layer, k in self.prompt_keys.items():
             other.summaries.update(layer, k.transpose(0, 1), torch.arange(k.shape[1]))
         return other
