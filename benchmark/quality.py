@@ -60,7 +60,7 @@ from sparse_sglang.attention import (
     select_pages,
     sparse_attention_reference,
 )
-from sparse_sglang.attention.rerank import choose_reranked, rerank_priority
+from sparse_sglang.attention.reference import choose_reranked_reference
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.mem_cache import PageSummaries
@@ -253,11 +253,10 @@ def choose_pages(
     )
     lse = logits.view(batch, heads, group, -1, PAGE_SIZE).logsumexp(-1)  # [B, Hkv, G, N]
     lse = lse.gather(3, candidates.clamp(min=0).unsqueeze(2).expand(-1, -1, group, -1)).transpose(2, 3)
-    rows, count = batch * heads, (candidates >= 0).sum(-1).view(-1)
+    rows = batch * heads
     forced = (min(policy.sink_pages, budget - policy.recent_pages), policy.recent_pages)
-    priority = rerank_priority(lse.reshape(rows, kc, group), candidates.view(rows, kc), count,
-                               num_pages.repeat_interleave(heads), forced)  # fmt: skip
-    chosen, _ = choose_reranked(priority, candidates.view(rows, kc), candidates.view(rows, kc), budget)
+    chosen, _ = choose_reranked_reference(candidates.view(rows, kc), num_pages.repeat_interleave(heads),
+                                          lse.reshape(rows, kc, group), candidates.view(rows, kc), budget, forced)  # fmt: skip
     return chosen.view(batch, heads, budget).to(torch.int32)
 
 

@@ -1,5 +1,6 @@
-"""The re-rank of candidate pages (``--sparse-rerank-factor``): the per-page log-mass kernel (in
-Triton's interpreter on CPU) against its torch reference, the priorities and the final choice."""
+"""The re-rank of candidate pages (``--sparse-rerank-factor``): its two kernels (the per-page
+log-masses; the priorities and the choice), in Triton's interpreter on CPU, against their torch
+references."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import pytest
 import torch
 
 from sparse_sglang.attention import get_selector
-from sparse_sglang.attention.reference import candidate_page_lse_reference
-from sparse_sglang.attention.rerank import candidate_page_lse, choose_reranked, rerank_priority
+from sparse_sglang.attention.reference import (
+    candidate_page_lse_reference,
+    choose_reranked_reference,
+    rerank_priority_reference,
+)
+from sparse_sglang.attention.rerank import candidate_page_lse, choose_reranked
 
 P, D = 16, 32
 
@@ -41,22 +46,60 @@ def test_priority_is_the_groups_summed_share_and_forces_sink_and_recent_pages():
     pages = torch.tensor([[0, 3, 5, 9]])
     lse = torch.log(torch.tensor([[[1.0, 1.0], [6.0, 1.0], [2.0, 7.0], [float("nan"), 5.0]]]))
     count, num_pages = torch.tensor([4]), torch.tensor([10])
-    priority = rerank_priority(lse, pages, count, num_pages, forced=(1, 1))
+    priority = rerank_priority_reference(lse, pages, count, num_pages, forced=(1, 1))
     assert priority[0, 0] == math.inf and priority[0, 3] == math.inf  # page 0 (sink), page 9 (recent)
     # head shares over the candidates but the newest page (9: read whole, its mass unknown):
     # head 0 [1, 6, 2] / 9, head 1 [1, 1, 7] / 9
     torch.testing.assert_close(priority[0, 1:3], torch.log(torch.tensor([(6 + 1) / 9, (2 + 7) / 9])))
-    fewer = rerank_priority(lse, pages, torch.tensor([2]), num_pages, forced=(1, 1))
+    fewer = rerank_priority_reference(lse, pages, torch.tensor([2]), num_pages, forced=(1, 1))
     assert fewer[0, 2:].eq(-math.inf).all()  # past the count: never chosen
 
 
 def test_choice_keeps_the_best_in_ascending_page_order_and_pads_short_rows():
-    priority = torch.tensor([[math.inf, 0.5, 2.0, -1.0, math.inf], [1.0, 0.0, -math.inf, -math.inf, -math.inf]])
-    pages = torch.tensor([[0, 4, 7, 8, 11], [0, 2, 0, 0, 0]])
-    slots = torch.tensor([[10, 14, 17, 18, 21], [30, 32, 0, 0, 0]])
-    chosen_pages, chosen_slots = choose_reranked(priority, pages, slots, k=3)
-    assert chosen_pages.tolist() == [[0, 7, 11], [0, 2, -1]]
-    assert chosen_slots.tolist() == [[10, 17, 21], [30, 32, -1]]
+    """Row 0: candidates in any order, sink page 0 and newest page 11 forced, 4 and 7 compete for
+    the one place left (7 has more mass for both heads). Row 1: two candidates of a request of 3
+    pages (page 5 is past its end), fewer than k."""
+    candidates = torch.tensor([[7, 11, 0, 4, 8], [2, 0, 5, -1, -1]])
+    row_pages = torch.tensor([12, 3])
+    lse = torch.log(torch.tensor([[[1.0, 1.0], [1.0, 2.0], [6.0, 5.0], [0.5, 0.5], [3.0, 3.0]],
+                                  [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]]))  # fmt: skip
+    slots = torch.tensor([[10, 14, 17, 18, 21], [30, 32, 0, 0, 0]], dtype=torch.int32)
+    for choose in (choose_reranked, choose_reranked_reference):
+        pages, chosen_slots = choose(candidates, row_pages, lse, slots, 3, forced=(1, 1))
+        assert pages.tolist() == [[0, 7, 11], [0, 2, -1]], choose.__name__
+        assert chosen_slots.tolist() == [[10, 17, 21], [30, 32, -1]], choose.__name__
+
+
+@pytest.mark.parametrize("k", [1, 4, 9, 40])
+def test_the_choice_kernel_matches_its_reference(k):
+    """Random rows (shuffled candidates, some past their request's end, some short), group 3, the
+    sink and two recent pages forced: the kernel keeps the reference's pages and slots."""
+    gen = torch.Generator().manual_seed(k)
+    rows, kc, group = 6, 24, 3
+    row_pages = torch.randint(5, 60, (rows,), generator=gen)
+    candidates = torch.full((rows, kc), -1, dtype=torch.int64)
+    for r in range(rows):
+        n = min(int(torch.randint(1, kc + 1, (), generator=gen)), int(row_pages[r]) + 3)
+        picked = torch.randperm(int(row_pages[r]) + 3, generator=gen)[:n]  # a few past the end
+        candidates[r, :n] = picked
+        candidates[r] = candidates[r, torch.randperm(kc, generator=gen)]
+    lse = torch.randn(rows, kc, group, generator=gen) * 3
+    slots = torch.randint(0, 1000, (rows, kc), generator=gen, dtype=torch.int32)
+    forced = (1, 2) if k >= 3 else (0, 1)  # never more forced pages than places (the decoder's contract)
+    got = choose_reranked(candidates, row_pages, lse, slots, k, forced)
+    want = choose_reranked_reference(candidates, row_pages, lse, slots, k, forced)
+    width = min(k, kc)
+    assert torch.equal(got[0][:, :width], want[0][:, :width])
+    assert torch.equal(got[1][:, :width], want[1][:, :width])
+    assert (got[0][:, width:] == -1).all() and (got[1][:, width:] == -1).all()
+
+
+def test_ties_at_the_threshold_keep_the_lower_pages():
+    candidates = torch.tensor([[9, 3, 6, 1]])
+    lse = torch.zeros(1, 4, 1)  # every page the same mass
+    slots = torch.tensor([[1, 3, 6, 9]], dtype=torch.int32)
+    pages, chosen = choose_reranked(candidates, torch.tensor([20]), lse, slots, 2, forced=(0, 0))
+    assert pages.tolist() == [[1, 3]] and chosen.tolist() == [[1, 3]]
 
 
 def test_rerank_recovers_the_page_a_bound_ranks_below_a_wide_distractor():
@@ -76,8 +119,7 @@ def test_rerank_recovers_the_page_a_bound_ranks_below_a_wide_distractor():
     assert bound[0, 0, 1] > bound[0, 0, 0]  # the bound prefers the distractor
     slots, count = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
     lse = candidate_page_lse(q, k_cache, slots, count, sm_scale=1.0)
-    priority = rerank_priority(lse, torch.tensor([[5, 6]]), count, torch.tensor([20]), forced=(0, 0))
-    pages, _ = choose_reranked(priority, torch.tensor([[5, 6]]), slots, k=1)
+    pages, _ = choose_reranked(torch.tensor([[6, 5]]), torch.tensor([20]), lse, slots, 1, forced=(0, 0))
     assert pages.tolist() == [[5]]
 
 
@@ -126,12 +168,7 @@ def test_the_cpu_reference_reranks_as_the_oracle_when_every_page_is_a_candidate(
     """``benchmark/quality.py``'s decoder (the accuracy suite's reference) with ``rerank_factor``:
     candidates covering the context leave the exact mass to choose, so the one page besides the
     forced ones is the oracle's best."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
-    import quality
-
+    from benchmark import quality
     from sparse_sglang.mem_cache import PageSummaries
 
     gen = torch.Generator().manual_seed(5)

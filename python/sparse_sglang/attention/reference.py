@@ -6,6 +6,8 @@
   tensors, scored by the :class:`~sparse_sglang.attention.Selector`).
 - :func:`candidate_page_lse_reference`: :func:`~sparse_sglang.attention.rerank.candidate_page_lse`
   (the re-rank's per-page log-masses from the cached keys).
+- :func:`choose_reranked_reference`: :func:`~sparse_sglang.attention.rerank.choose_reranked` (the
+  re-rank's priorities, :func:`rerank_priority_reference`, and its choice of the best).
 - :func:`retrieve_reference`: :func:`~sparse_sglang.attention.retrieval.retrieve_pages`'s choices
   (hits, LRU victims, table updates) in torch ops over the cache's public methods. The decoder
   also runs it for rows too wide for the kernel's one program
@@ -203,3 +205,45 @@ def candidate_page_lse_reference(q: torch.Tensor, k_cache: torch.Tensor, slots: 
     if logits_soft_cap:
         logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
     return torch.logsumexp(logits, dim=-1).masked_fill(~valid.unsqueeze(-1), -math.inf)
+
+
+def rerank_priority_reference(lse: torch.Tensor, pages: torch.Tensor, count: torch.Tensor, num_pages: torch.Tensor,
+                              forced: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """``[rows, Kc]`` float32 priorities of a re-rank's candidates (``pages`` ``[rows, Kc]``, each
+    row's first ``count`` valid, ascending): ``log sum_g share_g``, with ``share_g`` a page's mass
+    for query head ``g`` over that head's total over the row's candidates, the request's newest
+    page left out of the total (its partial page is read whole, so its mass is not known; it is
+    attended anyway); ``+inf`` for the forced pages (``forced = (sink, recent)``: the first
+    ``sink`` and last ``recent`` of a request's ``num_pages`` ``[rows]``), ``-inf`` past ``count``."""
+    kc = pages.shape[1]
+    valid = torch.arange(kc, device=pages.device).view(1, -1) < count.view(-1, 1)
+    newest = pages == num_pages.view(-1, 1) - 1
+    lse = lse.masked_fill(~(valid & ~newest).unsqueeze(-1), -math.inf)
+    total = torch.logsumexp(lse, dim=1, keepdim=True)  # [rows, 1, G]
+    share = torch.where(torch.isfinite(total), lse - total, torch.full_like(lse, -math.inf))
+    priority = torch.logsumexp(share, dim=2)  # [rows, Kc]
+    sink, recent = forced
+    is_forced = (pages < sink) | (pages >= num_pages.view(-1, 1) - recent)
+    priority = torch.where(valid & is_forced, torch.full_like(priority, math.inf), priority)
+    return priority.masked_fill(~valid, -math.inf)
+
+
+def choose_reranked_reference(candidates: torch.Tensor, row_pages: torch.Tensor, lse: torch.Tensor,
+                              slots: torch.Tensor, k: int,
+                              forced: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`~sparse_sglang.attention.rerank.choose_reranked` in torch: the valid candidates
+    sorted, their priorities, the ``k`` best by ``torch.topk`` (at equal priorities any of them),
+    ascending by page, ``-1`` padded."""
+    kc = candidates.shape[1]
+    valid = (candidates >= 0) & (candidates < row_pages.view(-1, 1))
+    pages = torch.where(valid, candidates.long(), torch.iinfo(torch.int64).max).sort(dim=-1).values
+    count = valid.sum(dim=-1)
+    priority = rerank_priority_reference(lse, pages, count, row_pages, forced)
+    if k >= kc:
+        keep = priority > -math.inf
+        return torch.where(keep, pages, -1), torch.where(keep, slots, -1)
+    top = torch.topk(priority, k, dim=1, sorted=False)
+    position = torch.where(top.values > -math.inf, top.indices, kc).sort(dim=1).values  # kc: none
+    chosen = position < kc
+    at = position.clamp(max=kc - 1)
+    return (torch.where(chosen, pages.gather(1, at), -1), torch.where(chosen, slots.gather(1, at), -1))

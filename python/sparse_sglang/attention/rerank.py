@@ -7,13 +7,16 @@ summaries, loads them into the request's cache row like any selection, and then 
 with the most attention mass, computed from their keys against the step's queries:
 
 1. :func:`candidate_page_lse`: per candidate page and query head of the group, the log of
-   ``sum_t exp(s * q_g . k_t)`` over the page's tokens (one Triton program per candidate; the keys
-   are read from the page cache, never the values);
-2. :func:`rerank_priority`: each head's masses as shares of that head's total over the
-   candidates (the newest page's left out), summed over the group (the oracle's ranking, with the
-   candidates' total standing in for the whole context's); the sink and recent pages rank first,
-   as in every selection;
-3. :func:`choose_reranked`: the ``K`` best, in ascending page order (FlashInfer's fixed order).
+   ``sum_t exp(s * q_g . k_t)`` over the page's tokens (a Triton program per row and about 128
+   candidate keys, one dot; the keys are read from the page cache, never the values);
+2. :func:`choose_reranked`, one Triton program per row: each head's masses as shares of that
+   head's total over the candidates (the newest page's left out), summed over the group (the
+   oracle's ranking, with the candidates' total standing in for the whole context's); the sink
+   and recent pages rank first, as in every selection; the ``K`` best, in ascending page order
+   (FlashInfer's fixed order).
+
+Two launches and one small count per layer: the re-rank adds to a step about the read of its
+candidates' keys.
 
 Contracts
 ---------
@@ -24,13 +27,11 @@ Contracts
   candidates keeps them all and pads with ``-1``.
 
 The torch references are :func:`~sparse_sglang.attention.reference.candidate_page_lse_reference`
-(beside the other kernels' references); the CPU tests run the kernel in Triton's interpreter
-against it.
+and :func:`~sparse_sglang.attention.reference.choose_reranked_reference` (beside the other
+kernels' references); the CPU tests run the kernels in Triton's interpreter against them.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -47,28 +48,96 @@ if triton is not None:
     def _candidate_lse_kernel(
         q_ptr, k_ptr, slots_ptr, count_ptr, out_ptr, scale, soft_cap,
         KC: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-        SOFT_CAP: tl.constexpr,
+        BC: tl.constexpr, SOFT_CAP: tl.constexpr, NATIVE_DOT: tl.constexpr,
     ):  # fmt: skip
-        # One program per (row, candidate j): the page's keys [P, D] against the row's G queries.
+        # One program per (row, BC candidates): their BC * P keys [BC*P, D] against the row's G
+        # queries in one dot, a log-sum-exp per (query head, page).
         row = tl.program_id(0)
-        j = tl.program_id(1)
+        first = tl.program_id(1) * BC
+        count = tl.load(count_ptr + row)
+        offs_t = tl.arange(0, BC * P)
+        page_of = first + offs_t // P  # the candidate each key row belongs to
+        valid = page_of < count
+        slot = tl.load(slots_ptr + row * KC + page_of, mask=valid, other=0).to(tl.int64)
+        offs_d = tl.arange(0, D)
+        k = tl.load(k_ptr + (slot * P + offs_t % P)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
         offs_g = tl.arange(0, GP)
         g_ok = offs_g < G
-        valid = j < tl.load(count_ptr + row)
-        slot = tl.load(slots_ptr + row * KC + j, mask=valid, other=0).to(tl.int64)
-        offs_p = tl.arange(0, P)
-        offs_d = tl.arange(0, D)
-        k = tl.load(k_ptr + slot * P * D + offs_p[:, None] * D + offs_d[None, :], mask=valid, other=0.0)  # [P, D]
         q = tl.load(q_ptr + (row * G + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        # fp32 operands and sums (exact, as the reference: a ranking near a tie must not turn on tf32)
-        logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [GP, P]
+        if NATIVE_DOT:
+            # 16-bit queries, keys of that type or fp8: every product is exact in the fp32
+            # accumulator, so the tensor-core dot ranks as the fp32 reference does.
+            logits = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # [GP, BC*P]
+        else:
+            logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         if SOFT_CAP:
             logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
-        top = tl.max(logits, axis=1)
-        lse = top + tl.log(tl.sum(tl.exp(logits - top[:, None]), axis=1))
-        lse = tl.where(valid, lse, float("-inf"))
-        out = out_ptr + (row * KC + j) * G + offs_g
-        tl.store(out, lse, mask=g_ok)
+        logits = tl.reshape(logits, (GP, BC, P))
+        top = tl.max(logits, axis=2)  # [GP, BC]
+        lse = top + tl.log(tl.sum(tl.exp(logits - top[:, :, None]), axis=2))
+        offs_c = tl.arange(0, BC)
+        lse = tl.where((first + offs_c < count)[None, :], lse, float("-inf"))
+        out = out_ptr + (row * KC + first + offs_c[None, :]) * G + offs_g[:, None]
+        tl.store(out, lse, mask=g_ok[:, None] & (first + offs_c < KC)[None, :])
+
+    @triton.jit
+    def _logsumexp(x, axis: tl.constexpr):
+        # log sum exp along one axis of a 2-D block; -inf where every entry is
+        top = tl.max(x, axis=axis)
+        finite = top > float("-inf")
+        shift = tl.where(finite, top, 0.0)
+        total = tl.sum(tl.exp(x - tl.expand_dims(shift, axis)), axis=axis)
+        return tl.where(finite, shift + tl.log(tl.where(finite, total, 1.0)), float("-inf"))
+
+    @triton.jit
+    def _rerank_choose_kernel(
+        cand_ptr, row_pages_ptr, lse_ptr, slots_ptr, pages_out_ptr, slots_out_ptr, sink, recent, k,
+        KC: tl.constexpr, KCP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row: its candidates sorted, their priorities (rerank_priority_reference),
+        # the k best kept (ties at the threshold: the lower pages), written ascending.
+        row = tl.program_id(0)
+        offs = tl.arange(0, KCP)
+        n = tl.load(row_pages_ptr + row)
+        cand = tl.load(cand_ptr + row * KC + offs, mask=offs < KC, other=-1)
+        ok = (cand >= 0) & (cand < n)
+        pages = tl.sort(tl.where(ok, cand, n + KCP).to(tl.int64))  # valid pages ascending, the rest after
+        count = tl.sum(ok.to(tl.int32))
+        listed = offs < count
+        offs_g = tl.arange(0, GP)
+        g_ok = offs_g < G
+        lse = tl.load(lse_ptr + (row * KC + offs[:, None]) * G + offs_g[None, :], mask=listed[:, None] & g_ok[None, :],
+                      other=float("-inf"))  # fmt: skip
+        lse = tl.where((pages != n - 1)[:, None], lse, float("-inf"))  # the newest page: read whole, mass unknown
+        total = _logsumexp(lse, 0)  # [GP], -inf for a head with no compared candidate
+        some = total > float("-inf")
+        share = tl.where(some[None, :], lse - tl.where(some, total, 0.0)[None, :], float("-inf"))
+        priority = _logsumexp(share, 1)  # [KCP]
+        forced = (pages < sink) | (pages >= n - recent)
+        priority = tl.where(forced, float("inf"), priority)
+        priority = tl.where(listed, priority, float("-inf"))
+        # The k-th highest priority; above it all kept, at it the first ones up to k.
+        ranked = tl.sort(priority, descending=True)
+        threshold = tl.max(tl.where(offs == k - 1, ranked, float("-inf")))
+        above = priority > threshold
+        tied = (priority == threshold) & (priority > float("-inf"))
+        keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= k - tl.sum(above.to(tl.int32))))
+        keep = keep & listed
+        position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        slot = tl.load(slots_ptr + row * KC + offs, mask=listed, other=-1)
+        tl.store(pages_out_ptr + row * k + position, pages, mask=keep)
+        tl.store(slots_out_ptr + row * k + position, slot, mask=keep)
+        offs_k = tl.arange(0, KP)
+        pad = (offs_k >= tl.sum(keep.to(tl.int32))) & (offs_k < k)
+        tl.store(pages_out_ptr + row * k + offs_k, -1, mask=pad)
+        tl.store(slots_out_ptr + row * k + offs_k, -1, mask=pad)
+
+
+def _exact_in_fp32_products(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``q . k`` in ``q``'s dtype with fp32 accumulation is exact per product: 16-bit
+    queries against keys of the same type or fp8 (whose values both 16-bit types hold)."""
+    fp8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+    return q.dtype in (torch.bfloat16, torch.float16) and (k_cache.dtype == q.dtype or k_cache.dtype in fp8)
 
 
 def candidate_page_lse(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, count: torch.Tensor,
@@ -100,48 +169,37 @@ def candidate_page_lse(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tens
     if rows == 0 or kc == 0:
         return out
     scale = sm_scale * (1.0 if k_scale is None else float(k_scale))
-    _candidate_lse_kernel[(rows, kc)](
+    per_program = max(1, 128 // page)  # candidates per program: about 128 keys in one dot
+    _candidate_lse_kernel[(rows, triton.cdiv(kc, per_program))](
         q.contiguous(), k_cache, slots.contiguous(), count.contiguous(), out, scale, float(logits_soft_cap or 0.0),
-        KC=kc, G=group, GP=max(16, triton.next_power_of_2(group)), P=page, D=dim, SOFT_CAP=bool(logits_soft_cap),
+        KC=kc, G=group, GP=max(16, triton.next_power_of_2(group)), P=page, D=dim, BC=per_program,
+        SOFT_CAP=bool(logits_soft_cap), NATIVE_DOT=_exact_in_fp32_products(q, k_cache),
     )  # fmt: skip
     return out
 
 
-def rerank_priority(lse: torch.Tensor, pages: torch.Tensor, count: torch.Tensor, num_pages: torch.Tensor,
-                    forced: tuple[int, int]) -> torch.Tensor:  # fmt: skip
-    """``[rows, Kc]`` float32 priorities of the candidates: ``log sum_g share_g``, with ``share_g``
-    a page's mass for query head ``g`` over that head's total over the row's candidates, the
-    request's newest page left out of the total (the kernel reads that partial page whole, so its
-    mass is not known; it is attended anyway); ``+inf`` for the forced pages (``forced = (sink,
-    recent)``: the first ``sink`` and last ``recent`` of a request's ``num_pages`` ``[rows]``),
-    ``-inf`` past ``count``."""
-    kc = pages.shape[1]
-    valid = torch.arange(kc, device=pages.device).view(1, -1) < count.view(-1, 1)
-    newest = pages == num_pages.view(-1, 1) - 1
-    lse = lse.masked_fill(~(valid & ~newest).unsqueeze(-1), -math.inf)
-    total = torch.logsumexp(lse, dim=1, keepdim=True)  # [rows, 1, G]
-    share = torch.where(torch.isfinite(total), lse - total, torch.full_like(lse, -math.inf))
-    priority = torch.logsumexp(share, dim=2)  # [rows, Kc]
-    sink, recent = forced
-    is_forced = (pages < sink) | (pages >= num_pages.view(-1, 1) - recent)
-    priority = torch.where(valid & is_forced, torch.full_like(priority, math.inf), priority)
-    return priority.masked_fill(~valid, -math.inf)
+def choose_reranked(candidates: torch.Tensor, row_pages: torch.Tensor, lse: torch.Tensor, slots: torch.Tensor,
+                    k: int, forced: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The ``k`` candidates of each row with the highest priority, ascending by page: ``([rows, k]``
+    logical pages, ``[rows, k]`` cache slots), ``-1`` padded where a row has fewer.
 
-
-def choose_reranked(priority: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
-                    k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The ``k`` highest-priority candidates of each row, ascending by page: ``([rows, k]`` logical
-    pages, ``[rows, k]`` cache slots), ``-1`` where a row has fewer than ``k`` (equal priorities:
-    any of them, as ``torch.topk`` picks)."""
-    kc = priority.shape[1]
-    if k >= kc:
-        keep = priority > -math.inf
-        return torch.where(keep, pages, -1), torch.where(keep, slots, -1)
-    top = torch.topk(priority, k, dim=1, sorted=False)
-    position = torch.where(top.values > -math.inf, top.indices, kc).sort(dim=1).values  # kc: none
-    chosen = position < kc
-    at = position.clamp(max=kc - 1)
-    return (torch.where(chosen, pages.gather(1, at), -1), torch.where(chosen, slots.gather(1, at), -1))
+    ``candidates`` ``[rows, Kc]`` (any order, ``-1`` or ``>= row_pages`` ``[rows]``: none);
+    ``lse`` ``[rows, Kc, G]`` and ``slots`` ``[rows, Kc]`` in the row's ascending order of its valid
+    candidates. A priority is ``log sum_g share_g`` (:func:`rerank_priority_reference`); the forced
+    pages (``forced = (sink, recent)``) rank first; at equal priorities the lower pages are kept.
+    """
+    rows, kc = candidates.shape
+    pages_out = torch.empty(rows, k, dtype=torch.int64, device=candidates.device)
+    slots_out = torch.empty(rows, k, dtype=slots.dtype, device=candidates.device)
+    if rows == 0 or k == 0:
+        return pages_out, slots_out
+    group = lse.shape[-1]
+    _rerank_choose_kernel[(rows,)](
+        candidates.contiguous(), row_pages.contiguous(), lse.contiguous(), slots.contiguous(), pages_out, slots_out,
+        int(forced[0]), int(forced[1]), int(k), KC=kc, KCP=triton.next_power_of_2(kc), G=group,
+        GP=triton.next_power_of_2(group), KP=triton.next_power_of_2(k),
+    )  # fmt: skip
+    return pages_out, slots_out
 
 
 def rerank_candidates(candidates: torch.Tensor, row_pages: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
@@ -158,10 +216,6 @@ def rerank_candidates(candidates: torch.Tensor, row_pages: torch.Tensor, slots: 
     """
     kc = candidates.shape[-1]
     candidates = candidates.reshape(-1, kc)
-    valid = (candidates >= 0) & (candidates < row_pages.view(-1, 1))
-    # The valid pages sorted (none last) line up with the slots the kernel wrote.
-    pages = torch.where(valid, candidates, torch.iinfo(torch.int32).max).sort(dim=-1).values
-    count = valid.sum(dim=-1, dtype=torch.int32)
+    count = ((candidates >= 0) & (candidates < row_pages.view(-1, 1))).sum(dim=-1, dtype=torch.int32)
     lse = candidate_page_lse(q, k_cache, slots, count, sm_scale, k_scale, logits_soft_cap)
-    priority = rerank_priority(lse, pages, count, row_pages, forced)
-    return choose_reranked(priority, pages, slots, k)
+    return choose_reranked(candidates, row_pages, lse, slots, k, forced)
