@@ -15,7 +15,7 @@
 # Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
 # its sparse servers; $GRID_VARIANTS: several sets of them side by side; $GRID_CONFIGS: accuracy.py
 # grid --configs, more configurations in the same grid), decode_bounds (the default page bounds'
-# decode step against min/max, bf16 and fp8), kernels (the Triton kernel tests and the decode GPU
+# decode step against min/max, bf16 and fp8), decode_rerank (the same with --sparse-rerank-factor 2), kernels (the Triton kernel tests and the decode GPU
 # tests), answers (decode_bounds, then kernels beside grid), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
 # flags), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
@@ -88,8 +88,17 @@ job_decode_bounds() {  # the default page bounds' decode step against quest's mi
       --miss-fracs 0.1 --out-dir /root/o ${DECODE_ARGS:-}
   done
 }
+job_decode_rerank() {  # the default with the exact re-rank of twice the candidates against quest's min/max, each KV dtype
+  local kv
+  for kv in bf16 fp8_e4m3; do
+    python3 benchmark/decode.py --cells "${DECODE_CELLS:-131072x32,32768x8}" --kv-dtype "$kv" --page-bounds minmax \
+      --miss-fracs 0.1 --out-dir /root/o ${DECODE_ARGS:-}
+    python3 benchmark/decode.py --cells "${DECODE_CELLS:-131072x32,32768x8}" --kv-dtype "$kv" --rerank-factor 2 --kernels \
+      --miss-fracs 0.1 --out-dir /root/o ${DECODE_ARGS:-}
+  done
+}
 job_kernels() {  # the Triton kernels against their references (compiled here), then the decode GPU tests
-  python3 -m pytest -q -p no:cacheprovider test/test_mem_cache_kernels.py test/test_page_bounds.py test/test_selectors.py \
+  python3 -m pytest -q -p no:cacheprovider test/test_mem_cache_kernels.py test/test_page_bounds.py test/test_selectors.py test/test_rerank.py \
     > /root/o/kernels.log 2>&1
   python3 -m pytest -m gpu -q -s -p no:cacheprovider ${KERNEL_GPU_TESTS:-test/test_sparse_decode_gpu.py test/test_selection_real_kv_gpu.py} \
     >> /root/o/kernels.log 2>&1
