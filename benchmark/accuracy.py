@@ -1022,6 +1022,7 @@ def summarize(paths: list[str], items_path: str) -> dict:
             c: {str(comp): _brief(pooled(pairs[c], comp, judged)) for comp in sorted({p[1] for p in pairs[c]})}
             for c in configs
         },
+        "value_retention_4x_by_config": {c: pooled(pairs[c], 4, MULTI_VALUE).get("value_retention") for c in configs},
         "held_out": meta.get("seed") is not None and meta["seed"] != DEV_SEED,
         "items_seed": meta.get("seed"),
         "items": len(items),

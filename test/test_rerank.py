@@ -18,6 +18,15 @@ from sparse_sglang.attention.reference import (
 from sparse_sglang.attention.rerank import candidate_page_lse, choose_reranked
 
 P, D = 16, 32
+# The kernels run compiled on a GPU, in Triton's interpreter on CPU tensors without one.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(kernel, *args, **kwargs):
+    """``kernel`` on ``DEVICE`` copies of its tensor arguments; its outputs back on the CPU."""
+    moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+    out = kernel(*moved, **kwargs)
+    return tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
 
 
 def _case(rows=3, kc=5, group=3, slots_total=12, dtype=torch.bfloat16, seed=0):
@@ -29,11 +38,22 @@ def _case(rows=3, kc=5, group=3, slots_total=12, dtype=torch.bfloat16, seed=0):
     return q, k_cache, slots, count
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "q_dtype,dtype",
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+     (torch.bfloat16, torch.float8_e4m3fn)],
+)  # fmt: skip
 @pytest.mark.parametrize("soft_cap", [None, 5.0])
-def test_kernel_matches_its_reference(dtype, soft_cap):
+def test_kernel_matches_its_reference(q_dtype, dtype, soft_cap):
+    """fp32 queries: the fp32 dot; bf16 queries (the server's) against bf16 or fp8 keys: the 16-bit
+    dot, whose products are exact."""
+    if q_dtype != torch.float32 and DEVICE == "cpu":
+        pytest.skip("Triton's interpreter takes 16-bit dot operands for their raw bits: the 16-bit dot on a GPU only")
     q, k_cache, slots, count = _case(dtype=dtype)
-    got = candidate_page_lse(q, k_cache, slots, count, sm_scale=D**-0.5, k_scale=0.5, logits_soft_cap=soft_cap)
+    q = q.to(q_dtype)
+    got = on_device(
+        candidate_page_lse, q, k_cache, slots, count, sm_scale=D**-0.5, k_scale=0.5, logits_soft_cap=soft_cap
+    )
     want = candidate_page_lse_reference(q, k_cache, slots, count, D**-0.5, 0.5, soft_cap)
     assert got.shape == (3, 5, 3)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
@@ -65,7 +85,7 @@ def test_choice_keeps_the_best_in_ascending_page_order_and_pads_short_rows():
                                   [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]]))  # fmt: skip
     slots = torch.tensor([[10, 14, 17, 18, 21], [30, 32, 0, 0, 0]], dtype=torch.int32)
     for choose in (choose_reranked, choose_reranked_reference):
-        pages, chosen_slots = choose(candidates, row_pages, lse, slots, 3, forced=(1, 1))
+        pages, chosen_slots = on_device(choose, candidates, row_pages, lse, slots, 3, forced=(1, 1))
         assert pages.tolist() == [[0, 7, 11], [0, 2, -1]], choose.__name__
         assert chosen_slots.tolist() == [[10, 17, 21], [30, 32, -1]], choose.__name__
 
@@ -86,7 +106,7 @@ def test_the_choice_kernel_matches_its_reference(k):
     lse = torch.randn(rows, kc, group, generator=gen) * 3
     slots = torch.randint(0, 1000, (rows, kc), generator=gen, dtype=torch.int32)
     forced = (1, 2) if k >= 3 else (0, 1)  # never more forced pages than places (the decoder's contract)
-    got = choose_reranked(candidates, row_pages, lse, slots, k, forced)
+    got = on_device(choose_reranked, candidates, row_pages, lse, slots, k, forced)
     want = choose_reranked_reference(candidates, row_pages, lse, slots, k, forced)
     width = min(k, kc)
     assert torch.equal(got[0][:, :width], want[0][:, :width])
@@ -98,7 +118,7 @@ def test_ties_at_the_threshold_keep_the_lower_pages():
     candidates = torch.tensor([[9, 3, 6, 1]])
     lse = torch.zeros(1, 4, 1)  # every page the same mass
     slots = torch.tensor([[1, 3, 6, 9]], dtype=torch.int32)
-    pages, chosen = choose_reranked(candidates, torch.tensor([20]), lse, slots, 2, forced=(0, 0))
+    pages, chosen = on_device(choose_reranked, candidates, torch.tensor([20]), lse, slots, 2, forced=(0, 0))
     assert pages.tolist() == [[1, 3]] and chosen.tolist() == [[1, 3]]
 
 
@@ -118,8 +138,8 @@ def test_rerank_recovers_the_page_a_bound_ranks_below_a_wide_distractor():
     bound = get_selector("quest").score(q.view(1, 1, 1, D), kmin, kmax, None)
     assert bound[0, 0, 1] > bound[0, 0, 0]  # the bound prefers the distractor
     slots, count = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
-    lse = candidate_page_lse(q, k_cache, slots, count, sm_scale=1.0)
-    pages, _ = choose_reranked(torch.tensor([[6, 5]]), torch.tensor([20]), lse, slots, 1, forced=(0, 0))
+    lse = on_device(candidate_page_lse, q, k_cache, slots, count, sm_scale=1.0)
+    pages, _ = on_device(choose_reranked, torch.tensor([[6, 5]]), torch.tensor([20]), lse, slots, 1, forced=(0, 0))
     assert pages.tolist() == [[5]]
 
 
@@ -150,7 +170,7 @@ def test_a_layers_rerank_reads_each_candidates_own_slot_whatever_order_the_top_k
             strength = float(torch.rand((), generator=gen)) * 4
             k_cache[slot, 0] = strength * q[row].sum(0) / q[row].sum(0).norm()
             mass[row, p] = strength
-    chosen_pages, chosen_slots = rerank_candidates(candidates, num_pages.repeat_interleave(heads), slots, q, k_cache, k, forced=(1, 1),
+    chosen_pages, chosen_slots = on_device(rerank_candidates, candidates, num_pages.repeat_interleave(heads), slots, q, k_cache, k, forced=(1, 1),
                                                    sm_scale=1.0)  # fmt: skip
     for row in range(batch * heads):
         b = row // heads
@@ -186,6 +206,7 @@ def test_the_cpu_reference_reranks_as_the_oracle_when_every_page_is_a_candidate(
         assert pages[0, h].tolist() == sorted([0, best, 5, 6])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU store; test_sparse_decode_gpu.py's re-rank test on a GPU")
 def test_the_decoder_loads_its_candidates_and_points_flashinfer_at_the_pages_it_chose(monkeypatch):
     """The decoder's re-rank step on the CPU (its kernels in Triton's interpreter; FlashInfer's
     wrapper, which needs a GPU, stubbed: the step writes the indices that wrapper reads). Each
