@@ -1,9 +1,12 @@
-"""tools/gpu_host_parts.py: every part fits its room, and the parts hold each wheel once and
-the GGUF whole, in order."""
+"""tools/gpu_host_parts.py, the offline bundle's parts: every part fits its room, the parts hold
+each wheel once and the GGUF whole, in order, and a stripped wheel drops exactly what it names;
+tools/offline_bundle.sh parses and explains itself."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -36,5 +39,27 @@ def test_tree_bytes_counts_tracked_files():
 
 
 def test_a_wheel_larger_than_the_room_is_refused():
-    with pytest.raises(ValueError, match="larger than what a call carries"):
+    with pytest.raises(ValueError, match="larger than a part"):
         gpu_host_parts.pack([(Path("big.whl"), 50)], 10, 40)
+
+
+def test_a_stripped_wheel_drops_its_members_and_their_record_lines(tmp_path):
+    wheel = tmp_path / "w-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("w/keep.py", "x = 1\n")
+        zf.writestr("w/big_ops.so", b"\0" * 1000)
+        zf.writestr(
+            "w-1.0.dist-info/RECORD", "w/keep.py,sha256=a,6\nw/big_ops.so,sha256=b,1000\nw-1.0.dist-info/RECORD,,\n"
+        )
+    out = tmp_path / "small.whl"
+    gpu_host_parts.strip_wheel(wheel, out, ["w/big_*.so"])
+    with zipfile.ZipFile(out) as zf:
+        assert sorted(zf.namelist()) == ["w-1.0.dist-info/RECORD", "w/keep.py"]
+        assert zf.read("w-1.0.dist-info/RECORD").decode() == "w/keep.py,sha256=a,6\nw-1.0.dist-info/RECORD,,\n"
+
+
+def test_the_bundle_script_parses_and_prints_its_usage():
+    script = Path(__file__).resolve().parents[1] / "tools" / "offline_bundle.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    usage = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, check=True).stdout
+    assert "bash tools/offline_bundle.sh [--parts MIB [--beside-tree]] [OUT]" in usage and "set -euo" not in usage

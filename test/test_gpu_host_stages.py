@@ -1,4 +1,4 @@
-"""tools/gpu_host_stages.sh, the burst's stage runner: stages in order, jobs of a stage side by
+"""tools/gpu_host_stages.sh, gpu_host_burst.sh's stage runner: stages in order, jobs of a stage side by
 side, and a stage past its limit (``$STAGE_LIMITS``) stopped whole, the servers its jobs started
 in sessions of their own included, before the next stage starts."""
 
@@ -63,8 +63,8 @@ POLL = STAGES.parent / "gpu_host_poll.sh"
 
 
 def test_a_poll_returns_when_a_result_is_written_and_packs_the_folder(tmp_path):
-    """gpu_host_poll.sh waits for the stages' end or a new result file (a machine taken back
-    later loses nothing written), not its whole interval; it packs the out folder into $OUT."""
+    """gpu_host_poll.sh waits for the stages' end or a new result file (a host lost later loses
+    nothing written), not its whole interval; it packs the out folder into $OUT."""
     import tarfile
 
     out, packed = tmp_path / "o", tmp_path / "packed"
@@ -87,8 +87,8 @@ def test_a_poll_returns_when_a_result_is_written_and_packs_the_folder(tmp_path):
 
 
 def test_a_poll_on_a_machine_with_no_burst_fails_at_once(tmp_path):
-    """A machine the lender swapped between calls holds no burst: the poll says so and exits
-    non-zero at once, instead of spending its whole interval of device time waiting."""
+    """A host where no jobs were started (a fresh one) has nothing to poll: the poll says so and
+    exits non-zero at once, instead of waiting out its whole interval."""
     packed = tmp_path / "packed"
     packed.mkdir()
     env = {**os.environ, "BURST_OUT": str(tmp_path / "o"), "OUT": str(packed), "POLL_TICK_S": "1"}

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# One call's worth of GPU-host work after the parts are parked (see README.md here): copy the tree
-# out of the call's folder (later calls replace it), build the native kernels, then run $JOBS
-# detached. $JOBS is stages separated by commas, each stage jobs separated by spaces: a stage's jobs
-# run side by side, and a stage starts when the one before it has ended (so a timing job can have
-# the machine to itself; on a two-GPU machine "tests@0 grid@1" gives each job one GPU, on a four-GPU
-# one "serving_pair@0/1 tests+serving_tp@2/3" runs two chains of two-GPU jobs side by side). Results
-# gather in /root/o; collect them with `bash tools/gpu_host_poll.sh` in each later call;
-# /root/o/stage.log says which stage runs. $STAGE_LIMITS bounds stages ("300,": the first at most
-# 300 s, its jobs and their servers stopped there, so the timed stage after it keeps its share):
-# tools/gpu_host_stages.sh.
+# Start benchmark jobs detached on a GPU host with no network, once the offline bundle is installed
+# (tools/README.md): copy the tree to /root/repo (the copy it runs from may be replaced while the
+# jobs run), build the native kernels, then run $JOBS detached. $JOBS is stages separated by
+# commas, each stage jobs separated by spaces: a stage's jobs run side by side, and a stage starts
+# when the one before it has ended (so a timing job can have the machine to itself; on a two-GPU
+# host "tests@0 grid@1" gives each job one GPU, on a four-GPU one "serving_pair@0/1
+# tests+serving_tp@2/3" runs two chains of two-GPU jobs side by side). Results gather in /root/o;
+# collect them with `bash tools/gpu_host_poll.sh` while they run; /root/o/stage.log says which
+# stage runs. $STAGE_LIMITS bounds stages ("300,": the first at most 300 s, its jobs and their
+# servers stopped there, so the timed stage after it keeps its share): tools/gpu_host_stages.sh.
 #   SPARSE_SGLANG_COMMIT=<commit> JOBS="pin,startup,soak fuzz" bash tools/gpu_host_burst.sh
-# Write <commit> out (your checkout's `git rev-parse --short HEAD`): the git data in the call's copy
-# of the tree is not this checkout's, so `git rev-parse` there names another commit.
+# Write <commit> out (your checkout's `git rev-parse --short HEAD`): the host's copy of the tree
+# may carry no git data, or other git data than this checkout's.
 # Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
 # its sparse servers; $GRID_VARIANTS: several sets of them side by side; $GRID_CONFIGS: accuracy.py
 # grid --configs, more configurations in the same grid), decode_bounds (the default page bounds'
@@ -23,18 +23,18 @@
 # dp (the two-GPU data-parallel test; its first decode compiles FlashInfer's kernels: minutes),
 # tp (the two-GPU tensor-parallel tests),
 # serving (benchmark/serving.py, vanilla then sparse, long generation at 2 and long prompt at 0.8 req/s),
-# serving_pair (the same on two GPUs, the systems side by side: nvidia-h100-x2; $PAIR_TRACES, e.g.
+# serving_pair (the same on two GPUs of one host, the systems side by side; $PAIR_TRACES, e.g.
 # "long-generation 2.0": fewer traces; $SERVING_VARIANTS: several sparse configurations, a GPU each),
 # ($SERVING_WINDOW: the serving jobs' window in seconds, default 400; $SERVING_PROFILE_STEPS: profile
 # that many forward steps of each loaded server at its window's end, benchmark/server_log.py --trace)
 # serving_tp2 (TP=2 sparse and vanilla: side by side on four GPUs), parallel (the summary, after
 # serving_tp2, tp and dp; $TP1_JSON: the sparse TP=1 run), serving_tp1 (sparse TP=1 alone),
 # serving_tp2_sparse (sparse TP=2 alone, beside sparse TP=1 or after a vanilla run), serving_tp (both, with
-# sparse TP=1 between: nvidia-h100-x2; $TP_SPARSE_EXTRA: more sparse flags for these, apart from
+# sparse TP=1 between, on two GPUs; $TP_SPARSE_EXTRA: more sparse flags for these, apart from
 # the single-GPU headline's; $TP_VARIANTS: sparse configurations these jobs take by name, as in
 # serving_tp1:graphs; $TP_WINDOW: their window, 600 s unless set, so that the counted second half spans
-# several sparse TP=2 request lifetimes: docs/results.md, Parallelism). On four GPUs, one session's
-# whole TP record:
+# several sparse TP=2 request lifetimes: docs/results.md, Parallelism). On four GPUs, the whole
+# TP record in one start:
 #   JOBS="serving_tp2@0/1/2/3,serving_pair@0/1 tp+dp@2/3,parallel" PAIR_TRACES="long-generation 2.0" TP1_JSON=/root/o/serving.json
 set -x
 rm -rf /root/repo && cp -r . /root/repo && cd /root/repo && mkdir -p /root/o
@@ -127,7 +127,7 @@ job_tests() {  # $GPU_TESTS: groups of pytest arguments separated by "|", the gr
   wait
   tail -n 3 /root/o/tests-*.log
 }
-job_dp() { python3 -m pytest -m gpu -q -s test/test_dp_gpu.py; }  # a two-GPU machine (nvidia-h100-x2)
+job_dp() { python3 -m pytest -m gpu -q -s test/test_dp_gpu.py; }  # a two-GPU host
 # the same ($TP_TEST_ARGS, e.g. -k rounding_cannot; $SPARSE_SGLANG_TP_PROMPT_SEED: held-out prompts)
 job_tp() { eval "python3 -m pytest -m gpu -q -s test/test_tp_gpu.py ${TP_TEST_ARGS:-}"; }
 job_fuzz() {
@@ -207,7 +207,7 @@ job_serving_pair() {
 
 # The TP serving jobs take a variant (serving_tp2:graphs@0/1/2/3): $TP_VARIANTS ("name=flags;name=flags")
 # gives its sparse flags (added to $TP_SPARSE_EXTRA), and its name goes into the job's files
-# (serving-tp2-graphs.json), so one session measures several sparse configurations at TP=2 and TP=1
+# (serving-tp2-graphs.json), so one start measures several sparse configurations at TP=2 and TP=1
 tp_variant_flags() {
   local variants variant
   [ -z "${JOB_VARIANT:-}" ] && return 0
@@ -249,9 +249,9 @@ job_serving_tp2() {
 }
 job_serving_tp2_sparse() {
   # sparse TP=2 alone on the job's two GPUs, into serving-tp2-alone-<variant>.json (its own name:
-  # a four-GPU session runs it beside sparse TP=1 for the scaling bar, and serving_tp2's pair in
+  # on four GPUs it runs beside sparse TP=1 for the scaling bar, and serving_tp2's pair in
   # another stage writes serving-tp2-sparse-<variant>.json), then with a vanilla TP=2 run of the
-  # session, if one was made before it, into serving-tp2-<variant>.json
+  # same start, if one was made before it, into serving-tp2-<variant>.json
   local v=${JOB_VARIANT:+-$JOB_VARIANT}
   TP2_SYSTEMS=sparse TP2_INTO=serving-tp2-alone$v job_serving_tp2 || return 1
   if [ -e /root/o/serving-tp2-vanilla.json ]; then
@@ -260,10 +260,10 @@ job_serving_tp2_sparse() {
 }
 job_parallel() {
   # the parallel summary (no GPU): TP=2 serving, sparse TP=1 ($TP1_JSON: e.g. serving_pair's
-  # serving.json from the same session, the same flags and window), and the tp and dp tests' records;
+  # serving.json from the same start, the same flags and window), and the tp and dp tests' records;
   # parallel:graphs summarizes the graphs variant's serving files into parallel-<date>-graphs.json
   # (serving_tp2_sparse's run, if made, is the one the scaling ratio takes; with no vanilla pair
-  # in the session, the only TP=2 run)
+  # among the jobs, the only TP=2 run)
   local v=${JOB_VARIANT:+-$JOB_VARIANT} tp2 alone beside=()
   tp2=/root/o/serving-tp2$v.json alone=/root/o/serving-tp2-alone$v.json
   if [ -e "$alone" ]; then
@@ -275,7 +275,7 @@ job_parallel() {
 }
 job_serving_tp1() {
   # sparse TP=1 with the TP=2 runs' flags and window, on the job's first GPU, into serving-tp1.json
-  # (on four GPUs it runs in the stage before or after serving_tp2@0/1/2/3, so the session has all three)
+  # (on four GPUs it runs in the stage before or after serving_tp2@0/1/2/3, so one start has all three)
   local flags v=${JOB_VARIANT:+-$JOB_VARIANT} devices=${CUDA_VISIBLE_DEVICES:-0}
   flags=$(tp_variant_flags) || return 1
   CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse \
@@ -284,7 +284,7 @@ job_serving_tp1() {
     --out-dir /root/o --log-dir "/root/o/serving-tp1-logs$v" --merge-into "/root/o/serving-tp1$v.json"
 }
 job_serving_tp() {
-  # the two-GPU host's whole serving side of TP (nvidia-h100-x2): TP=2 serving, then sparse TP=1 on
+  # the two-GPU host's whole serving side of TP: TP=2 serving, then sparse TP=1 on
   # the first GPU (unless $TP1_JSON holds that run already), then the summary
   job_serving_tp2
   [ -n "${TP1_JSON:-}" ] || job_serving_tp1

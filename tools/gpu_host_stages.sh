@@ -1,5 +1,5 @@
-# The burst's stage runner (tools/gpu_host_burst.sh sources it; the job_* functions are the
-# burst's). $JOBS: stages separated by commas, each stage's jobs separated by spaces; a stage's jobs
+# The stage runner of tools/gpu_host_burst.sh (it sources this file and defines the job_*
+# functions). $JOBS: stages separated by commas, each stage's jobs separated by spaces; a stage's jobs
 # run side by side, the next stage starts when they have all ended. A job is a chain a+b@GPUS (a,
 # then b, on GPUS: "2/3" = GPUs 2 and 3); a job named a:v runs job_a with $JOB_VARIANT=v (the jobs
 # that take variants say what v selects), its log in a-v.log. $STAGE_LIMITS: seconds per stage, in
