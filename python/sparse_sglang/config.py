@@ -16,7 +16,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-# Page scorers the sparse decode path knows (see the papers in shared/papers).
+# Page scorers the sparse decode path knows: quest (Quest: Query-Aware Sparsity for Efficient
+# Long-Context LLM Inference, https://arxiv.org/abs/2406.10774), arkvale (ArkVale: Efficient
+# Generative LLM Inference with Recallable Key-Value Eviction, NeurIPS 2024), mean, and sketch
+# (docs/decisions/0015-key-sketch-selection.md).
 SELECTORS = ("quest", "arkvale", "mean", "sketch")
 # How a kv head's query heads' page scores become its one choice (sparse_sglang.attention.selectors).
 GROUP_REDUCES = ("sum", "max")
