@@ -179,14 +179,14 @@ def test_a_prompt_over_the_host_store_is_refused_naming_the_flag():
 
     input_length.patch_validate_input_length()
     req = Req("long", "", array("q", [7] * 98300), SamplingParams())
-    input_length.note_host_store(98272, 1.5, 131072)
+    input_length.note_host_store(98272, "1.5 GiB (--sparse-host-cache-gb)", 131072)
     message = scheduler.validate_input_length(req, 98266, False)
     assert message.startswith("Input length (98300 tokens) exceeds the maximum allowed length (98266 tokens).")
-    assert "host KV store holds 98272 tokens (--sparse-host-cache-gb 1.5)" in message
+    assert "host KV store holds 98272 tokens (1.5 GiB (--sparse-host-cache-gb)); a server with a larger " in message
     assert (
         scheduler.validate_input_length(Req("short", "", array("q", [7] * 100), SamplingParams()), 98266, False) is None
     )
-    input_length.note_host_store(1_000_000, 80.0, 131072)  # the context is the limit
+    input_length.note_host_store(1_000_000, "80 GiB (--sparse-host-cache-gb)", 131072)  # the context is the limit
     assert "sparse" not in scheduler.validate_input_length(
         Req("ctx", "", array("q", [7] * 131100), SamplingParams()), 131066, False
     )

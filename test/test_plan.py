@@ -134,3 +134,59 @@ def test_summaries_kept_are_the_selectors():
     # bf16 min and max (4 bytes a channel) vs those plus the float32 mean (8): half the bytes
     assert plans["quest"].summary_bytes * 2 < plans["mean"].summary_bytes * 1.01
     assert plans["quest"].cache_bytes > plans["mean"].cache_bytes
+
+
+SMOLLM2 = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": torch.bfloat16, "context_len": 8192}
+
+
+def test_without_the_flag_the_host_store_holds_what_its_requests_can_use():
+    """A 135M model with an 8K context on a 256 GiB host: the store holds every page the requests
+    SGLang may run at once can fill (here 16, as the user capped them), not half the RAM."""
+    plan = plan_memory(SparseConfig(), gpu_kv_bytes=4 * GIB, max_running_requests=16, host_ram_bytes=256 * GIB,
+                       **SMOLLM2)  # fmt: skip
+    pages_per_request = 8192 // 32
+    assert plan.shape.num_host_pages == 16 * pages_per_request + 1  # + the reserved page 0
+    assert plan.host_store_reason.startswith("2.81 GiB by need: 16 requests x 8192 tokens x 22.5 KiB a token")
+    assert "50% of 256.0 GiB RAM available" in plan.host_store_reason
+    assert plan.max_running_requests == 16
+
+
+def test_the_need_is_what_the_gpu_page_cache_runs_at_once_when_sglang_is_not_capped():
+    plan = plan_memory(SparseConfig(), gpu_kv_bytes=2 * GIB, host_ram_bytes=256 * GIB, **SMOLLM2)
+    assert plan.shape.num_host_pages >= plan.max_running_requests * 256 + 1 > 1
+    assert "by need" in plan.host_store_reason
+
+
+def test_the_need_is_capped_at_half_the_ram_available():
+    plan = plan_memory(SparseConfig(), gpu_kv_bytes=40 * GIB, host_ram_bytes=8 * GIB, **LLAMA8B)
+    page = 2 * 32 * 8 * 32 * 128 * 2  # K and V of one page in every layer and kv head
+    assert plan.shape.num_host_pages == 4 * GIB // page
+    assert plan.host_store_reason.startswith("4.00 GiB, 50% of 8.0 GiB RAM available; the need is")
+
+
+def test_an_explicit_host_cache_gb_wins_and_says_so():
+    plan = plan_memory(SparseConfig(host_cache_gb=1), gpu_kv_bytes=4 * GIB, max_running_requests=16,
+                       host_ram_bytes=256 * GIB, **SMOLLM2)  # fmt: skip
+    assert plan.shape.num_host_pages == GIB // (2 * 30 * 3 * 32 * 64 * 2)
+    assert plan.host_store_reason == "1 GiB (--sparse-host-cache-gb)"
+    with pytest.raises(MemoryPlanError, match="--sparse-host-cache-gb: 50% of the 0.00 GiB RAM available holds no"):
+        plan_memory(SparseConfig(), gpu_kv_bytes=4 * GIB, host_ram_bytes=1 << 20, **SMOLLM2)
+
+
+def test_host_stores_are_sized_one_at_a_time_on_a_host(tmp_path):
+    """Two processes starting together: the second waits until the first leaves its turn."""
+    import subprocess
+    import sys
+    import time
+
+    from sparse_sglang.mem_cache.host_pool import host_memory_turn
+
+    lock = tmp_path / "turn.lock"
+    waiter = (f"import time; from pathlib import Path; from sparse_sglang.mem_cache.host_pool import host_memory_turn\n"
+              f"with host_memory_turn(Path({str(lock)!r})): print(time.time())")  # fmt: skip
+    with host_memory_turn(lock):
+        child = subprocess.Popen([sys.executable, "-c", waiter], stdout=subprocess.PIPE, text=True)
+        time.sleep(8.0)  # the child imports torch, then waits for the turn
+        released = time.time()
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0 and float(out) >= released

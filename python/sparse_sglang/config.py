@@ -30,10 +30,10 @@ BOUND_FORMATS = ("auto", "exact", "int8")
 # min and max, or the keys' mean less and plus a spread of standard deviations.
 PAGE_BOUNDS = ("minmax", "meanstd")
 
-# Fraction of the machine's available RAM the host KV store takes when
-# --sparse-host-cache-gb is not given: the rest stays for the OS, the
-# tokenizer/detokenizer processes and pinned staging buffers.
-DEFAULT_HOST_CACHE_FRACTION = 0.5
+# Without --sparse-host-cache-gb the host KV store takes what its requests can use, at most this
+# share of the RAM available at start-up: the rest stays for the OS, the tokenizer and detokenizer
+# processes and pinned staging buffers (mem_cache/plan.py: host_store_by_need).
+HOST_STORE_RAM_SHARE = 0.5
 
 # Tokens of one chunk of SGLang's chunked prefill that the default
 # layer-segmented injection budget matches (tokens x layers per iteration).
@@ -116,12 +116,6 @@ def machine_ram_bytes() -> tuple[int, int]:
     except OSError:
         pass
     return pages * page, available
-
-
-def default_host_cache_gb() -> float:
-    """Half of the RAM available now, rounded down to 1/16 GiB."""
-    _, available = machine_ram_bytes()
-    return int(available * DEFAULT_HOST_CACHE_FRACTION / GIB * 16) / 16
 
 
 def knob(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
@@ -220,9 +214,9 @@ class SparseConfig:
     gpu_cache_gb: float | None = knob(
         None, help="HBM (GiB) for cached KV pages; auto = what SGLang's --mem-fraction-static leaves for KV."
     )
-    host_cache_gb: float = knob(
-        default_factory=default_host_cache_gb,
-        help=f"Pinned host RAM (GiB) holding all KV, the server's total (--tp-size ranks and --dp-size replicas split it); defaults to {DEFAULT_HOST_CACHE_FRACTION:.0%} of the RAM available at start-up.",
+    host_cache_gb: float | None = knob(
+        None,
+        help=f"Pinned host RAM (GiB) holding all KV, the server's total (--tp-size ranks and --dp-size replicas split it); auto = what the requests the GPU page cache runs at once need for the model's whole context, at most {HOST_STORE_RAM_SHARE:.0%} of the RAM available at start-up (the start-up log says what it chose and why).",
     )
     segmented_prefill: bool = knob(
         False,
@@ -336,10 +330,10 @@ class SparseConfig:
             raise SparseConfigError("working_set_window", f"must be >= 1, got {self.working_set_window}")
         if self.gpu_cache_gb is not None and self.gpu_cache_gb <= 0:
             raise SparseConfigError("gpu_cache_gb", f"must be positive, got {self.gpu_cache_gb}")
-        if self.host_cache_gb <= 0:
+        if self.host_cache_gb is not None and self.host_cache_gb <= 0:
             raise SparseConfigError("host_cache_gb", f"must be positive, got {self.host_cache_gb}")
         total, _ = machine_ram_bytes()
-        if self.host_cache_gb * GIB > total:
+        if self.host_cache_gb is not None and self.host_cache_gb * GIB > total:
             raise SparseConfigError(
                 "host_cache_gb",
                 f"{self.host_cache_gb:g} GiB is more than this machine's RAM ({total / GIB:.1f} GiB)",

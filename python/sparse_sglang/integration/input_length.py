@@ -16,24 +16,24 @@ from sparse_sglang.integration.registry import relies_on, wrap_once
 @dataclass(frozen=True, slots=True)
 class HostStoreLimit:
     tokens: int  # token locations of the host store (SGLang's max_total_num_tokens)
-    host_cache_gb: float
+    size: str  # how the store was sized (MemoryPlan.host_store_reason)
     context_len: int
 
 
 _limit: HostStoreLimit | None = None  # set in the scheduler process when the sparse pools are built
 
 
-def note_host_store(tokens: int, host_cache_gb: float, context_len: int) -> None:
+def note_host_store(tokens: int, size: str, context_len: int) -> None:
     global _limit
-    _limit = HostStoreLimit(tokens, host_cache_gb, context_len)
+    _limit = HostStoreLimit(tokens, size, context_len)
 
 
 def explain(message: str) -> str:
     """SGLang's refusal, plus the host store's size and flag when that is what limits prompts."""
     if _limit is None or _limit.tokens >= _limit.context_len:
         return message
-    return (f"{message} The sparse host KV store holds {_limit.tokens} tokens (--sparse-host-cache-gb "
-            f"{_limit.host_cache_gb:g}); a server with a larger one takes longer prompts.")  # fmt: skip
+    return (f"{message} The sparse host KV store holds {_limit.tokens} tokens ({_limit.size}); a server "
+            "with a larger --sparse-host-cache-gb takes longer prompts.")  # fmt: skip
 
 
 @relies_on("sglang.srt.managers.scheduler:validate_input_length", at="sglang/srt/managers/utils.py:193")

@@ -24,9 +24,10 @@ import torch
 from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
 
 from sparse_sglang.attention.selectors import kept_summaries
-from sparse_sglang.config import GIB
+from sparse_sglang.config import GIB, machine_ram_bytes
 from sparse_sglang.integration.input_length import note_host_store
 from sparse_sglang.integration.registry import relies_on, wrap_once
+from sparse_sglang.mem_cache.host_pool import host_memory_turn
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.plan import plan_memory
 from sparse_sglang.runtime import SparseRuntime, build_runtime
@@ -162,24 +163,27 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     # Every scheduler of the host (data-parallel replicas, tensor-parallel ranks: each holds its own
     # kv heads' pages) takes an equal share of --sparse-host-cache-gb, the server's total, and of the cores.
     replicas = runner.server_args.dp_size * runner.server_args.tp_size
-    if replicas > 1:
+    if replicas > 1 and sparse.host_cache_gb is not None:
         sparse = dataclasses.replace(sparse, host_cache_gb=sparse.host_cache_gb / replicas)
-    plan = plan_memory(
-        sparse,
-        num_layers=conf.layer_info.num_effective_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=model.head_dim,
-        dtype=dtype,
-        context_len=model.context_len,
-        gpu_kv_bytes=conf._profile_available_bytes(runner.pre_model_load_memory),
-        max_running_requests=runner.server_args.max_running_requests,
-        max_total_tokens=runner.server_args.max_total_tokens,
-        **kept_summaries(sparse.selector),
-        sketch_rank=0 if key_basis is None else key_basis.rank,
-    )
-    logger.info("sparse memory plan: %s", plan.describe())
-    note_host_store(plan.max_total_tokens, sparse.host_cache_gb, model.context_len)
-    runtime = build_runtime(sparse, plan, runner.device, key_basis, d2h_threads=default_num_threads(share=replicas))
+    gpu_kv_bytes = conf._profile_available_bytes(runner.pre_model_load_memory)
+    with host_memory_turn():  # sized from the RAM free now, and pinned before the next store is sized
+        plan = plan_memory(
+            sparse,
+            num_layers=conf.layer_info.num_effective_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=dtype,
+            context_len=model.context_len,
+            gpu_kv_bytes=gpu_kv_bytes,
+            max_running_requests=runner.server_args.max_running_requests,
+            max_total_tokens=runner.server_args.max_total_tokens,
+            **kept_summaries(sparse.selector),
+            sketch_rank=0 if key_basis is None else key_basis.rank,
+            host_ram_bytes=machine_ram_bytes()[1] // replicas,
+        )
+        logger.info("sparse memory plan: %s", plan.describe())
+        runtime = build_runtime(sparse, plan, runner.device, key_basis, d2h_threads=default_num_threads(share=replicas))
+    note_host_store(plan.max_total_tokens, plan.host_store_reason, model.context_len)
     pool = SparseTokenToKVPool(runtime, plan.max_total_tokens, runner.device,
                                conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip
     runner.req_to_token_pool = conf._build_req_to_token_pool(max_num_reqs=plan.max_running_requests)

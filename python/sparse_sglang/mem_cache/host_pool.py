@@ -10,6 +10,12 @@ pages between requests without copying (``integration/memory_pool.py``). Page 0 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import torch
 
 from sparse_sglang.mem_cache.utils import check_kv_shape, units_for_budget
@@ -46,6 +52,24 @@ def pages_for_budget(
     )
     page = host_page_bytes(num_layers, num_kv_heads, page_size, head_dim, dtype)
     return units_for_budget(gb, page, RESERVED_PAGES + 1, what)
+
+
+# Servers starting together on one host take their turn to size and pin their host stores: a store
+# sized from the RAM available must see what the stores before it took (MemAvailable falls as their
+# pages are pinned), or two servers each take the same share and the OOM killer ends both.
+HOST_MEMORY_TURN_FILE = Path(tempfile.gettempdir()) / "sparse-sglang-host-store.lock"
+
+
+@contextlib.contextmanager
+def host_memory_turn(path: Path = HOST_MEMORY_TURN_FILE) -> Iterator[None]:
+    """Hold this host's turn to size and allocate a host store (an exclusive ``flock`` on
+    ``path``, released on exit, and by the kernel if the process dies)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class HostKVPool:

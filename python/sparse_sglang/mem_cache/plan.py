@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_sglang.config import GIB, SparseConfig
+from sparse_sglang.config import GIB, HOST_STORE_RAM_SHARE, SparseConfig
 from sparse_sglang.mem_cache.bounds import bound_dtype
 from sparse_sglang.mem_cache.gpu_cache import slot_bytes
-from sparse_sglang.mem_cache.host_pool import pages_for_budget
+from sparse_sglang.mem_cache.host_pool import RESERVED_PAGES, host_page_bytes, pages_for_budget
 from sparse_sglang.mem_cache.key_sketch import SKETCH_DTYPE
 from sparse_sglang.mem_cache.kv_store import StoreShape
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
@@ -61,6 +61,7 @@ class MemoryPlan:
         int  # the buffer cached-prefix KV is staged into, one piece at a time (--sparse-prefix-staging-tokens)
     )
     table_bytes: int  # the page table's directory and segments (an upper estimate)
+    host_store_reason: str = ""  # how the host store was sized: the flag, or the need and its cap
 
     @property
     def max_total_tokens(self) -> int:
@@ -70,7 +71,7 @@ class MemoryPlan:
     def describe(self) -> str:
         s = self.shape
         return (
-            f"host store {s.num_host_pages - 1} pages ({self.max_total_tokens} tokens); GPU: summaries "
+            f"host store {s.num_host_pages - 1} pages ({self.max_total_tokens} tokens; {self.host_store_reason}); GPU: summaries "
             f"{self.summary_bytes / GIB:.2f} GiB, page cache {self.cache_bytes / GIB:.2f} GiB ({s.num_slots} slots, "
             f"rows of {s.min_row_width}-{s.row_width} pages), prefix staging {self.staging_bytes / GIB:.2f} GiB; "
             f"{self.max_running_requests} requests at once, {self.selection_pages} pages per kv head per step"
@@ -142,6 +143,24 @@ def fixed_gpu_bytes(
     return summary, staging, table
 
 
+def host_store_by_need(requests: int, max_pages: int, page_size: int, page_bytes: int,
+                       ram_bytes: int) -> tuple[int, str]:  # fmt: skip
+    """``(host pages, why)`` of a store sized by need: every page ``requests`` requests of
+    ``max_pages`` pages can hold, plus the reserved page 0, and at most
+    :data:`~sparse_sglang.config.HOST_STORE_RAM_SHARE` of ``ram_bytes`` (the RAM this scheduler may
+    take a share of: tensor-parallel ranks and data-parallel replicas split it; servers starting
+    together on one host size and pin their stores in turn, integration/memory_pool.py, so each
+    sees what those before it took). ``why`` says which bound it took, for the start-up log."""
+    need = requests * max_pages + RESERVED_PAGES
+    cap = int(ram_bytes * HOST_STORE_RAM_SHARE) // page_bytes
+    gib = min(need, cap) * page_bytes / GIB
+    what = f"{requests} requests x {max_pages * page_size} tokens x {page_bytes / page_size / 1024:.1f} KiB a token"
+    share = f"{HOST_STORE_RAM_SHARE:.0%} of {ram_bytes / GIB:.1f} GiB RAM available"
+    if need <= cap:
+        return need, f"{gib:.2f} GiB by need: {what} (at most {share})"
+    return cap, f"{gib:.2f} GiB, {share}; the need is {need * page_bytes / GIB:.1f} GiB ({what})"
+
+
 def plan_memory(
     config: SparseConfig,
     *,
@@ -156,6 +175,7 @@ def plan_memory(
     with_radius: bool = False,
     with_mean: bool = True,
     sketch_rank: int = 0,
+    host_ram_bytes: int | None = None,
 ) -> MemoryPlan:
     """Split the budgets (see module doc).
 
@@ -176,59 +196,109 @@ def plan_memory(
         Summaries include ArkVale's radius, the mean key (see ``kept_summaries``).
     sketch_rank : int
         The sketch selector's key basis rank (0: no key sketches).
+    host_ram_bytes : int, optional
+        The host RAM this scheduler may take a share of, when ``config.host_cache_gb`` is ``None``
+        (sized by need: :func:`host_store_by_need`, for the requests the GPU page cache runs at
+        once, or ``max_running_requests`` when fewer).
     """
+    layout = _Layout(config, num_layers, num_kv_heads, head_dim, dtype, context_len, gpu_kv_bytes,
+                     max_running_requests, with_radius, with_mean, sketch_rank)  # fmt: skip
     page = config.page_size
-    try:
-        host_pages = pages_for_budget(config.host_cache_gb, num_layers, num_kv_heads, page, head_dim, dtype)
-    except ValueError as err:
-        raise MemoryPlanError(f"--sparse-host-cache-gb: {err}") from None
-    if max_total_tokens is not None:
-        host_pages = min(host_pages, math.ceil(max_total_tokens / page) + 1)
-    max_pages = math.ceil(context_len / page)
-    selection = min(config.candidate_pages, max_pages)  # pages a step loads per (layer, kv head)
-    min_row_width = row_width_for(selection, max_pages, config.cache_row_ratio)
-    if config.rerank_factor > 1 and not fits_fused_retrieve(selection, min_row_width):
-        raise MemoryPlanError(
-            f"--sparse-rerank-factor {config.rerank_factor}: {selection} candidate pages per kv head in rows of "
-            f"{min_row_width} exceed the fused decode kernels ({MAX_RETRIEVE_CELLS} page pairs), which re-ranking "
-            "runs; lower it, --sparse-token-budget or --sparse-cache-row-ratio"
-        )
 
-    staging_tokens = prefix_staging_tokens(config, context_len)
-    summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim, dtype,
-                                                                staging_tokens, with_radius, with_mean,
-                                                                config.bound_format, config.coarse_pages,
-                                                                page * sketch_rank * SKETCH_DTYPE.itemsize,
-                                                                config.page_bounds)  # fmt: skip
-    if config.gpu_cache_gb is not None:
-        cache_bytes = int(config.gpu_cache_gb * GIB)
-    else:
-        cache_bytes = gpu_kv_bytes - summary_bytes - staging_bytes - table_bytes
-        if cache_bytes <= 0:
-            raise MemoryPlanError(
-                f"--sparse-host-cache-gb: the page summaries of {config.host_cache_gb:g} GiB of host KV "
-                f"({summary_bytes / GIB:.2f} GiB) and the prefix staging buffer ({staging_bytes / GIB:.2f} GiB) "
-                f"leave no GPU memory for the page cache ({gpu_kv_bytes / GIB:.2f} GiB for KV); lower it, or "
-                "raise --mem-fraction-static"
-            )
-    num_slots = cache_bytes // slot_bytes(page, head_dim, dtype)
-    row = num_layers * num_kv_heads * min_row_width
-    fits = num_slots // row
-    if fits < 1:
-        need = row * slot_bytes(page, head_dim, dtype) / GIB
+    def capped(host_pages: int) -> int:
+        return host_pages if max_total_tokens is None else min(host_pages, math.ceil(max_total_tokens / page) + 1)
+
+    if config.host_cache_gb is not None:
+        try:
+            host_pages = pages_for_budget(config.host_cache_gb, num_layers, num_kv_heads, page, head_dim, dtype)
+        except ValueError as err:
+            raise MemoryPlanError(f"--sparse-host-cache-gb: {err}") from None
+        return layout.plan(capped(host_pages), f"{config.host_cache_gb:g} GiB (--sparse-host-cache-gb)")
+    if host_ram_bytes is None:
+        raise ValueError("plan_memory: host_ram_bytes is needed to size the host store by need")
+    page_bytes = host_page_bytes(num_layers, num_kv_heads, page, head_dim, dtype)
+    cap = int(host_ram_bytes * HOST_STORE_RAM_SHARE) // page_bytes
+    if cap < RESERVED_PAGES + 1:
         raise MemoryPlanError(
-            f"--sparse-gpu-cache-gb: the GPU page cache ({cache_bytes / GIB:.2f} GiB) holds no request; one "
-            f"request needs {need:.2f} GiB ({min_row_width} pages x {num_layers} layers x {num_kv_heads} kv heads); "
-            "raise it (or --mem-fraction-static), or lower --sparse-token-budget or --sparse-cache-row-ratio"
+            f"--sparse-host-cache-gb: {HOST_STORE_RAM_SHARE:.0%} of the {host_ram_bytes / GIB:.2f} GiB RAM available "
+            f"holds no host page ({page_bytes / (1 << 20):.2f} MiB); free some, or set it"
         )
-    running = min(fits, max_running_requests) if max_running_requests else fits
-    # Rows are elastic: each takes at least min_row_width slots and grows into slots no other
-    # request needs (fewer requests running than fit), up to row_width.
-    row_width = widest_row_width(min_row_width, selection, max_pages)
-    shape = StoreShape(
-        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page, dtype=dtype,
-        num_host_pages=host_pages, num_slots=num_slots, max_requests=running + 1, row_width=row_width,
-        max_pages=max_pages, max_save_tokens=SAVE_CHUNK_TOKENS, min_row_width=min_row_width,
-    )  # fmt: skip
-    return MemoryPlan(shape, running, selection, summary_bytes, num_slots * slot_bytes(page, head_dim, dtype), staging_bytes,
-                      table_bytes)  # fmt: skip
+    # The requests the GPU page cache runs at once beside the smallest store's summaries: at most
+    # what it runs beside the store sized for them.
+    requests = layout.plan(RESERVED_PAGES + 1, "").max_running_requests
+    host_pages, reason = host_store_by_need(requests, layout.max_pages, page, page_bytes, host_ram_bytes)
+    return layout.plan(capped(host_pages), reason)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The GPU side of a plan, for a host store of a given size (:func:`plan_memory`'s arguments)."""
+
+    config: SparseConfig
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    context_len: int
+    gpu_kv_bytes: int
+    max_running_requests: int | None
+    with_radius: bool
+    with_mean: bool
+    sketch_rank: int
+
+    @property
+    def max_pages(self) -> int:
+        return math.ceil(self.context_len / self.config.page_size)
+
+    def plan(self, host_pages: int, host_store_reason: str) -> MemoryPlan:
+        config, page, max_pages = self.config, self.config.page_size, self.max_pages
+        num_layers, num_kv_heads, head_dim, dtype = self.num_layers, self.num_kv_heads, self.head_dim, self.dtype
+        selection = min(config.candidate_pages, max_pages)  # pages a step loads per (layer, kv head)
+        min_row_width = row_width_for(selection, max_pages, config.cache_row_ratio)
+        if config.rerank_factor > 1 and not fits_fused_retrieve(selection, min_row_width):
+            raise MemoryPlanError(
+                f"--sparse-rerank-factor {config.rerank_factor}: {selection} candidate pages per kv head in rows of "
+                f"{min_row_width} exceed the fused decode kernels ({MAX_RETRIEVE_CELLS} page pairs), which "
+                "re-ranking runs; lower it, --sparse-token-budget or --sparse-cache-row-ratio"
+            )
+        staging_tokens = prefix_staging_tokens(config, self.context_len)
+        summary_bytes, staging_bytes, table_bytes = fixed_gpu_bytes(host_pages, num_layers, num_kv_heads, head_dim,
+                                                                    dtype, staging_tokens, self.with_radius,
+                                                                    self.with_mean, config.bound_format,
+                                                                    config.coarse_pages,
+                                                                    page * self.sketch_rank * SKETCH_DTYPE.itemsize,
+                                                                    config.page_bounds)  # fmt: skip
+        if config.gpu_cache_gb is not None:
+            cache_bytes = int(config.gpu_cache_gb * GIB)
+        else:
+            cache_bytes = self.gpu_kv_bytes - summary_bytes - staging_bytes - table_bytes
+            if cache_bytes <= 0:
+                host_gib = host_pages * host_page_bytes(num_layers, num_kv_heads, page, head_dim, dtype) / GIB
+                raise MemoryPlanError(
+                    f"--sparse-host-cache-gb: the page summaries of {host_gib:.2f} GiB of host KV "
+                    f"({summary_bytes / GIB:.2f} GiB) and the prefix staging buffer ({staging_bytes / GIB:.2f} GiB) "
+                    f"leave no GPU memory for the page cache ({self.gpu_kv_bytes / GIB:.2f} GiB for KV); lower it, "
+                    "or raise --mem-fraction-static"
+                )
+        num_slots = cache_bytes // slot_bytes(page, head_dim, dtype)
+        row = num_layers * num_kv_heads * min_row_width
+        fits = num_slots // row
+        if fits < 1:
+            need = row * slot_bytes(page, head_dim, dtype) / GIB
+            raise MemoryPlanError(
+                f"--sparse-gpu-cache-gb: the GPU page cache ({cache_bytes / GIB:.2f} GiB) holds no request; one "
+                f"request needs {need:.2f} GiB ({min_row_width} pages x {num_layers} layers x {num_kv_heads} kv "
+                "heads); raise it (or --mem-fraction-static), or lower --sparse-token-budget or "
+                "--sparse-cache-row-ratio"
+            )
+        running = min(fits, self.max_running_requests) if self.max_running_requests else fits
+        # Rows are elastic: each takes at least min_row_width slots and grows into slots no other
+        # request needs (fewer requests running than fit), up to row_width.
+        row_width = widest_row_width(min_row_width, selection, max_pages)
+        shape = StoreShape(
+            num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page, dtype=dtype,
+            num_host_pages=host_pages, num_slots=num_slots, max_requests=running + 1, row_width=row_width,
+            max_pages=max_pages, max_save_tokens=SAVE_CHUNK_TOKENS, min_row_width=min_row_width,
+        )  # fmt: skip
+        return MemoryPlan(shape, running, selection, summary_bytes, num_slots * slot_bytes(page, head_dim, dtype),
+                          staging_bytes, table_bytes, host_store_reason)  # fmt: skip
