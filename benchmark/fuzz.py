@@ -15,8 +15,8 @@ the run). A fixed greedy request runs on the fresh server first and again at the
 (``output_matches_fresh``); the pools' counters before and after, the radix cache flushed, give
 ``leaked_host_pages`` (sparse servers). Writes ``benchmark/results/fuzz-<date>.json``::
 
-    python benchmark/fuzz.py --launch --requests 5000                 # starts the sparse server (default model)
-    python benchmark/fuzz.py --url http://127.0.0.1:30000 --requests 5000
+    python -m benchmark.fuzz --launch --requests 5000                 # starts the sparse server (default model)
+    python -m benchmark.fuzz --url http://127.0.0.1:30000 --requests 5000
 """
 
 from __future__ import annotations
@@ -26,15 +26,12 @@ import asyncio
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root holds `benchmark`
-
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
 
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 ID_ROUTES = ROUTES[:2]  # the routes whose prompt may be token ids
@@ -415,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--request-timeout", type=float, default=300.0)
     add_server_run_args(parser, "fuzz")
     args = parser.parse_args(argv)
-    return finish_run("benchmark/fuzz.py", argv, run(args), args.out_dir, "fuzz-{date}.json", device=device_name())
+    return finish_run("benchmark.fuzz", argv, run(args), args.out_dir, "fuzz-{date}.json", device=device_name())
 
 
 if __name__ == "__main__":

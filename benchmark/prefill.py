@@ -25,7 +25,7 @@ decode gaps during the prefill, segmented / chunked), ``tbt_p99_long_prompt_s`` 
 128K prompt), ``peak_hbm_over_one_layer`` and ``peak_kv_hbm_over_one_layer`` (segmented server),
 ``max_prompt_ratio`` (not measured here: ``null``).
 
-    python benchmark/prefill.py      # two server starts: about 4.5 minutes on an H100 (2026-11-24)
+    python -m benchmark.prefill      # two server starts: about 4.5 minutes on an H100 (2026-11-24)
 
 Writes ``benchmark/results/prefill-<date>.json``.
 """
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(systems, args.peak_prompt_tokens) if {"chunked", "segmented"} <= systems.keys() else {}
     body = {"flags": flags, "systems_flags": SYSTEMS, "args": vars(args) | {"out_dir": str(args.out_dir)},
             "systems": systems, "summary": summary}  # fmt: skip
-    return finish_run("benchmark/prefill.py", argv, body, args.out_dir, "prefill-{date}.json")
+    return finish_run("benchmark.prefill", argv, body, args.out_dir, "prefill-{date}.json")
 
 
 if __name__ == "__main__":

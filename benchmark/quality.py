@@ -24,9 +24,9 @@ what decides, on the model's real post-RoPE queries and keys:
 
 Writes ``benchmark/results/quality-<date>.json`` and prints compact tables::
 
-    python benchmark/quality.py                  # full run, about 8 min on 2 CPU cores
-    python benchmark/quality.py --quick          # small smoke run
-    python benchmark/quality.py --passkey-prefill question --out benchmark/results/quality-<date>-question.json
+    python -m benchmark.quality                  # full run, about 8 min on 2 CPU cores
+    python -m benchmark.quality --quick          # small smoke run
+    python -m benchmark.quality --passkey-prefill question --out benchmark/results/quality-<date>-question.json
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ time-weighted output throughput (tokens / seconds, each line's tokens = interval
 the means of the other values. It is the server's view, not the client's: a client cut off before
 writing its result (the serving benchmark) leaves these.
 
-    python benchmark/server_log.py NAME=LOG[@COMMIT] [...] [--baseline NAME] [--device NAME] [--out JSON]
+    python -m benchmark.server_log NAME=LOG[@COMMIT] [...] [--baseline NAME] [--device NAME] [--out JSON]
                                    [--hit-by-batch PNG]   # hit ratio and H2D vs batch size, per log
                                    [--first-seconds S]    # also: tokens decoded in each log's first S s
                                    [--step-fit]           # also: the decode step against the batch, the prefill's share
-    python benchmark/server_log.py --trace TRACE.json.gz [...]  # a profiler trace: idle GPU gaps and what the CPU did
+    python -m benchmark.server_log --trace TRACE.json.gz [...]  # a profiler trace: idle GPU gaps and what the CPU did
 
 ``--step-fit`` fits every interval between two decode lines (40 decode steps at ``R`` running
 requests, plus the prefill chunks logged in between) as ``40 x (a + b R) + c x prefill tokens``:

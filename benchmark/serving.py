@@ -14,9 +14,9 @@ token pool that fits ``--kv-hbm-gb`` at that dtype's bytes per token; ``vanilla-
 the windows' second half), named in ``summary.baseline``. Each rate's window is 400 s by default
 (--max-seconds-per-rate), with enough arrivals to fill it.
 
-    python benchmark/serving.py --dry-run
-    python benchmark/serving.py --traces long-prompt --systems vanilla --time-budget 480
-    python benchmark/serving.py --combine OUT.json A.json [B.json ...]   # one file from several calls
+    python -m benchmark.serving --dry-run
+    python -m benchmark.serving --traces long-prompt --systems vanilla --time-budget 480
+    python -m benchmark.serving --combine OUT.json A.json [B.json ...]   # one file from several calls
         [--ablation NAME=SERVER_LOG_COMPARISON.json ...]                # kept whole under "ablations"
 """
 
@@ -44,6 +44,7 @@ import numpy as np
 import orjson
 import requests
 
+from benchmark.server_log import decoded_tokens, load_events, summarize_trace
 from sparse_sglang.config import GIB
 from sparse_sglang.testing.greedy import GreedyAgreement, nearer_than_selection, tp_steps_agree
 from sparse_sglang.testing.models import (
@@ -54,9 +55,6 @@ from sparse_sglang.testing.models import (
 )
 from sparse_sglang.testing.provenance import git_commit, save_result
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache, sse_events
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.server_log import decoded_tokens, load_events, summarize_trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Run in this order. "vanilla" keeps the sparse system's KV dtype; "vanilla-bf16" is bf16 KV.

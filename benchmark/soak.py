@@ -26,7 +26,7 @@ Writes ``benchmark/results/soak-<date>.json`` whose summary holds ``requests``, 
 ``errors_5xx`` (must be 0), ``leaked_host_pages``, ``leaked_gpu_slots`` (must be 0) and
 ``output_matches_fresh``::
 
-    python benchmark/soak.py --requests 1000 --rate 8 --layers 4 --host-cache-gb 1.5 --request-timeout 300 \
+    python -m benchmark.soak --requests 1000 --rate 8 --layers 4 --host-cache-gb 1.5 --request-timeout 300 \
         --extra-server-args "--cuda-graph-max-bs-decode 64 --sparse-segmented-prefill true \
         --sparse-working-set-admission true --sparse-gpu-cache-gb 0.25"
         # the 2026-11-23 run, with --abort-frac 0.8 (now the default): about 4 minutes on an H100
@@ -39,27 +39,24 @@ import asyncio
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root holds `benchmark`
+import aiohttp
+import requests
 
-import aiohttp  # noqa: E402
-import requests  # noqa: E402
-
-from benchmark import fuzz  # noqa: E402
-from sparse_sglang.config import GIB, SparseConfig  # noqa: E402
-from sparse_sglang.default_model import default_model_path  # noqa: E402
-from sparse_sglang.testing.models import (  # noqa: E402
+from benchmark import fuzz
+from sparse_sglang.config import GIB, SparseConfig
+from sparse_sglang.default_model import default_model_path
+from sparse_sglang.testing.models import (
     LLAMA3_8B_CONFIG,
     LLAMA3_8B_KV_BYTES_PER_TOKEN,
     LLAMA3_8B_TOKEN_IDS,
     write_llama3_8b_dummy,
 )
-from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, leaks, sparse_state  # noqa: E402
+from sparse_sglang.testing.provenance import add_server_run_args, finish_run
+from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, leaks, sparse_state
 
 # Synthetic prompt ids: clear of the special tokens, inside the vocabulary of the tokenizer served
 # (the default model's, which shrinks the 8B shape's vocabulary to its own)
@@ -326,7 +323,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--extra-server-args", default="")
     add_server_run_args(parser, "soak")
     args = parser.parse_args(argv)
-    return finish_run("benchmark/soak.py", argv, run(args), args.out_dir, "soak-{date}.json")
+    return finish_run("benchmark.soak", argv, run(args), args.out_dir, "soak-{date}.json")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Transfer-engine benchmark for the GPU host: FlashH2D, FlashD2H and direct-write saving vs. the PCIe limits.
 
-    PYTHONPATH=python python benchmark/transfer.py [--out-dir DIR]
+    python -m benchmark.transfer [--out-dir DIR]
 
 In one run (kernel compile included, about two minutes): contiguous pinned 1 GiB host->device and
 device->host copies (the physical limit); one cudaMemcpyAsync per block; FlashH2D for 4-64 KiB

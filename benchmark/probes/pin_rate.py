@@ -2,7 +2,7 @@
 threads faulting the memory in and one ``cudaHostRegister`` (``alloc_pinned_parallel``), by
 thread count. Decided how the host store is pinned (docs/results.md, "Start-up").
 
-    python benchmark/probes/pin_rate.py --gib 8 --out pin-rate.json
+    python -m benchmark.probes.pin_rate --gib 8 --out pin-rate.json
 """
 
 from __future__ import annotations
