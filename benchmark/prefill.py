@@ -49,7 +49,14 @@ from sparse_sglang.testing.models import (
     write_llama3_8b_dummy,
 )
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sparse_state, streamed_meta
+from sparse_sglang.testing.server import (
+    SPARSE_MODULE,
+    ServerProcess,
+    flush_cache,
+    generate_ids,
+    sparse_state,
+    streamed_meta,
+)
 
 SYSTEMS = {
     "chunked": ["--chunked-prefill-size", "2048"],
@@ -187,8 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
             SPARSE_MODULE, model, [*flags, *SYSTEMS[name]], log_path=Path(args.log_dir) / f"{name}.log"
         ) as server:
             url = server.url
-            requests.post(url + "/generate", json={"input_ids": prompt("warm", 4096), "sampling_params": {"max_new_tokens": 8}},
-                          timeout=600).raise_for_status()  # fmt: skip
+            generate_ids(url, prompt("warm", 4096), 8)
             flush_cache(url, 60)
             run = {"next_to_decodes": asyncio.run(prefill_next_to_decodes(url, args, args.prompt_tokens))}
             flush_cache(url, 60)

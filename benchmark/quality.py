@@ -33,13 +33,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import math
 import random
 import re
-import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,7 +61,7 @@ from sparse_sglang.attention.reference import choose_reranked_reference
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.mem_cache import PageSummaries
-from sparse_sglang.testing.provenance import git_commit, save_result
+from sparse_sglang.testing.provenance import run_header, save_result
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULTS = SparseConfig(host_cache_gb=1.0)
@@ -654,12 +651,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     passkey = passkey_table(tokenizer, model, args.lengths, args.depths, pk_policies, args.new_tokens, args.seed,
                             args.passkey_prefill)  # fmt: skip
-    today = datetime.date.today().isoformat()
     result = {
-        "device": "cpu",
-        "commit": git_commit(),
-        "date": today,
-        "command": shlex.join(sys.orig_argv),
+        **run_header("benchmark.quality", argv, device="cpu"),
         "model": "SmolLM2-135M-Instruct (bf16 weights, run in float32, transformers, CPU)",
         "torch_threads": torch.get_num_threads(),
         "recall_setup": {"tokens": len(ids), "queries": args.queries, "text": str(LICENSES), "page_size": PAGE_SIZE,
@@ -675,7 +668,7 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     result["summary"] = summarize_results(recall, passkey, pk_policies, len(ids), args.passkey_prefill)
     result["run_time_s"] = round(time.monotonic() - start, 1)
-    out = args.out or args.out_dir / f"quality-{today}.json"
+    out = args.out or args.out_dir / f"quality-{result['date']}.json"
     save_result(result, out)
     print_tables(result)
     print(f"wrote {out}")

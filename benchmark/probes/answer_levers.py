@@ -19,6 +19,7 @@ import torch
 from benchmark import accuracy, quality
 from sparse_sglang.attention import select_pages, sparse_attention_reference
 from sparse_sglang.mem_cache.key_sketch import KeyBasis
+from sparse_sglang.testing.provenance import run_header, save_result
 
 
 class OracleDecoder(quality.SparseDecoder):
@@ -488,7 +489,9 @@ def main() -> None:
         print(row, flush=True)
     means = {k: round(sum(r[k] for r in rows) / len(rows), 3) for k in rows[0] if k != "id"}
     print("means", means)
-    Path(args.out).write_text(json.dumps({"budget": args.budget, "length": args.length, "rows": rows, "means": means}))
+    header = run_header("benchmark.probes.answer_levers", None, device=str(model.device))
+    # summary: each policy's mean score over the items (an item's score under RULER's rule)
+    save_result({**header, "budget": args.budget, "length": args.length, "rows": rows, "summary": means}, args.out)
 
 
 if __name__ == "__main__":

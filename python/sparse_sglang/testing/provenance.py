@@ -31,6 +31,15 @@ def git_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def module_command(module: str, argv: list[str] | None = None) -> str:
+    """``python -m <module> <argv>`` (default: this process's arguments), the way a benchmark in
+    ``benchmark/`` runs from the repository root."""
+    import shlex
+    import sys
+
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
 def run_header(module: str, argv: list[str] | None, device: str | None = None, commit: str | None = None) -> dict:
     """``device``, ``commit``, ``date`` and ``command`` of a run of the benchmark ``module`` (like
     ``benchmark.decode``: run as ``python -m benchmark.decode`` from the repository root) with
@@ -38,16 +47,13 @@ def run_header(module: str, argv: list[str] | None, device: str | None = None, c
     CPU benchmark passes ``"cpu"``), ``commit`` to :func:`git_commit` (a summary of runs made
     elsewhere passes theirs)."""
     import datetime
-    import shlex
-    import sys
 
     if device is None:
         import torch
 
         device = torch.cuda.get_device_name()
-    args = sys.argv[1:] if argv is None else argv
     return {"device": device, "commit": commit or git_commit(), "date": datetime.date.today().isoformat(),
-            "command": shlex.join(["python", "-m", module, *args])}  # fmt: skip
+            "command": module_command(module, argv)}  # fmt: skip
 
 
 def save_result(result: dict, path: str | Path) -> Path:
