@@ -65,8 +65,9 @@ def save_result(result: dict, path: str | Path) -> Path:
 
 
 def save_gpu_test_record(name: str, record: dict) -> None:
-    """A GPU test's outcome as ``$SPARSE_SGLANG_RESULTS_DIR/name`` (with ``device``, ``date`` and
-    ``commit`` first), when that is set (on the GPU host); nothing otherwise."""
+    """A GPU test's outcome as ``$SPARSE_SGLANG_RESULTS_DIR/name`` (with ``device``, ``date``,
+    ``commit`` and ``command`` first: the pytest command of the running test), when that is set
+    (on the GPU host); nothing otherwise. ``record`` holds the ``summary``."""
     if not os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
         return
     import datetime
@@ -77,6 +78,8 @@ def save_gpu_test_record(name: str, record: dict) -> None:
         "device": torch.cuda.get_device_name(0),
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
+        # "test/test_x_gpu.py::test_y (call)": pytest's name of the test running now
+        "command": f"python -m pytest -m gpu -s {os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]}",
     }
     save_result({**header, **record}, Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], name))
 
