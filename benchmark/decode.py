@@ -19,7 +19,7 @@ than once per layer. Summaries are random (the selected pages then look random, 
 ``benchmark/results/decode-<date>.json`` (``decode-<date>-fp8.json`` with ``--kv-dtype fp8_e4m3``,
 ``decode-<date>-exact-bounds.json`` with ``--bound-format exact``: bf16 bounds for bf16 KV)::
 
-    python -m benchmark.decode                 # full grid, about a minute on an H100 (2026-11-23)
+    python -m benchmark.decode                 # the full grid
     python -m benchmark.decode --quick         # 8K and 32K, batch 1 and 8
 """
 

@@ -25,7 +25,7 @@ decode gaps during the prefill, segmented / chunked), ``tbt_p99_long_prompt_s`` 
 128K prompt), ``peak_hbm_over_one_layer`` and ``peak_kv_hbm_over_one_layer`` (segmented server),
 ``max_prompt_ratio`` (not measured here: ``null``).
 
-    python -m benchmark.prefill      # two server starts: about 4.5 minutes on an H100 (2026-11-24)
+    python -m benchmark.prefill      # two server starts
 
 Writes ``benchmark/results/prefill-<date>.json``.
 """
@@ -103,7 +103,7 @@ async def prefill_next_to_decodes(url: str, args, prompt_tokens: int) -> dict:
                                      timeout=aiohttp.ClientTimeout(total=1800)) as session:  # fmt: skip
         # Request ids unique per run, none a prefix of another (SGLang aborts every request whose
         # rid starts with the aborted one's): a second run that reused the first run's ids had its
-        # decodes stop before its prompt arrived (2026-11-24).
+        # decodes stop before its prompt arrived.
         rids = [f"decode-{i}-of-{prompt_tokens}" for i in range(args.decodes)]
         decodes = [asyncio.create_task(stream(session, url, rid, prompt(f"decode-{i}", args.decode_prompt_tokens),
                                               args.decode_new_tokens)) for i, rid in enumerate(rids)]  # fmt: skip

@@ -29,7 +29,7 @@ Writes ``benchmark/results/soak-<date>.json`` whose summary holds ``requests``, 
     python -m benchmark.soak --requests 1000 --rate 8 --layers 4 --host-cache-gb 1.5 --request-timeout 300 \
         --extra-server-args "--cuda-graph-max-bs-decode 64 --sparse-segmented-prefill true \
         --sparse-working-set-admission true --sparse-gpu-cache-gb 0.25"
-        # the 2026-11-23 run, with --abort-frac 0.8 (now the default): about 4 minutes on an H100
+        # a soak of the small shape with the opt-in admission paths on (docs/results.md gives its run)
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def main(argv=None) -> dict:
         "--abort-frac",
         type=float,
         default=0.8,
-        help="share of requests given an abort moment; 60%% of those finished first (2026-11-23 run)",
+        help="share of requests given an abort moment (some finish before theirs comes)",
     )
     parser.add_argument("--burst", type=int, default=50)
     parser.add_argument(
