@@ -37,14 +37,14 @@ is (``config``, ``alone``, ``budget``, ``vanilla``) and runs are paired by that,
 The earlier measure, agreement (the answer :func:`answer` reads from the output equal to dense's),
 stays under ``legacy``.
 
-    python benchmark/accuracy.py generate --seed 1 --out items.json.gz          # the held-out items (CPU, ~2 min)
-    python benchmark/accuracy.py grid --items items.json.gz --out-dir acc --parallel 9 \
+    python -m benchmark.accuracy generate --seed 1 --out items.json.gz          # the held-out items (CPU, ~2 min)
+    python -m benchmark.accuracy grid --items items.json.gz --out-dir acc --parallel 9 \
         --configs "quest=--sparse-selector quest"     # dense-alone-<len>, <config>-alone-<budget>, headline-alone-<budget>
-    python benchmark/accuracy.py reference --items items.json.gz --budget 512 --lengths 2048 --per-cell 6 \
+    python -m benchmark.accuracy reference --items items.json.gz --budget 512 --lengths 2048 --per-cell 6 \
         --policy oracle=rerank_factor:4 --name oracle-512 --out acc/oracle-512.reference.json
-    python benchmark/accuracy.py summarize acc/*.json --items items.json.gz     # benchmark/results/accuracy-<date>.json
-    python benchmark/accuracy.py check benchmark/results/accuracy-<date>.json   # exit 1 naming the first bar short
-    python benchmark/accuracy.py serve --items items.json.gz --name quest-alone-512 --config quest --alone \
+    python -m benchmark.accuracy summarize acc/*.json --items items.json.gz     # benchmark/results/accuracy-<date>.json
+    python -m benchmark.accuracy check benchmark/results/accuracy-<date>.json   # exit 1 naming the first bar short
+    python -m benchmark.accuracy serve --items items.json.gz --name quest-alone-512 --config quest --alone \
         --budget 512 --server-args "--sparse-selector quest" --out quest-alone-512.json    # one run by hand
 
 ``serve`` starts the server itself (``sparse_sglang.launch_server``, or ``sglang.launch_server``
@@ -655,9 +655,7 @@ def reference(args) -> dict:
     import torch
     from transformers import DynamicCache
 
-    sys.path.insert(0, str(REPO / "benchmark"))
-    import quality  # the reference decoder: transformers with sparse_sglang.attention's selection
-
+    from benchmark import quality  # the reference decoder: transformers with sparse_sglang.attention's selection
     from sparse_sglang.testing.provenance import git_commit
 
     meta, items = load_items(Path(args.items))
@@ -1334,7 +1332,7 @@ def main(argv: list[str] | None = None) -> None:
         devices = sorted({r.get("device") for r in result["runs"] if r.get("kind") == "server"} - {None})
         commits = sorted({r.get("commit") for r in result["runs"]} - {None})  # the code that ran, not this checkout
         finish_run(
-            "benchmark/accuracy.py",
+            "benchmark.accuracy",
             argv,
             result,
             args.out_dir,

@@ -19,8 +19,8 @@ than once per layer. Summaries are random (the selected pages then look random, 
 ``benchmark/results/decode-<date>.json`` (``decode-<date>-fp8.json`` with ``--kv-dtype fp8_e4m3``,
 ``decode-<date>-exact-bounds.json`` with ``--bound-format exact``: bf16 bounds for bf16 KV)::
 
-    python benchmark/decode.py                 # full grid, about a minute on an H100 (2026-11-23)
-    python benchmark/decode.py --quick         # 8K and 32K, batch 1 and 8
+    python -m benchmark.decode                 # the full grid
+    python -m benchmark.decode --quick         # 8K and 32K, batch 1 and 8
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ def main(argv=None) -> dict:
     name += f"-coarse{args.coarse_pages}" if args.coarse_pages else ""
     name += f"-rerank{args.rerank_factor}" if args.rerank_factor > 1 else ""
     return finish_run(
-        "benchmark/decode.py", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json"
+        "benchmark.decode", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json"
     )
 
 

@@ -11,7 +11,7 @@ graph replays with L2 flushed as in ``benchmark/decode.py`` (``--layers-per-grap
 
 Writes ``benchmark/results/decode-kernels-<date>.json``::
 
-    python benchmark/decode_kernels.py
+    python -m benchmark.decode_kernels
 """
 
 from __future__ import annotations
@@ -20,18 +20,15 @@ import argparse
 import gc
 import itertools
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.decode import SHAPE, add_grid_args, layers_for, time_graph  # noqa: E402
-from sparse_sglang.attention import scoring  # noqa: E402
-from sparse_sglang.attention.scoring import score_pages  # noqa: E402
-from sparse_sglang.config import SparseConfig  # noqa: E402
-from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store  # noqa: E402
-from sparse_sglang.testing.provenance import finish_run  # noqa: E402
+from benchmark.decode import SHAPE, add_grid_args, layers_for, time_graph
+from sparse_sglang.attention import scoring
+from sparse_sglang.attention.scoring import score_pages
+from sparse_sglang.config import SparseConfig
+from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
+from sparse_sglang.testing.provenance import finish_run
 
 
 def score_times(b: DecodeBench, q: torch.Tensor, layers: int, args) -> dict[str, float]:
@@ -125,7 +122,7 @@ def main(argv=None) -> dict:
     } for r in rows}  # fmt: skip
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest",
               "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
-    return finish_run("benchmark/decode_kernels.py", argv, {"config": config, "rows": rows, "summary": summary},
+    return finish_run("benchmark.decode_kernels", argv, {"config": config, "rows": rows, "summary": summary},
                       args.out_dir, "decode-kernels-{date}.json")  # fmt: skip
 
 

@@ -15,8 +15,8 @@ the run). A fixed greedy request runs on the fresh server first and again at the
 (``output_matches_fresh``); the pools' counters before and after, the radix cache flushed, give
 ``leaked_host_pages`` (sparse servers). Writes ``benchmark/results/fuzz-<date>.json``::
 
-    python benchmark/fuzz.py --launch --requests 5000                 # starts the sparse server (default model)
-    python benchmark/fuzz.py --url http://127.0.0.1:30000 --requests 5000
+    python -m benchmark.fuzz --launch --requests 5000                 # starts the sparse server (default model)
+    python -m benchmark.fuzz --url http://127.0.0.1:30000 --requests 5000
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ import asyncio
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root holds `benchmark`
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
 
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from sparse_sglang.testing.server import generate_ids, healthy, post_body, unpooled_session
 
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 ID_ROUTES = ROUTES[:2]  # the routes whose prompt may be token ids
@@ -261,27 +260,14 @@ def generate_cases(n: int, seed_value: int, vocab_size: int, model: str) -> list
 
 
 async def send_batch(url: str, cases: list[FuzzCase], timeout: float) -> list[tuple[int, str]]:
-    import aiohttp
+    """Each case's status and the first 200 characters of its answer (599: no answer, counted with the 5xx)."""
 
     async def one(session, case: FuzzCase) -> tuple[int, str]:
-        try:
-            async with session.post(url + case.route, data=case.body, headers={"Content-Type": "application/json"},
-                                    timeout=aiohttp.ClientTimeout(total=timeout)) as response:  # fmt: skip
-                return response.status, (await response.text())[:200]
-        except (TimeoutError, aiohttp.ClientError) as err:
-            return 599, f"client: {err!r}"[:200]  # no answer: counted with the 5xx
+        status, text = await post_body(session, url, case.body, timeout, case.route)
+        return status, text[:200]
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
+    async with unpooled_session() as session:
         return await asyncio.gather(*(one(session, case) for case in cases))
-
-
-def healthy(url: str, timeout: float = 60.0) -> bool:
-    import requests
-
-    try:
-        return requests.get(url + "/health", timeout=timeout).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def model_facts(url: str) -> tuple[str, int | None]:
@@ -296,13 +282,8 @@ def model_facts(url: str) -> tuple[str, int | None]:
 
 def probe(url: str, vocab_size: int) -> list[int]:
     """The fixed greedy request whose tokens must not change over the run."""
-    import requests
-
     ids = [random.Random(7).randrange(vocab_size) for _ in range(200)]
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
-    response = requests.post(url + "/generate", json=body, timeout=300)
-    response.raise_for_status()
-    return response.json()["output_ids"]
+    return generate_ids(url, ids, 32)["output_ids"]
 
 
 def pool_state(url: str) -> dict | None:
@@ -415,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--request-timeout", type=float, default=300.0)
     add_server_run_args(parser, "fuzz")
     args = parser.parse_args(argv)
-    return finish_run("benchmark/fuzz.py", argv, run(args), args.out_dir, "fuzz-{date}.json", device=device_name())
+    return finish_run("benchmark.fuzz", argv, run(args), args.out_dir, "fuzz-{date}.json", device=device_name())
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ decode gaps during the prefill, segmented / chunked), ``tbt_p99_long_prompt_s`` 
 128K prompt), ``peak_hbm_over_one_layer`` and ``peak_kv_hbm_over_one_layer`` (segmented server),
 ``max_prompt_ratio`` (not measured here: ``null``).
 
-    python benchmark/prefill.py      # two server starts: about 4.5 minutes on an H100 (2026-11-24)
+    python -m benchmark.prefill      # two server starts
 
 Writes ``benchmark/results/prefill-<date>.json``.
 """
@@ -49,7 +49,14 @@ from sparse_sglang.testing.models import (
     write_llama3_8b_dummy,
 )
 from sparse_sglang.testing.provenance import add_server_run_args, finish_run
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, sparse_state, streamed_meta
+from sparse_sglang.testing.server import (
+    SPARSE_MODULE,
+    ServerProcess,
+    flush_cache,
+    generate_ids,
+    sparse_state,
+    streamed_meta,
+)
 
 SYSTEMS = {
     "chunked": ["--chunked-prefill-size", "2048"],
@@ -96,7 +103,7 @@ async def prefill_next_to_decodes(url: str, args, prompt_tokens: int) -> dict:
                                      timeout=aiohttp.ClientTimeout(total=1800)) as session:  # fmt: skip
         # Request ids unique per run, none a prefix of another (SGLang aborts every request whose
         # rid starts with the aborted one's): a second run that reused the first run's ids had its
-        # decodes stop before its prompt arrived (2026-11-24).
+        # decodes stop before its prompt arrived.
         rids = [f"decode-{i}-of-{prompt_tokens}" for i in range(args.decodes)]
         decodes = [asyncio.create_task(stream(session, url, rid, prompt(f"decode-{i}", args.decode_prompt_tokens),
                                               args.decode_new_tokens)) for i, rid in enumerate(rids)]  # fmt: skip
@@ -187,8 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
             SPARSE_MODULE, model, [*flags, *SYSTEMS[name]], log_path=Path(args.log_dir) / f"{name}.log"
         ) as server:
             url = server.url
-            requests.post(url + "/generate", json={"input_ids": prompt("warm", 4096), "sampling_params": {"max_new_tokens": 8}},
-                          timeout=600).raise_for_status()  # fmt: skip
+            generate_ids(url, prompt("warm", 4096), 8)
             flush_cache(url, 60)
             run = {"next_to_decodes": asyncio.run(prefill_next_to_decodes(url, args, args.prompt_tokens))}
             flush_cache(url, 60)
@@ -203,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(systems, args.peak_prompt_tokens) if {"chunked", "segmented"} <= systems.keys() else {}
     body = {"flags": flags, "systems_flags": SYSTEMS, "args": vars(args) | {"out_dir": str(args.out_dir)},
             "systems": systems, "summary": summary}  # fmt: skip
-    return finish_run("benchmark/prefill.py", argv, body, args.out_dir, "prefill-{date}.json")
+    return finish_run("benchmark.prefill", argv, body, args.out_dir, "prefill-{date}.json")
 
 
 if __name__ == "__main__":

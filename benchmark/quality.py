@@ -24,22 +24,19 @@ what decides, on the model's real post-RoPE queries and keys:
 
 Writes ``benchmark/results/quality-<date>.json`` and prints compact tables::
 
-    python benchmark/quality.py                  # full run, about 8 min on 2 CPU cores
-    python benchmark/quality.py --quick          # small smoke run
-    python benchmark/quality.py --passkey-prefill question --out benchmark/results/quality-<date>-question.json
+    python -m benchmark.quality                  # full run (minutes on a few CPU cores)
+    python -m benchmark.quality --quick          # small smoke run
+    python -m benchmark.quality --passkey-prefill question --out benchmark/results/quality-<date>-question.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import math
 import random
 import re
-import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,16 +61,23 @@ from sparse_sglang.attention.reference import choose_reranked_reference
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.mem_cache import PageSummaries
-from sparse_sglang.testing.provenance import git_commit, save_result
+from sparse_sglang.testing.provenance import run_header, save_result
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULTS = SparseConfig(host_cache_gb=1.0)
 PAGE_SIZE = DEFAULTS.page_size
 DEFAULT_SELECTOR = DEFAULTS.selector
 LICENSES = Path("/usr/share/common-licenses")
-# The selectors this study scores: the sketch selector reads per-token key sketches, which need a key
-# basis (benchmark/probes/answer_levers.py measures it with several).
+# The selectors this study scores. The sketch selector reads per-token key sketches projected on a
+# key basis fitted per model (sparse_sglang.calibrate); this study's summaries hold page bounds
+# only, so it leaves sketch out and says so in its result (answer_levers scores sketch, several bases).
 CPU_SELECTORS = tuple(s for s in SELECTORS if "sketch" not in SELECTORS[s].summaries)
+LEFT_OUT_SELECTORS = {
+    s: "scores per-token key sketches on a fitted key basis, which this study's page summaries do not hold: "
+    "python -m benchmark.probes.answer_levers --policies sketchpkg,... scores it on the accuracy items"
+    for s in SELECTORS
+    if s not in CPU_SELECTORS
+}
 ORACLE = "oracle"  # Q2 only: pages ranked by their true attention mass (the best any selector can do)
 TARGET_RECALL = 0.90  # mean over layers, default selector, budget 512, ~7K tokens
 
@@ -640,6 +644,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.tokens, args.budgets, args.lengths, args.depths = 1024, [256, 512], [1024], [0.5]
     torch.manual_seed(args.seed)
+    for selector, why in LEFT_OUT_SELECTORS.items():
+        print(f"quality: selector {selector!r} left out: {why}", flush=True)
     start = time.monotonic()
     tokenizer, model = load_model()
     scale = model.model.layers[0].self_attn.scaling
@@ -654,18 +660,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     passkey = passkey_table(tokenizer, model, args.lengths, args.depths, pk_policies, args.new_tokens, args.seed,
                             args.passkey_prefill)  # fmt: skip
-    today = datetime.date.today().isoformat()
     result = {
-        "device": "cpu",
-        "commit": git_commit(),
-        "date": today,
-        "command": shlex.join(sys.orig_argv),
+        **run_header("benchmark.quality", argv, device="cpu"),
         "model": "SmolLM2-135M-Instruct (bf16 weights, run in float32, transformers, CPU)",
         "torch_threads": torch.get_num_threads(),
         "recall_setup": {"tokens": len(ids), "queries": args.queries, "text": str(LICENSES), "page_size": PAGE_SIZE,
                          "recall": "dense softmax mass on the selected pages, per query head; mean over queries "
                                    "and heads per layer, then over layers",
-                         "rel_err": "|o_sparse - o_dense| / |o_dense| per query head, same averaging"},
+                         "rel_err": "|o_sparse - o_dense| / |o_dense| per query head, same averaging",
+                         "selectors_left_out": LEFT_OUT_SELECTORS},
         "recall": recall,
         "passkey_setup": {"lengths": args.lengths, "depths": args.depths, "new_tokens": args.new_tokens,
                           "seed": args.seed, "default_policy": asdict(Policy()),
@@ -675,7 +678,7 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     result["summary"] = summarize_results(recall, passkey, pk_policies, len(ids), args.passkey_prefill)
     result["run_time_s"] = round(time.monotonic() - start, 1)
-    out = args.out or args.out_dir / f"quality-{today}.json"
+    out = args.out or args.out_dir / f"quality-{result['date']}.json"
     save_result(result, out)
     print_tables(result)
     print(f"wrote {out}")

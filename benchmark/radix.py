@@ -20,9 +20,9 @@ each request alone), ``host_gb_per_group`` (host KV kept per group: the slope ov
 off), ``throughput_ratio_vs_no_radix`` (output tokens per second over the whole workload),
 ``ttft_rest_ratio_vs_no_radix`` (median TTFT of the concurrent requests, radix on / off).
 
-    python benchmark/radix.py                           # 8 groups x 16 requests, 16K-token prefixes
+    python -m benchmark.radix                           # 8 groups x 16 requests, 16K-token prefixes
                                                         # (estimate: two server starts + ~2.5 minutes)
-    python benchmark/radix.py --groups 16 --per-group 32   # the issue's example size (not yet run)
+    python -m benchmark.radix --groups 16 --per-group 32   # the issue's example size (not yet run)
 
 Writes ``benchmark/results/radix-<date>.json``.
 """
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ttft_rest_ratio_vs_no_radix": r["ttft_rest_median_s"] / n["ttft_rest_median_s"],
     }  # fmt: skip
     body = {"workload": asdict(work), "flags": flags, "modes": summaries, "runs": runs, "summary": summary}
-    return finish_run("benchmark/radix.py", argv, body, args.out_dir, "radix-{date}.json")
+    return finish_run("benchmark.radix", argv, body, args.out_dir, "radix-{date}.json")
 
 
 if __name__ == "__main__":

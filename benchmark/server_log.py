@@ -9,11 +9,11 @@ time-weighted output throughput (tokens / seconds, each line's tokens = interval
 the means of the other values. It is the server's view, not the client's: a client cut off before
 writing its result (the serving benchmark) leaves these.
 
-    python benchmark/server_log.py NAME=LOG[@COMMIT] [...] [--baseline NAME] [--device NAME] [--out JSON]
+    python -m benchmark.server_log NAME=LOG[@COMMIT] [...] [--baseline NAME] [--device NAME] [--out JSON]
                                    [--hit-by-batch PNG]   # hit ratio and H2D vs batch size, per log
                                    [--first-seconds S]    # also: tokens decoded in each log's first S s
                                    [--step-fit]           # also: the decode step against the batch, the prefill's share
-    python benchmark/server_log.py --trace TRACE.json.gz [...]  # a profiler trace: idle GPU gaps and what the CPU did
+    python -m benchmark.server_log --trace TRACE.json.gz [...]  # a profiler trace: idle GPU gaps and what the CPU did
 
 ``--step-fit`` fits every interval between two decode lines (40 decode steps at ``R`` running
 requests, plus the prefill chunks logged in between) as ``40 x (a + b R) + c x prefill tokens``:
@@ -29,8 +29,6 @@ import datetime
 import gzip
 import json
 import re
-import shlex
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -364,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.trace:
         traces = {path: summarize_trace(load_events(path)) for path in args.trace}
-        print(json.dumps(traces, indent=1))
+        print(json.dumps(traces, indent=1))  # a reading of traces, not a result file
         return traces
     if not args.logs:
         parser.error("give server logs (NAME=LOG) or --trace")
@@ -378,8 +376,15 @@ def main(argv: list[str] | None = None) -> dict:
             runs[name]["first_seconds"] = first_seconds(texts[name], args.first_seconds)
         if args.step_fit:
             runs[name]["step_fit"] = step_fit(texts[name])
-    result = {"device": args.device, "date": datetime.date.today().isoformat(), "command": shlex.join(sys.orig_argv),
+    from sparse_sglang.testing.provenance import run_header
+
+    # The code and machine that wrote the logs, not this checkout's: as the command line names them.
+    commits = sorted({run["commit"] for run in runs.values()} - {None})
+    result = {**run_header("benchmark.server_log", argv, device=args.device or "unknown (no --device given)",
+                           commit=", ".join(commits) or "unknown (no NAME=LOG@COMMIT given)"),
               "runs": runs}  # fmt: skip
+    # Without a baseline the summary is each log's steady state; with one, each other log's ratios to it.
+    result["summary"] = {name: {k: r[k] for k in ("output_throughput", "running_mean")} for name, r in runs.items()}
     if args.hit_by_batch:
         result["hit_ratio_by_batch"] = {name: hit_ratio_by_batch(text) for name, text in texts.items()}
         plot_hit_ratio_by_batch(result["hit_ratio_by_batch"], args.hit_by_batch)

@@ -14,9 +14,9 @@ token pool that fits ``--kv-hbm-gb`` at that dtype's bytes per token; ``vanilla-
 the windows' second half), named in ``summary.baseline``. Each rate's window is 400 s by default
 (--max-seconds-per-rate), with enough arrivals to fill it.
 
-    python benchmark/serving.py --dry-run
-    python benchmark/serving.py --traces long-prompt --systems vanilla --time-budget 480
-    python benchmark/serving.py --combine OUT.json A.json [B.json ...]   # one file from several calls
+    python -m benchmark.serving --dry-run
+    python -m benchmark.serving --traces long-prompt --systems vanilla --time-budget 480
+    python -m benchmark.serving --combine OUT.json A.json [B.json ...]   # one file from several calls
         [--ablation NAME=SERVER_LOG_COMPARISON.json ...]                # kept whole under "ablations"
 """
 
@@ -44,6 +44,7 @@ import numpy as np
 import orjson
 import requests
 
+from benchmark.server_log import decoded_tokens, load_events, summarize_trace
 from sparse_sglang.config import GIB
 from sparse_sglang.testing.greedy import GreedyAgreement, nearer_than_selection, tp_steps_agree
 from sparse_sglang.testing.models import (
@@ -52,11 +53,15 @@ from sparse_sglang.testing.models import (
     kv_bytes_per_token,
     write_llama3_8b_dummy,
 )
-from sparse_sglang.testing.provenance import git_commit, save_result
-from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache, sse_events
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.server_log import decoded_tokens, load_events, summarize_trace  # noqa: E402
+from sparse_sglang.testing.provenance import module_command, run_header, save_result
+from sparse_sglang.testing.server import (
+    SPARSE_MODULE,
+    VANILLA_MODULE,
+    ServerProcess,
+    flush_cache,
+    generate_ids,
+    sse_events,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # Run in this order. "vanilla" keeps the sparse system's KV dtype; "vanilla-bf16" is bf16 KV.
@@ -977,9 +982,7 @@ def server_args(system: str, args: argparse.Namespace) -> list[str]:
 
 def warm_up(url: str) -> None:
     # The first request can pay for kernel JIT; keep that out of the first rate's TTFT.
-    sampling = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    body = {"input_ids": list(range(TOKEN_ID_RANGE[0], TOKEN_ID_RANGE[0] + 4096)), "sampling_params": sampling}
-    requests.post(url + "/generate", json=body, timeout=600).raise_for_status()
+    generate_ids(url, list(range(TOKEN_ID_RANGE[0], TOKEN_ID_RANGE[0] + 4096)), 16)
 
 
 def profile_server(url: str, trace_dir: Path, steps: int, timeout: float = 300.0, settle: float = 5.0) -> dict:
@@ -1062,15 +1065,10 @@ def gpu_name() -> str:
     return subprocess.run(probe, capture_output=True, text=True).stdout.strip() or "unknown"
 
 
-def run_benchmark(plan: list[RatePlan], args: argparse.Namespace) -> dict:
+def run_benchmark(plan: list[RatePlan], args: argparse.Namespace, argv: list[str] | None = None) -> dict:
     deadline = time.monotonic() + args.time_budget if args.time_budget else None
     model = write_llama3_8b_dummy(Path(tempfile.gettempdir()) / "sparse-sglang-llama3-8b-dummy")
-    invocation = {
-        "command": shlex.join(sys.orig_argv),
-        "commit": git_commit(),
-        "device": gpu_name(),
-        "date": datetime.date.today().isoformat(),
-    }
+    invocation = run_header("benchmark.serving", argv, device=gpu_name())
     servers, results = {}, {}
     for system in args.systems:
         if deadline is not None and time.monotonic() >= deadline:
@@ -1338,7 +1336,8 @@ def parallel_summary(
     }
 
 
-def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path], tp2_beside_tp1: Path | None = None) -> dict:
+def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path], tp2_beside_tp1: Path | None = None,
+                   command: str | None = None) -> dict:  # fmt: skip
     """``serving.py --parallel OUT TP2.json TP1.json [TEST.json ...] [--tp2-beside-tp1 TP2.json]``:
     :func:`parallel_summary` in one file with its inputs (the GPU tests' records by name:
     tp2-exact-gpu-test.json, dp-gpu-test.json, tp2-vs-tp1-one-layer-gpu-test.json,
@@ -1352,6 +1351,7 @@ def write_parallel(out: Path, tp2: Path, tp1: Path, tests: list[Path], tp2_besid
         "device": first.get("device"),
         "date": first.get("date"),
         "commit": first.get("commit"),
+        "command": command,
         "summary": parallel_summary(
             tp2_doc,
             tp1_doc,
@@ -1426,7 +1426,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(
                 "usage: serving.py --parallel OUT.json TP2.json TP1.json [GPU-TEST.json ...] [--tp2-beside-tp1 TP2.json]"
             )
-        document = write_parallel(Path(words[1]), Path(words[2]), Path(words[3]), [Path(a) for a in words[4:]], beside)
+        document = write_parallel(Path(words[1]), Path(words[2]), Path(words[3]), [Path(a) for a in words[4:]], beside,
+                                  module_command("benchmark.serving", argv))  # fmt: skip
         print(f"summary: {json.dumps(document['summary'], indent=1)}\nwrote {argv[1]}")
         return
     args = parse_args(argv)
@@ -1434,7 +1435,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run:
         print_dry_run(plan, args)
         return
-    document = run_benchmark(plan, args)
+    document = run_benchmark(plan, args, argv)
     out = Path(args.merge_into or Path(args.out_dir) / f"serving-{document['date']}.json")
     if args.merge_into and out.exists():
         document = merge_documents(json.loads(out.read_text()), document)

@@ -26,10 +26,10 @@ Writes ``benchmark/results/soak-<date>.json`` whose summary holds ``requests``, 
 ``errors_5xx`` (must be 0), ``leaked_host_pages``, ``leaked_gpu_slots`` (must be 0) and
 ``output_matches_fresh``::
 
-    python benchmark/soak.py --requests 1000 --rate 8 --layers 4 --host-cache-gb 1.5 --request-timeout 300 \
+    python -m benchmark.soak --requests 1000 --rate 8 --layers 4 --host-cache-gb 1.5 --request-timeout 300 \
         --extra-server-args "--cuda-graph-max-bs-decode 64 --sparse-segmented-prefill true \
         --sparse-working-set-admission true --sparse-gpu-cache-gb 0.25"
-        # the 2026-11-23 run, with --abort-frac 0.8 (now the default): about 4 minutes on an H100
+        # a soak of the small shape with the opt-in admission paths on (docs/results.md gives its run)
 """
 
 from __future__ import annotations
@@ -39,27 +39,33 @@ import asyncio
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root holds `benchmark`
+import requests
 
-import aiohttp  # noqa: E402
-import requests  # noqa: E402
-
-from benchmark import fuzz  # noqa: E402
-from sparse_sglang.config import GIB, SparseConfig  # noqa: E402
-from sparse_sglang.default_model import default_model_path  # noqa: E402
-from sparse_sglang.testing.models import (  # noqa: E402
+from benchmark import fuzz
+from sparse_sglang.config import GIB, SparseConfig
+from sparse_sglang.default_model import default_model_path
+from sparse_sglang.testing.models import (
     LLAMA3_8B_CONFIG,
     LLAMA3_8B_KV_BYTES_PER_TOKEN,
     LLAMA3_8B_TOKEN_IDS,
     write_llama3_8b_dummy,
 )
-from sparse_sglang.testing.provenance import add_server_run_args, finish_run  # noqa: E402
-from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache, leaks, sparse_state  # noqa: E402
+from sparse_sglang.testing.provenance import add_server_run_args, finish_run
+from sparse_sglang.testing.server import (
+    SPARSE_MODULE,
+    ServerProcess,
+    flush_cache,
+    generate_ids,
+    healthy,
+    leaks,
+    post_body,
+    sparse_state,
+    unpooled_session,
+)
 
 # Synthetic prompt ids: clear of the special tokens, inside the vocabulary of the tokenizer served
 # (the default model's, which shrinks the 8B shape's vocabulary to its own)
@@ -121,24 +127,6 @@ def prompt_ids(rid: str, n: int) -> list[int]:
     return [rng.randrange(*TOKEN_IDS) for _ in range(n)]
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float,
-               route: str = "/generate") -> tuple[int, str]:  # fmt: skip
-    try:
-        async with session.post(url + route, data=body, headers={"Content-Type": "application/json"},
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as response:  # fmt: skip
-            return response.status, await response.text()
-    except (TimeoutError, aiohttp.ClientError) as err:
-        return 599, f"client: {err!r}"  # counted as a server failure: it never answered
-
-
-def client() -> aiohttp.ClientSession:
-    # No connection cap (aiohttp's default is 100): a request must reach the server when planned,
-    # or its abort would fire before the server knows its rid. A new connection per request:
-    # reusing an idle keep-alive one races uvicorn closing it after its 5 s keep-alive timeout,
-    # and the request then fails in the client ("Server disconnected") without reaching the server.
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
-
-
 def crasher_plan(n: int, span_s: float, seed: int, vocab_size: int, model: str) -> list[tuple[float, fuzz.FuzzCase]]:
     """``n`` of the fuzzer's bad requests (its seeded strategies, bad kinds only), each with a
     moment in ``[0, span_s)`` at which the mixed phase sends it."""
@@ -156,12 +144,12 @@ async def run_mixed(url: str, plan: list[SoakRequest], timeout: float,
                     crashers: list[tuple[float, fuzz.FuzzCase]] = ()) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """The mixed phase's requests (with their aborts) and, sent beside them, ``crashers``: one
     record per request of each."""
-    async with client() as session:
+    async with unpooled_session() as session:
         start = time.monotonic()
 
         async def crasher(at: float, case: fuzz.FuzzCase) -> dict:
             await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-            status, text = await send(session, url, case.body, timeout, case.route)
+            status, text = await post_body(session, url, case.body, timeout, case.route)
             return {"kind": case.kind, "route": case.route, "send_at": at, "status": status,
                     "error": None if status < 300 else text[:300]}  # fmt: skip
 
@@ -171,7 +159,7 @@ async def run_mixed(url: str, plan: list[SoakRequest], timeout: float,
             body = json.dumps(
                 {"rid": r.rid, "input_ids": prompt_ids(r.rid, r.prompt_tokens), "sampling_params": params}
             )
-            task = asyncio.create_task(send(session, url, body.encode(), timeout))
+            task = asyncio.create_task(post_body(session, url, body.encode(), timeout))
             aborted = False
             if r.abort_after is not None:
                 done, _ = await asyncio.wait({task}, timeout=r.abort_after)
@@ -190,14 +178,14 @@ async def run_mixed(url: str, plan: list[SoakRequest], timeout: float,
 
 
 async def run_burst(url: str, n: int, prompt_tokens: int, timeout: float) -> list[dict]:
-    async with client() as session:
+    async with unpooled_session() as session:
         params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
 
         async def one(i: int) -> dict:
             rid = f"burst-{i}"
             body = json.dumps({"rid": rid, "input_ids": prompt_ids(rid, prompt_tokens), "sampling_params": params})
             started = time.monotonic()
-            status, text = await send(session, url, body.encode(), timeout)
+            status, text = await post_body(session, url, body.encode(), timeout)
             return {"rid": rid, "status": status, "latency_s": round(time.monotonic() - started, 2),
                     "error": None if status == 200 else text[:300]}  # fmt: skip
 
@@ -215,10 +203,8 @@ def settled(server: ServerProcess, idle: dict) -> dict:
 
 
 def probe(url: str) -> list[int]:
-    body = {"input_ids": prompt_ids("probe", 3000), "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
-    response = requests.post(url + "/generate", json=body, timeout=300)
-    response.raise_for_status()
-    return response.json()["output_ids"]
+    """The fixed greedy request whose tokens must not change over the run."""
+    return generate_ids(url, prompt_ids("probe", 3000), 32)["output_ids"]
 
 
 def summarize(result: dict) -> dict:
@@ -285,8 +271,7 @@ def run(args) -> dict:
             response = requests.post(
                 url + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=300
             )
-            healthy = requests.get(url + "/health", timeout=60).status_code == 200
-            bad[name] = {"status": response.status_code, "reason": response.text[:300], "healthy_after": healthy}
+            bad[name] = {"status": response.status_code, "reason": response.text[:300], "healthy_after": healthy(url)}
         burst_tokens = int(args.host_cache_gb * GIB // kv_bytes_per_token * 0.4)  # two or so fit at once
         burst = asyncio.run(run_burst(url, args.burst, burst_tokens, args.request_timeout))
         flushed = flush_cache(url, 60)
@@ -308,7 +293,7 @@ def main(argv=None) -> dict:
         "--abort-frac",
         type=float,
         default=0.8,
-        help="share of requests given an abort moment; 60%% of those finished first (2026-11-23 run)",
+        help="share of requests given an abort moment (some finish before theirs comes)",
     )
     parser.add_argument("--burst", type=int, default=50)
     parser.add_argument(
@@ -326,7 +311,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--extra-server-args", default="")
     add_server_run_args(parser, "soak")
     args = parser.parse_args(argv)
-    return finish_run("benchmark/soak.py", argv, run(args), args.out_dir, "soak-{date}.json")
+    return finish_run("benchmark.soak", argv, run(args), args.out_dir, "soak-{date}.json")
 
 
 if __name__ == "__main__":

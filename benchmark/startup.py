@@ -8,8 +8,8 @@ RAM, as the launcher's); its log's own lines say where the rest went. Writes
 ``benchmark/results/startup-<date>.json`` with ``summary.start_overhead_s`` (sparse minus vanilla,
 medians over ``--repeats``)::
 
-    python benchmark/startup.py                                   # the 8B shape, the default host store
-    python benchmark/startup.py --sparse-host-cache-gb 92 --warmup   # FlashInfer's JIT done before timing
+    python -m benchmark.startup                                   # the 8B shape, the default host store
+    python -m benchmark.startup --sparse-host-cache-gb 92 --warmup   # FlashInfer's JIT done before timing
 """
 
 from __future__ import annotations
@@ -17,11 +17,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root holds `benchmark`
 
 SYSTEMS = ("vanilla", "sparse")
 
@@ -111,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--start-timeout", type=float, default=900.0)
     add_server_run_args(parser, "startup")
     args = parser.parse_args(argv)
-    return finish_run("benchmark/startup.py", argv, run(args), args.out_dir, "startup-{date}.json")
+    return finish_run("benchmark.startup", argv, run(args), args.out_dir, "startup-{date}.json")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Transfer-engine benchmark for the GPU host: FlashH2D, FlashD2H and direct-write saving vs. the PCIe limits.
 
-    PYTHONPATH=python python benchmark/transfer.py [--out-dir DIR]
+    python -m benchmark.transfer [--out-dir DIR]
 
 In one run (kernel compile included, about two minutes): contiguous pinned 1 GiB host->device and
 device->host copies (the physical limit); one cudaMemcpyAsync per block; FlashH2D for 4-64 KiB
@@ -14,17 +14,14 @@ save path takes. Writes benchmark/results/transfer-<date>.json and prints a tabl
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from sparse_sglang.testing.provenance import git_commit, save_result
+from sparse_sglang.testing.provenance import run_header, save_result
 from sparse_sglang.transfer import (
     DirectD2H,
     FlashD2H,
@@ -350,12 +347,8 @@ def main(argv: list[str] | None = None) -> dict:
         and all(r[p]["verified"] for r in d2h for p in ("staged", "direct")),
     }  # fmt: skip
     summary["targets_met"] = {k: summary[k] >= v for k, v in TARGETS.items()}
-    date = datetime.date.today().isoformat()
     result = {
-        "device": torch.cuda.get_device_name(),
-        "commit": args.commit or git_commit(),
-        "date": date,
-        "command": shlex.join(sys.orig_argv),
+        **run_header("benchmark.transfer", argv, commit=args.commit),
         "config": {
             "dtype": str(DTYPE),
             "kv_heads": HEADS,
@@ -377,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": summary,
         "wall_s": time.perf_counter() - began,
     }
-    out = save_result(result, Path(args.out_dir) / f"transfer-{date}.json")
+    out = save_result(result, Path(args.out_dir) / f"transfer-{result['date']}.json")
     print_table(result)
     print(f"wrote {out} ({result['wall_s']:.0f} s, compile {compiled:.0f} s)")
     return result

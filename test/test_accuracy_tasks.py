@@ -212,7 +212,6 @@ def test_reference_table_scores_each_policy_and_its_agreement_with_dense_by_fami
 BUILD_IN_A_PROCESS = """
 import hashlib, json, logging, sys, types
 
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/python"]
 from benchmark import accuracy
 
 
@@ -226,7 +225,7 @@ class WordTokenizer:
         return turns + "<|im_start|>assistant\\n"
 
 
-if sys.argv[2] == "patched":
+if sys.argv[1] == "patched":
     def warning_once(self, *args):
         \"\"\"Emit the warning with the same message only once, however many callers reach it with that text.\"\"\"
 
@@ -247,8 +246,8 @@ def test_items_are_the_same_whatever_the_hash_seed_and_the_imports_before():
     repo = str(Path(accuracy.__file__).resolve().parents[1])
     builds = []
     for hash_seed, imports in (("1", "plain"), ("2", "patched")):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        out = subprocess.run([sys.executable, "-c", BUILD_IN_A_PROCESS, repo, imports], env=env, check=True,
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": f"{repo}:{repo}/python"}
+        out = subprocess.run([sys.executable, "-c", BUILD_IN_A_PROCESS, imports], env=env, check=True,
                              capture_output=True, text=True).stdout  # fmt: skip
         builds.append(json.loads(out))
     assert len(builds[0]) == 4

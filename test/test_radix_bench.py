@@ -4,16 +4,13 @@ against a stand-in of SGLang's /generate and /get_server_info that caches each g
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
-from pathlib import Path
 
 import orjson
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.radix import Workload, run_workload, slope, summarize  # noqa: E402
-from sparse_sglang.config import GIB  # noqa: E402
+from benchmark.radix import Workload, run_workload, slope, summarize
+from sparse_sglang.config import GIB
 
 
 def test_a_groups_requests_share_its_prefix_and_nothing_else():

@@ -13,9 +13,6 @@ outputs are written to ``$SPARSE_SGLANG_RESULTS_DIR`` (if set) as JSON.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import time
 from pathlib import Path
 
@@ -24,7 +21,7 @@ import requests
 
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.testing.models import write_llama3_8b_dummy
-from sparse_sglang.testing.provenance import git_commit
+from sparse_sglang.testing.provenance import save_gpu_test_record
 from sparse_sglang.testing.server import SPARSE_MODULE, VANILLA_MODULE, ServerProcess, flush_cache
 
 pytestmark = pytest.mark.gpu
@@ -174,24 +171,12 @@ def test_prefill_graphs_serve_like_vanilla(smollm2_path, tmp_path):
 
 
 def _record(model: str, outputs: dict, meta: dict) -> None:
-    out_dir = os.environ.get("SPARSE_SGLANG_RESULTS_DIR")
-    if not out_dir:
-        return
-    import torch
-
-    path = Path(out_dir) / f"gpu-server-test-{model}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(
-            {
-                "device": torch.cuda.get_device_name(0),
-                "date": datetime.date.today().isoformat(),
-                "commit": git_commit(),
-                "model": model,
-                "servers": meta,
-                "outputs": outputs,
-                "summary": {"sparse_equals_vanilla": outputs["sparse"] == outputs["vanilla"]},
-            },
-            indent=2,
-        )
+    save_gpu_test_record(
+        f"gpu-server-test-{model}.json",
+        {
+            "model": model,
+            "servers": meta,
+            "outputs": outputs,
+            "summary": {"sparse_equals_vanilla": outputs["sparse"] == outputs["vanilla"]},
+        },
     )

@@ -459,7 +459,7 @@ def _result(rate, tok_s, complete=True):
 
 def _document(system, runs_by_trace):
     results = {trace: {system: runs} for trace, runs in runs_by_trace.items()}
-    invocation = {"command": f"python benchmark/serving.py --systems {system}", "commit": "abc",
+    invocation = {"command": f"python -m benchmark.serving --systems {system}", "commit": "abc",
                   "device": "NVIDIA H100", "date": "2026-01-10"}  # fmt: skip
     return {**invocation, "servers": {system: {"command": f"python -m {system}"}},
             "traces": {t: {} for t in runs_by_trace}, "invocations": [invocation], "results": results,

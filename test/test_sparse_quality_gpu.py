@@ -17,9 +17,7 @@ Results go to ``$SPARSE_SGLANG_RESULTS_DIR/gpu-quality.json``, ``gpu-quality-rad
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import random
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import requests
 from benchmark.quality import passkey_answer
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.testing.greedy import completion, greedy_agreement
-from sparse_sglang.testing.provenance import git_commit
+from sparse_sglang.testing.provenance import save_gpu_test_record
 from sparse_sglang.testing.server import SPARSE_MODULE, ServerProcess, flush_cache
 
 pytestmark = pytest.mark.gpu
@@ -161,7 +159,7 @@ def test_q1_and_q4_through_the_server(tmp_path):
     }
     record = {"summary": summary, "q1": {"prompts": prompts, "dense": dense["out"]["q1"], "sparse": exact["out"]["q1"]},
               "q4": {"budget": PASSKEY_BUDGET, "reselect_interval": RESELECT_INTERVAL, "rows": rows}}  # fmt: skip
-    save_result("gpu-quality.json", record)
+    save_gpu_test_record("gpu-quality.json", record)
     print(json.dumps(summary))
     assert summary["q1_server_equal"], summary
     assert summary["passkey_server_equal"], summary
@@ -208,22 +206,13 @@ def test_q4_with_coarse_first_selection(tmp_path):
         "passkey_sparse_correct_coarse4": sum(r["sparse_coarse_has_key"] for r in rows),
         "decode_steps_coarse_first": coarse["out"]["coarse_steps"],
     }
-    save_result(
+    save_gpu_test_record(
         "gpu-quality-coarse.json", {"summary": summary, "flags": COARSE, "budget": PASSKEY_BUDGET, "rows": rows}
     )
     print(json.dumps(summary))
     long_cases = sum(c["length"] > 2048 for c in cases)  # every answer token there but the prefill's
     assert summary["decode_steps_coarse_first"] >= 7 * long_cases, summary
     assert summary["passkey_server_equal_coarse4"], summary
-
-
-def save_result(name: str, record: dict) -> None:
-    if os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
-        import torch
-
-        record = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
-                  "commit": git_commit(), **record}  # fmt: skip
-        Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], name).write_text(json.dumps(record, indent=1))
 
 
 def test_a_radix_hit_decodes_like_plain_sglang(tmp_path):
@@ -238,7 +227,7 @@ def test_a_radix_hit_decodes_like_plain_sglang(tmp_path):
     summary = {"radix_hit_cached_tokens": exact["out"]["cached_tokens"], **agreement.as_dict(),
                "within": agreement.within(RADIX_LOGPROB_TOL, RADIX_NEAR_TIE),
                "logprob_tol": RADIX_LOGPROB_TOL, "near_tie": RADIX_NEAR_TIE}  # fmt: skip
-    save_result("gpu-quality-radix.json", {"summary": summary, "dense": dense["out"], "sparse": exact["out"]})
+    save_gpu_test_record("gpu-quality-radix.json", {"summary": summary, "dense": dense["out"], "sparse": exact["out"]})
     print(json.dumps(summary))
     assert exact["sparse_backend"] and not dense["sparse_backend"]
     assert summary["radix_hit_cached_tokens"] > 0, summary

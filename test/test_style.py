@@ -3,6 +3,7 @@ texts carry no commit ids or result file names (those belong in docs/)."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -43,3 +44,18 @@ def test_results_keep_the_newest_files_and_no_logs():
     ]
     scripts = [p for p in (ROOT / "benchmark").glob("*.py") if p.name != "__init__.py"]
     assert len(scripts) <= 12, sorted(p.name for p in scripts)
+
+
+def test_every_result_file_says_where_it_came_from():
+    """Each result document names its device, commit, date and command (non-empty text: where a
+    value was not recorded, the file says so in words) and holds its numbers' summary (a mapping)."""
+    lacking = {}
+    for path in sorted((ROOT / "benchmark" / "results").glob("*.json")):
+        doc = json.loads(path.read_text())
+        bad = [
+            key for key in ("device", "commit", "date", "command") if not (isinstance(doc.get(key), str) and doc[key])
+        ]
+        bad += [] if isinstance(doc.get("summary"), dict) else ["summary"]
+        if bad:
+            lacking[path.name] = bad
+    assert not lacking, lacking

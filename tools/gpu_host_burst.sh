@@ -68,7 +68,7 @@ job_grid() {
   for variant in "${variants[@]}"; do
     name=${variant%%=*}
     for i in "${!devices[@]}"; do
-      CUDA_VISIBLE_DEVICES=${devices[$i]} python3 benchmark/accuracy.py grid --items .accuracy/items.json.gz \
+      CUDA_VISIBLE_DEVICES=${devices[$i]} python3 -m benchmark.accuracy grid --items .accuracy/items.json.gz \
         --out-dir "/root/o/acc${name:+-$name}" --shard "$i/${#devices[@]}" --parallel "${GRID_PARALLEL:-9}" --stagger "${GRID_STAGGER:-15}" \
         --sparse-args "${GRID_SPARSE_ARGS:-} ${variant#*=}" ${GRID_CONFIGS:+--configs "$GRID_CONFIGS"} ${GRID_ARGS:-} &
     done
@@ -77,23 +77,23 @@ job_grid() {
 }
 job_decode() {  # the decode step, 8B shape: today's default selector and the sketch selector
   for selector in quest sketch; do
-    python3 benchmark/decode.py --contexts ${DECODE_CONTEXTS:-131072} --batches ${DECODE_BATCHES:-32} \
+    python3 -m benchmark.decode --contexts ${DECODE_CONTEXTS:-131072} --batches ${DECODE_BATCHES:-32} \
       --selector "$selector" --out-dir /root/o ${DECODE_ARGS:-}
   done
 }
 job_decode_bounds() {  # the default page bounds' decode step against quest's min/max, each cell side by side
   local kv
   for kv in bf16 fp8_e4m3; do
-    python3 benchmark/decode.py --cells "${DECODE_CELLS:-131072x32,32768x8}" --versus-minmax --kv-dtype "$kv" \
+    python3 -m benchmark.decode --cells "${DECODE_CELLS:-131072x32,32768x8}" --versus-minmax --kv-dtype "$kv" \
       --miss-fracs 0.1 --out-dir /root/o ${DECODE_ARGS:-}
   done
 }
 job_decode_rerank() {  # the default with the exact re-rank of twice the candidates against quest's min/max, each KV dtype
   local kv
   for kv in bf16 fp8_e4m3; do
-    python3 benchmark/decode.py --cells "${DECODE_CELLS:-131072x32,32768x8}" --kv-dtype "$kv" --page-bounds minmax \
+    python3 -m benchmark.decode --cells "${DECODE_CELLS:-131072x32,32768x8}" --kv-dtype "$kv" --page-bounds minmax \
       --miss-fracs 0.1 --out-dir /root/o ${DECODE_ARGS:-}
-    python3 benchmark/decode.py --cells "${DECODE_CELLS:-131072x32,32768x8}" --kv-dtype "$kv" --rerank-factor 2 --kernels \
+    python3 -m benchmark.decode --cells "${DECODE_CELLS:-131072x32,32768x8}" --kv-dtype "$kv" --rerank-factor 2 --kernels \
       --miss-fracs 0.1 --out-dir /root/o ${DECODE_ARGS:-}
   done
 }
@@ -131,21 +131,21 @@ job_dp() { python3 -m pytest -m gpu -q -s test/test_dp_gpu.py; }  # a two-GPU ho
 # the same ($TP_TEST_ARGS, e.g. -k rounding_cannot; $SPARSE_SGLANG_TP_PROMPT_SEED: held-out prompts)
 job_tp() { eval "python3 -m pytest -m gpu -q -s test/test_tp_gpu.py ${TP_TEST_ARGS:-}"; }
 job_fuzz() {
-  python3 benchmark/fuzz.py --launch --requests "${FUZZ_REQUESTS:-5000}" --extra-server-args \
+  python3 -m benchmark.fuzz --launch --requests "${FUZZ_REQUESTS:-5000}" --extra-server-args \
     "--sparse-host-cache-gb 4 --mem-fraction-static 0.1" --out-dir /root/o --log-dir /root/o/fuzz-logs
 }
 job_soak() {
-  python3 benchmark/soak.py --requests "${SOAK_REQUESTS:-300}" --rate 1.5 --host-cache-gb 24 --burst 20 \
+  python3 -m benchmark.soak --requests "${SOAK_REQUESTS:-300}" --rate 1.5 --host-cache-gb 24 --burst 20 \
     --request-timeout 240 --crashers "${SOAK_CRASHERS:-500}" --extra-server-args "--cuda-graph-max-bs-decode 64" \
     --out-dir /root/o --log-dir /root/o/soak-logs
 }
 job_pin() {
-  python3 benchmark/probes/pin_rate.py --gib 8 --out /root/o/pin-rate.json
+  python3 -m benchmark.probes.pin_rate --gib 8 --out /root/o/pin-rate.json
   python3 -m pytest -m gpu -q -s test/test_pinned_store.py
 }
 job_startup() {
   # warm-up starts (untimed, less GPU memory: jobs beside them may hold some) compile FlashInfer's modules
-  python3 benchmark/startup.py --sparse-host-cache-gb 92 --repeats "${STARTUP_REPEATS:-1}" --warmup \
+  python3 -m benchmark.startup --sparse-host-cache-gb 92 --repeats "${STARTUP_REPEATS:-1}" --warmup \
     --warmup-args "--mem-fraction-static 0.5" --vanilla-args "--attention-backend flashinfer" \
     --out-dir /root/o --log-dir /root/o/startup-logs
 }
@@ -156,8 +156,8 @@ job_serving() {
   local sparse="--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${SERVING_SPARSE_EXTRA:-}"
   local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64" --sparse-server-args "$sparse"
     --out-dir /root/o --log-dir /root/o/serving-logs --merge-into "/root/o/${SERVING_FILE:-serving}.json")
-  python3 benchmark/serving.py --systems "${SERVING_SYSTEMS:-vanilla,sparse}" --traces long-generation --rates-long-generation 2.0 "${common[@]}"
-  python3 benchmark/serving.py --systems "${SERVING_SYSTEMS:-vanilla,sparse}" --traces long-prompt --rates-long-prompt 0.8 "${common[@]}"
+  python3 -m benchmark.serving --systems "${SERVING_SYSTEMS:-vanilla,sparse}" --traces long-generation --rates-long-generation 2.0 "${common[@]}"
+  python3 -m benchmark.serving --systems "${SERVING_SYSTEMS:-vanilla,sparse}" --traces long-prompt --rates-long-prompt 0.8 "${common[@]}"
 }
 
 job_serving_pair() {
@@ -180,13 +180,13 @@ job_serving_pair() {
   for trace in "${pairs[@]}"; do
     read -r trace rate <<< "$trace"
     # vanilla takes the sparse servers' KV dtype and scales from --sparse-server-args
-    CUDA_VISIBLE_DEVICES=${devices[0]} python3 benchmark/serving.py --systems vanilla --traces "$trace" "--rates-$trace" "$rate" \
+    CUDA_VISIBLE_DEVICES=${devices[0]} python3 -m benchmark.serving --systems vanilla --traces "$trace" "--rates-$trace" "$rate" \
       "${common[@]}" --sparse-server-args "$base" --log-dir /root/o/serving-logs --merge-into /root/o/serving-vanilla.json \
       > "/root/o/serving-vanilla-$trace.log" 2>&1 &
     gpu=1
     for variant in "${variants[@]}"; do
       name=${variant%%=*}; flags=${variant#*=}; tag=sparse${name:+-$name}
-      CUDA_VISIBLE_DEVICES=${devices[$gpu]} python3 benchmark/serving.py --systems sparse --traces "$trace" "--rates-$trace" "$rate" \
+      CUDA_VISIBLE_DEVICES=${devices[$gpu]} python3 -m benchmark.serving --systems sparse --traces "$trace" "--rates-$trace" "$rate" \
         "${common[@]}" --sparse-server-args "$base $flags" --log-dir "/root/o/serving-logs${name:+/$name}" \
         --merge-into "/root/o/serving-$tag.json" > "/root/o/serving-$tag-$trace.log" 2>&1 &
       gpu=$((gpu + 1))
@@ -195,13 +195,13 @@ job_serving_pair() {
   done
   for variant in "${variants[@]}"; do
     name=${variant%%=*}; tag=sparse${name:+-$name}
-    python3 benchmark/serving.py --combine "/root/o/${SERVING_FILE:-serving}${name:+-$name}.json" /root/o/serving-vanilla.json \
+    python3 -m benchmark.serving --combine "/root/o/${SERVING_FILE:-serving}${name:+-$name}.json" /root/o/serving-vanilla.json \
       "/root/o/serving-$tag.json"
   done
   # variants named default and quest: the default's ratio over quest's (summary ratio_vs_quest_default)
   local f=/root/o/${SERVING_FILE:-serving}
   if [ -f "$f-default.json" ] && [ -f "$f-quest.json" ]; then
-    python3 benchmark/serving.py --versus-quest "$f-vs-quest.json" "$f-default.json" "$f-quest.json"
+    python3 -m benchmark.serving --versus-quest "$f-vs-quest.json" "$f-default.json" "$f-quest.json"
   fi
 }
 
@@ -235,17 +235,17 @@ job_serving_tp2() {
   if [ ${#devices[@]} -lt 4 ]; then  # one invocation per system: each run's record is written when it ends
     IFS=',' read -ra systems <<< "${TP2_SYSTEMS:-vanilla,sparse}"
     for system in "${systems[@]}"; do
-      python3 benchmark/serving.py --systems "$system" "${args[@]}" --merge-into "/root/o/${TP2_INTO:-serving-tp2$v}.json"
+      python3 -m benchmark.serving --systems "$system" "${args[@]}" --merge-into "/root/o/${TP2_INTO:-serving-tp2$v}.json"
     done
     return
   fi
   # vanilla takes the sparse server's KV dtype and scales from --sparse-server-args
-  CUDA_VISIBLE_DEVICES=${devices[0]},${devices[1]} python3 benchmark/serving.py --systems vanilla "${args[@]}" \
+  CUDA_VISIBLE_DEVICES=${devices[0]},${devices[1]} python3 -m benchmark.serving --systems vanilla "${args[@]}" \
     --merge-into /root/o/serving-tp2-vanilla.json > /root/o/serving-tp2-vanilla.log 2>&1 &
-  CUDA_VISIBLE_DEVICES=${devices[2]},${devices[3]} python3 benchmark/serving.py --systems sparse "${args[@]}" \
+  CUDA_VISIBLE_DEVICES=${devices[2]},${devices[3]} python3 -m benchmark.serving --systems sparse "${args[@]}" \
     --merge-into "/root/o/serving-tp2-sparse$v.json" > "/root/o/serving-tp2-sparse$v.log" 2>&1 &
   wait
-  python3 benchmark/serving.py --combine "/root/o/serving-tp2$v.json" /root/o/serving-tp2-vanilla.json "/root/o/serving-tp2-sparse$v.json"
+  python3 -m benchmark.serving --combine "/root/o/serving-tp2$v.json" /root/o/serving-tp2-vanilla.json "/root/o/serving-tp2-sparse$v.json"
 }
 job_serving_tp2_sparse() {
   # sparse TP=2 alone on the job's two GPUs, into serving-tp2-alone-<variant>.json (its own name:
@@ -255,7 +255,7 @@ job_serving_tp2_sparse() {
   local v=${JOB_VARIANT:+-$JOB_VARIANT}
   TP2_SYSTEMS=sparse TP2_INTO=serving-tp2-alone$v job_serving_tp2 || return 1
   if [ -e /root/o/serving-tp2-vanilla.json ]; then
-    python3 benchmark/serving.py --combine "/root/o/serving-tp2$v.json" /root/o/serving-tp2-vanilla.json "/root/o/serving-tp2-alone$v.json"
+    python3 -m benchmark.serving --combine "/root/o/serving-tp2$v.json" /root/o/serving-tp2-vanilla.json "/root/o/serving-tp2-alone$v.json"
   fi
 }
 job_parallel() {
@@ -269,7 +269,7 @@ job_parallel() {
   if [ -e "$alone" ]; then
     if [ -e "$tp2" ]; then beside=(--tp2-beside-tp1 "$alone"); else tp2=$alone; fi
   fi
-  python3 benchmark/serving.py --parallel "/root/o/parallel-$(date +%F)$v.json" "$tp2" \
+  python3 -m benchmark.serving --parallel "/root/o/parallel-$(date +%F)$v.json" "$tp2" \
     "${TP1_JSON:-/root/o/serving-tp1$v.json}" /root/o/tp2-exact-gpu-test.json /root/o/dp-gpu-test.json \
     /root/o/tp2-vs-tp1-one-layer-gpu-test.json /root/o/tp2-vs-tp1-gpu-test.json "${beside[@]}"
 }
@@ -278,7 +278,7 @@ job_serving_tp1() {
   # (on four GPUs it runs in the stage before or after serving_tp2@0/1/2/3, so one start has all three)
   local flags v=${JOB_VARIANT:+-$JOB_VARIANT} devices=${CUDA_VISIBLE_DEVICES:-0}
   flags=$(tp_variant_flags) || return 1
-  CUDA_VISIBLE_DEVICES=${devices%%,*} python3 benchmark/serving.py --systems sparse \
+  CUDA_VISIBLE_DEVICES=${devices%%,*} python3 -m benchmark.serving --systems sparse \
     --sparse-host-cache-gb 92 --sparse-server-args "--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1 ${TP_SPARSE_EXTRA:-} $flags" \
     --traces long-generation --rates-long-generation "${TP1_RATE:-2.0}" --max-seconds-per-rate "${TP_WINDOW:-600}" \
     --out-dir /root/o --log-dir "/root/o/serving-tp1-logs$v" --merge-into "/root/o/serving-tp1$v.json"

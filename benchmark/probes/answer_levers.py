@@ -3,7 +3,7 @@ float32, exact bounds) on items of the accuracy suite that dense answers right, 
 policies, one of them an oracle (pages ranked by their true attention mass, summed over the kv
 head's query heads) that no selector reaches but that bounds what page selection can keep.
 
-    python benchmark/probes/answer_levers.py --items items.json.gz --runs dense.json --budget 512 --length 2048 --limit 15
+    python -m benchmark.probes.answer_levers --items items.json.gz --runs dense.json --budget 512 --length 2048 --limit 15
 """
 
 from __future__ import annotations
@@ -12,18 +12,14 @@ import argparse
 import copy
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmark"))
-import accuracy  # noqa: E402
-import quality  # noqa: E402
-
-from sparse_sglang.attention import select_pages, sparse_attention_reference  # noqa: E402
-from sparse_sglang.mem_cache.key_sketch import KeyBasis  # noqa: E402
+from benchmark import accuracy, quality
+from sparse_sglang.attention import select_pages, sparse_attention_reference
+from sparse_sglang.mem_cache.key_sketch import KeyBasis
+from sparse_sglang.testing.provenance import run_header, save_result
 
 
 class OracleDecoder(quality.SparseDecoder):
@@ -493,7 +489,9 @@ def main() -> None:
         print(row, flush=True)
     means = {k: round(sum(r[k] for r in rows) / len(rows), 3) for k in rows[0] if k != "id"}
     print("means", means)
-    Path(args.out).write_text(json.dumps({"budget": args.budget, "length": args.length, "rows": rows, "means": means}))
+    header = run_header("benchmark.probes.answer_levers", None, device=str(model.device))
+    # summary: each policy's mean score over the items (an item's score under RULER's rule)
+    save_result({**header, "budget": args.budget, "length": args.length, "rows": rows, "summary": means}, args.out)
 
 
 if __name__ == "__main__":

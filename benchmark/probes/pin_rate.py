@@ -2,19 +2,19 @@
 threads faulting the memory in and one ``cudaHostRegister`` (``alloc_pinned_parallel``), by
 thread count. Decided how the host store is pinned (docs/results.md, "Start-up").
 
-    python benchmark/probes/pin_rate.py --gib 8 --out pin-rate.json
+    python -m benchmark.probes.pin_rate --gib 8 --out pin-rate.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
 
+from sparse_sglang.testing.provenance import run_header, save_result
 from sparse_sglang.transfer.layout import plan_pin_chunks
 from sparse_sglang.transfer.native import host_ext
 
@@ -45,10 +45,14 @@ def main(argv=None) -> dict:
         row.update(seconds=round(row["seconds"], 3), gb_per_s=round(nbytes / row["seconds"] / 1e9, 2))
         print(row, flush=True)
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    result = {"device": torch.cuda.get_device_name(), "gib": args.gib, "cpus": os.cpu_count(),
-              "transparent_hugepage": thp.read_text().strip() if thp.exists() else None, "rows": rows}  # fmt: skip
+    threaded = max((r for r in rows if "threads" in r), key=lambda r: r["gb_per_s"])
+    summary = {"cuda_host_alloc_gb_per_s": rows[0]["gb_per_s"], "threaded_best_gb_per_s": threaded["gb_per_s"],
+               "threaded_best_threads": threaded["threads"]}  # fmt: skip
+    result = {**run_header("benchmark.probes.pin_rate", argv), "gib": args.gib, "cpus": os.cpu_count(),
+              "transparent_hugepage": thp.read_text().strip() if thp.exists() else None, "rows": rows,
+              "summary": summary}  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        save_result(result, args.out)
     return result
 
 

@@ -31,22 +31,29 @@ def git_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def run_header(script: str, argv: list[str] | None, device: str | None = None, commit: str | None = None) -> dict:
-    """``device``, ``commit``, ``date`` and ``command`` of a benchmark run of ``script`` (a path like
-    ``benchmark/decode.py``) with ``argv`` (default: this process's arguments); ``device`` defaults
-    to the CUDA device's name (a CPU benchmark passes ``"cpu"``), ``commit`` to :func:`git_commit`
-    (a summary of runs made elsewhere passes theirs)."""
-    import datetime
+def module_command(module: str, argv: list[str] | None = None) -> str:
+    """``python -m <module> <argv>`` (default: this process's arguments), the way a benchmark in
+    ``benchmark/`` runs from the repository root."""
     import shlex
     import sys
+
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def run_header(module: str, argv: list[str] | None, device: str | None = None, commit: str | None = None) -> dict:
+    """``device``, ``commit``, ``date`` and ``command`` of a run of the benchmark ``module`` (like
+    ``benchmark.decode``: run as ``python -m benchmark.decode`` from the repository root) with
+    ``argv`` (default: this process's arguments); ``device`` defaults to the CUDA device's name (a
+    CPU benchmark passes ``"cpu"``), ``commit`` to :func:`git_commit` (a summary of runs made
+    elsewhere passes theirs)."""
+    import datetime
 
     if device is None:
         import torch
 
         device = torch.cuda.get_device_name()
-    args = sys.argv[1:] if argv is None else argv
     return {"device": device, "commit": commit or git_commit(), "date": datetime.date.today().isoformat(),
-            "command": shlex.join(["python", script, *args])}  # fmt: skip
+            "command": module_command(module, argv)}  # fmt: skip
 
 
 def save_result(result: dict, path: str | Path) -> Path:
@@ -58,8 +65,9 @@ def save_result(result: dict, path: str | Path) -> Path:
 
 
 def save_gpu_test_record(name: str, record: dict) -> None:
-    """A GPU test's outcome as ``$SPARSE_SGLANG_RESULTS_DIR/name`` (with ``device``, ``date`` and
-    ``commit`` first), when that is set (on the GPU host); nothing otherwise."""
+    """A GPU test's outcome as ``$SPARSE_SGLANG_RESULTS_DIR/name`` (with ``device``, ``date``,
+    ``commit`` and ``command`` first: the pytest command of the running test), when that is set
+    (on the GPU host); nothing otherwise. ``record`` holds the ``summary``."""
     if not os.environ.get("SPARSE_SGLANG_RESULTS_DIR"):
         return
     import datetime
@@ -70,15 +78,17 @@ def save_gpu_test_record(name: str, record: dict) -> None:
         "device": torch.cuda.get_device_name(0),
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
+        # "test/test_x_gpu.py::test_y (call)": pytest's name of the test running now
+        "command": f"python -m pytest -m gpu -s {os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]}",
     }
     save_result({**header, **record}, Path(os.environ["SPARSE_SGLANG_RESULTS_DIR"], name))
 
 
-def finish_run(script: str, argv: list[str] | None, body: dict, out_dir: str | Path, name: str,
+def finish_run(module: str, argv: list[str] | None, body: dict, out_dir: str | Path, name: str,
                device: str | None = None, commit: str | None = None) -> dict:  # fmt: skip
     """The end of a benchmark's ``main``: its document (:func:`run_header` + ``body``, which holds
     the ``summary``) saved as ``out_dir/name`` (``{date}`` filled in), the summary printed."""
-    doc = {**run_header(script, argv, device, commit), **body}
+    doc = {**run_header(module, argv, device, commit), **body}
     save_result(doc, Path(out_dir) / name.format(date=doc["date"]))
     print(json.dumps(doc["summary"], indent=1))
     return doc

@@ -84,6 +84,37 @@ def warm_then_each_alone(url: str, prompts: list[list[int]], run) -> list[dict]:
     return alone
 
 
+def healthy(url: str, timeout: float = 60.0) -> bool:
+    """Whether the server answers ``/health`` with 200 within ``timeout`` s."""
+    try:
+        return requests.get(url + "/health", timeout=timeout).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def unpooled_session():
+    """An aiohttp client session for load tests: no connection cap (aiohttp's default is 100: a
+    request must reach the server when planned, or its abort would fire before the server knows
+    its rid) and a new connection per request (an idle keep-alive one races uvicorn closing it after
+    its 5 s timeout, and the request then fails in the client without reaching the server)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
+
+
+async def post_body(session, url: str, body: bytes, timeout: float, route: str = "/generate") -> tuple[int, str]:
+    """POST a prebuilt JSON ``body`` (valid or not) to ``url + route``: the HTTP status and the
+    answer's text; 599 and the client's error when no answer came (counted as a server failure)."""
+    import aiohttp
+
+    try:
+        async with session.post(url + route, data=body, headers={"Content-Type": "application/json"},
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as response:  # fmt: skip
+            return response.status, await response.text()
+    except (TimeoutError, aiohttp.ClientError) as err:
+        return 599, f"client: {err!r}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
