@@ -59,3 +59,20 @@ def test_every_result_file_says_where_it_came_from():
         if bad:
             lacking[path.name] = bad
     assert not lacking, lacking
+
+
+def test_every_counter_has_one_writer():
+    """A counter (an attribute some code adds to) is written by one module: its owner's. Others
+    report through the owner's methods, so a metric never counts a thing twice or from two places.
+    (The torch references, ``reference.py``, re-enact their kernels' writes and are left out.)"""
+    import ast
+
+    writers: dict[str, set[str]] = {}
+    for path in (ROOT / "python" / "sparse_sglang").rglob("*.py"):
+        if path.name == "reference.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Attribute):
+                writers.setdefault(node.target.attr, set()).add(str(path.relative_to(ROOT)))
+    shared = {name: sorted(files) for name, files in writers.items() if len(files) > 1}
+    assert not shared, f"counters written from more than one module: {shared}"

@@ -200,7 +200,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         real = [(slot, n) for slot, n in zip(self._req_slots_cpu(req_slots), seq_lens) if slot != PADDING_REQ_SLOT]
         self._open_rows([slot for slot, _ in real])  # normally open since their prefill; a no-op then
         cache.next_step()
-        self.store.saved_tokens += len(real)  # each real request saves its new token (metrics)
+        self.store.count_decode_saves(len(real))
         for slot, length in real:
             pages = math.ceil(length / page)
             cache.resize_request(slot, pages)

@@ -5,7 +5,8 @@ layer on the GPU. With sparse decode the KV lives in pinned host memory instead,
 :func:`patch_alloc_memory_pool` replaces ``ModelRunner.alloc_memory_pool`` (when ``--sparse-enabled``)
 with :func:`alloc_sparse_memory_pool`: it plans the split (:func:`~sparse_sglang.mem_cache.plan.plan_memory`),
 builds the :class:`~sparse_sglang.runtime.SparseRuntime` (the one owner of the store, decoder,
-gate and counters; the model runner keeps it as ``sparse_runtime``), and hands SGLang
+gate and counters; the token pool below holds it, and the attention backend and scheduler hooks
+reach it there), and hands SGLang
 
 - a :class:`SparseTokenToKVPool` whose token locations are host slots (page ``loc // page_size``
   of the host store), so SGLang's paged allocator and radix cache manage host pages;
@@ -199,7 +200,6 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
         max_total_num_tokens=plan.max_total_tokens, max_running_requests=plan.max_running_requests
     )
     runner._unified_memory_pool = None
-    runner.sparse_runtime = runtime
     runner._init_post_memory_pool_components()
 
 

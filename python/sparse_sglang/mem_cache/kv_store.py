@@ -174,6 +174,12 @@ class SparseKVStore:
         else:
             self.direct_d2h(layer, k, v, loc)
 
+    def count_decode_saves(self, tokens: int) -> None:
+        """A decode step's new tokens (one per real request), for ``stats``: the direct-write
+        kernel saves them inside CUDA graphs, where no Python runs, so the step's owner reports
+        them here once per step. This store is the counter's one writer."""
+        self.saved_tokens += tokens
+
     def to_store_dtype(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as the store's dtype, contiguous. Into fp8 the cast saturates at the format's
         largest value: torch turns anything beyond it into NaN, which one token would spread
