@@ -7,8 +7,10 @@ Shared by the CPU reference (tests, ``benchmark/quality.py``) and the GPU decode
     out = sparse_attention_reference(q_flat, k, v, sel.page_ids, page_size, seq_len)
 
 - :mod:`.selectors`: ``Selector`` and the registry ``SELECTORS`` (quest, arkvale, mean).
-- :mod:`.selection`: ``select_pages``, ``keep_cached``, ``max_reduce_logical``, ``sparse_attention_reference``,
-  ``attention_mass_recall``.
+- :mod:`.selection`: ``select_pages``, ``keep_cached``.
+- :mod:`.reference`: the kernels' torch references and the evaluation references
+  ``sparse_attention_reference``, ``attention_mass_recall``, ``max_reduce_logical`` (the CPU tests,
+  the GPU tests' ground truth, ``benchmark/quality.py``); none of them runs in the server.
 
 The decode path runs downhill, each stage importing only those below it and ``mem_cache``'s views:
 :mod:`.sparse_decode` (``make_decoder``; plan once per step, run per layer) -> selection
@@ -18,16 +20,13 @@ over ``GPUPageCache.view``) -> with ``--sparse-rerank-factor``, the re-rank of t
 torch references of the kernels, which the CPU tests compare them with.
 """
 
-from sparse_sglang.attention.selection import (
-    NOT_CACHED,
-    Selection,
+from sparse_sglang.attention.reference import (
     attention_mass_recall,
-    keep_cached,
     max_reduce_logical,
-    select_pages,
     selected_token_mask,
     sparse_attention_reference,
 )
+from sparse_sglang.attention.selection import NOT_CACHED, Selection, keep_cached, select_pages
 from sparse_sglang.attention.selectors import (
     DEFAULT_GROUP_REDUCE,
     GROUP_REDUCES,

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from sparse_sglang.attention.scoring import candidate_pages, coarse_host_pages
 from sparse_sglang.attention.selection import force_pages, keep_cached
@@ -247,3 +248,131 @@ def choose_reranked_reference(candidates: torch.Tensor, row_pages: torch.Tensor,
     chosen = position < kc
     at = position.clamp(max=kc - 1)
     return (torch.where(chosen, pages.gather(1, at), -1), torch.where(chosen, slots.gather(1, at), -1))
+
+
+# Evaluation references: attention over a page selection and the mass it keeps (the accuracy
+# suite's CPU decoder, the GPU tests' ground truth), and LServe's logical-page max.
+
+
+def max_reduce_logical(
+    scores: torch.Tensor,
+    logical_per_physical: int,
+    num_logical: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Physical-page scores from logical-page scores by max (LServe §3.5.2, hierarchical paging).
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``[B, Hkv, Nl]`` scores of logical pages; logical page ``j`` lies in physical page
+        ``j // logical_per_physical``.
+    logical_per_physical : int
+        ``g = physical_page_size / logical_page_size``.
+    num_logical : torch.Tensor, optional
+        ``[B]`` logical pages each request holds; later ones (e.g. the empty tail of the newest
+        physical page, whose summaries are empty) are left out of the max.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hkv, ceil(Nl / g)]`` float32.
+    """
+    batch, heads, n_logical = scores.shape
+    g = logical_per_physical
+    scores = scores.float()
+    if num_logical is not None:
+        held = torch.arange(n_logical, device=scores.device).view(1, 1, -1) < num_logical.to(scores.device).view(
+            -1, 1, 1
+        )
+        scores = torch.where(held, scores, -math.inf)
+    scores = F.pad(scores, (0, -n_logical % g), value=-math.inf)
+    return scores.view(batch, heads, -1, g).amax(dim=-1)
+
+
+def selected_token_mask(
+    page_ids: torch.Tensor | None, page_size: int, seq_len: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """``[B, Hkv or 1, T]`` bool: token ``t < seq_len`` lies in a selected page (all of them when
+    ``page_ids`` is None)."""
+    token = torch.arange(num_tokens, device=seq_len.device)
+    in_seq = token.view(1, 1, -1) < seq_len.view(-1, 1, 1)
+    if page_ids is None:
+        return in_seq
+    num_pages = -(-num_tokens // page_size)
+    ids = page_ids.long().to(seq_len.device)
+    ids = torch.where(ids >= 0, ids, num_pages)  # padding -> a spare slot
+    chosen = torch.zeros(*ids.shape[:2], num_pages + 1, dtype=torch.bool, device=ids.device)
+    chosen.scatter_(-1, ids, True)
+    return in_seq & chosen[..., token // page_size]
+
+
+def _logits(q: torch.Tensor, k: torch.Tensor, seq_len: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``[B, Hkv, G, T]`` float32 scaled ``q . k``, ``-inf`` past ``seq_len``."""
+    batch, q_heads, dim = q.shape
+    kv_heads, num_tokens = k.shape[1], k.shape[2]
+    scale = dim**-0.5 if scale is None else scale
+    qg = q.float().view(batch, kv_heads, q_heads // kv_heads, dim)
+    logits = (qg @ k.float().transpose(-1, -2)) * scale
+    return logits.masked_fill(~selected_token_mask(None, 1, seq_len, num_tokens).unsqueeze(2), -math.inf)
+
+
+def sparse_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    page_ids: torch.Tensor | None,
+    page_size: int,
+    seq_len: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Decode attention over the tokens of the selected pages only (float32 math).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, Hq, D]`` one decode query per request (post-RoPE); ``Hq = G * Hkv``, query head
+        ``h`` reads kv head ``h // G``.
+    k, v : torch.Tensor
+        ``[B, Hkv, T, D]`` keys and values of each request, token ``t`` in page ``t // page_size``;
+        tokens at or past ``seq_len`` are padding.
+    page_ids : torch.Tensor or None
+        ``[B, Hkv, K]`` selected pages, ``-1`` padded (:func:`select_pages`); None = dense.
+    page_size : int
+    seq_len : torch.Tensor
+        ``[B]`` tokens each request holds.
+    scale : float, optional
+        Softmax scale; ``D ** -0.5`` by default.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq, D]`` in ``q``'s dtype.
+    """
+    batch, q_heads, _ = q.shape
+    logits = _logits(q, k, seq_len, scale)
+    keep = selected_token_mask(page_ids, page_size, seq_len, k.shape[2]).unsqueeze(2)
+    probs = logits.masked_fill(~keep, -math.inf).softmax(dim=-1)
+    return (probs @ v.float()).reshape(batch, q_heads, -1).to(q.dtype)
+
+
+def attention_mass_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    page_ids: torch.Tensor,
+    page_size: int,
+    seq_len: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Share of each query head's dense softmax mass on the selected tokens.
+
+    Parameters are those of :func:`sparse_attention_reference`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, Hq]`` float32 in ``[0, 1]``; 1 when every page is selected.
+    """
+    batch, q_heads, _ = q.shape
+    probs = _logits(q, k, seq_len, scale).softmax(dim=-1)
+    keep = selected_token_mask(page_ids, page_size, seq_len, k.shape[2]).unsqueeze(2)
+    return (probs * keep).sum(dim=-1).reshape(batch, q_heads)
