@@ -66,13 +66,31 @@ class RerankDecoder(QuestStepDecoder):
     denominator is the same for every page, so ranking by the full mass equals ranking by the
     candidates' own exp(q.k) sums."""
 
-    factor: int = 2
+    factor: float = 2.0
 
     def rank(self, layer, scores, q, key, seq_len, scaling):
         n = scores.shape[-1]
-        candidates = scores.topk(min(n, self.factor * (self.policy.budget // quality.PAGE_SIZE)), dim=-1).indices
+        candidates = scores.topk(min(n, int(self.factor * (self.policy.budget // quality.PAGE_SIZE))), dim=-1).indices
         mass = quality.oracle_page_mass(q, key, seq_len, scaling)
         return torch.full_like(mass, -math.inf).scatter_(-1, candidates, mass.gather(-1, candidates))
+
+
+class BandRerankDecoder(QuestStepDecoder):
+    """The re-rank of a band only: the bound's best ``keep`` x the budget's pages are kept as
+    they are, the next ``band`` x the budget's compete by exact mass for the places left. A server
+    would read the band's keys only (``band`` x the budget's pages, against the full re-rank's
+    ``factor``)."""
+
+    keep: float = 0.5
+    band: float = 1.0
+
+    def rank(self, layer, scores, q, key, seq_len, scaling):
+        n, k = scores.shape[-1], self.policy.budget // quality.PAGE_SIZE
+        order = scores.topk(min(n, int((self.keep + self.band) * k)), dim=-1).indices
+        outright, band = order[..., : int(self.keep * k)], order[..., int(self.keep * k) :]
+        mass = quality.oracle_page_mass(q, key, seq_len, scaling)
+        ranked = torch.full_like(mass, -math.inf).scatter_(-1, band, mass.gather(-1, band))
+        return ranked.scatter_(-1, outright, torch.full_like(mass, 1e30).gather(-1, outright))
 
 
 class SketchDecoder(QuestStepDecoder):
@@ -388,7 +406,8 @@ def main() -> None:
         "quest-dense2": quality.Policy(budget=args.budget, dense_layers=2, page_bounds="minmax"),  # Quest's own
         **{f"quest-rerank{f}": quality.Policy(budget=args.budget, page_bounds="minmax") for f in (2, 3, 4)},
         "ms": quality.Policy(budget=args.budget),
-        **{f"ms-rerank{f}": quality.Policy(budget=args.budget) for f in (2, 3)},
+        **{f"ms-rerank{f}": quality.Policy(budget=args.budget) for f in (1.25, 1.5, 2, 3)},
+        **{f"ms-band{a}x{b}": quality.Policy(budget=args.budget) for a, b in ((0.5, 1.0), (0.75, 0.5), (0.5, 0.5))},
         **{f"sketch{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
         "sketch16-max": quality.Policy(budget=args.budget),  # the per-request basis, scored as the server scores
         # the same from the prompt's first W tokens only (what a server fits at a first prefill chunk),
@@ -432,7 +451,10 @@ def main() -> None:
                 hook.__class__ = QuestStepDecoder
             if name.startswith(("quest-rerank", "ms-rerank")):
                 hook.__class__ = RerankDecoder
-                hook.factor = int(name.rpartition("rerank")[2])
+                hook.factor = float(name.rpartition("rerank")[2])
+            if name.startswith("ms-band"):
+                hook.__class__ = BandRerankDecoder
+                hook.keep, hook.band = (float(x) for x in name.removeprefix("ms-band").split("x"))
             if name == "sketchself":  # fitted on the prompt's own keys and queries (a per-request basis)
                 from sparse_sglang.calibrate import fit_basis
 
