@@ -167,7 +167,12 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     if replicas > 1 and sparse.host_cache_gb is not None:
         sparse = dataclasses.replace(sparse, host_cache_gb=sparse.host_cache_gb / replicas)
     gpu_kv_bytes = conf._profile_available_bytes(runner.pre_model_load_memory)
+    # Sized by need, a scheduler's store is at most a share of the RAM it may take: tensor-parallel
+    # ranks must size theirs alike (SGLang's ranks schedule in lockstep over equal pools), so they
+    # share the host's total RAM; a replica takes its share of what is available when its turn comes.
     with host_memory_turn():  # sized from the RAM free now, and pinned before the next store is sized
+        total_ram, available_ram = machine_ram_bytes()
+        host_ram = (total_ram if runner.server_args.tp_size > 1 else available_ram) // replicas
         plan = plan_memory(
             sparse,
             num_layers=conf.layer_info.num_effective_layers,
@@ -180,7 +185,7 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
             max_total_tokens=runner.server_args.max_total_tokens,
             **kept_summaries(sparse.selector),
             sketch_rank=0 if key_basis is None else key_basis.rank,
-            host_ram_bytes=machine_ram_bytes()[1] // replicas,
+            host_ram_bytes=host_ram,
         )
         logger.info("sparse memory plan: %s", plan.describe())
         runtime = build_runtime(sparse, plan, runner.device, key_basis, d2h_threads=default_num_threads(share=replicas))
