@@ -17,6 +17,7 @@ reach it there), and hands SGLang
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import TYPE_CHECKING
@@ -169,10 +170,12 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
     gpu_kv_bytes = conf._profile_available_bytes(runner.pre_model_load_memory)
     # Sized by need, a scheduler's store is at most a share of the RAM it may take: tensor-parallel
     # ranks must size theirs alike (SGLang's ranks schedule in lockstep over equal pools), so they
-    # share the host's total RAM; a replica takes its share of what is available when its turn comes.
-    with host_memory_turn():  # sized from the RAM free now, and pinned before the next store is sized
+    # share the host's total RAM; otherwise a store takes its share of what is available, read in
+    # its turn, and is pinned before the next store on the host is sized.
+    from_available = sparse.host_cache_gb is None and runner.server_args.tp_size == 1
+    with host_memory_turn() if from_available else contextlib.nullcontext():
         total_ram, available_ram = machine_ram_bytes()
-        host_ram = (total_ram if runner.server_args.tp_size > 1 else available_ram) // replicas
+        host_ram = (available_ram if from_available else total_ram) // replicas
         plan = plan_memory(
             sparse,
             num_layers=conf.layer_info.num_effective_layers,
