@@ -12,8 +12,9 @@ import pytest
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from sparse_sglang import launch_server
-    from sparse_sglang.integration.server_args import CLIError, SparseServerArgs, build_parser, prepare_server_args
+    from sparse_sglang.integration.server_args import SparseServerArgs, build_parser, prepare_server_args
 from sparse_sglang.config import SparseConfig, SparseConfigError
+from sparse_sglang.sparse_flags import CLIError
 from sparse_sglang.testing.models import write_llama3_8b_dummy
 
 REPO = Path(__file__).resolve().parents[1]
