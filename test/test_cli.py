@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -212,9 +214,10 @@ def test_missing_default_model_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def _run_entry(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sparse_sglang.launch_server", *argv], capture_output=True, text=True, timeout=300
-    )
+    # This checkout's launcher, not the one pip installed (an editable install may be another checkout).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "sparse_sglang.launch_server", *argv], capture_output=True,
+                          text=True, timeout=300, env=env)  # fmt: skip
 
 
 def test_real_entry_bad_flag_exits_2_with_one_line():
@@ -301,10 +304,24 @@ def test_no_gpu_fails_before_the_default_model_is_converted(monkeypatch, capsys)
     with pytest.raises(SystemExit) as exit_info:
         launch_server.main([])
     assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"python -m sparse_sglang.launch_server: error: {NO_GPU}"]
+    with pytest.raises(SystemExit):  # --device is named where it was typed
+        launch_server.main(["--device", "cuda"])
     assert capsys.readouterr().err.splitlines() == [
-        "python -m sparse_sglang.launch_server: error: --device: sparse decode needs a CUDA GPU and torch sees "
-        "none (torch.cuda.is_available() is false); --sparse-enabled false serves plain SGLang on other devices"
+        f"python -m sparse_sglang.launch_server: error: --device cuda: {NO_GPU}"
     ]
+
+
+# Without a GPU neither sparse nor plain SGLang serves: the line suggests no flag, only where to look.
+NO_GPU = ("sparse-sglang needs an NVIDIA GPU with CUDA; none is visible to torch (torch.cuda.is_available() is "
+          "False; check nvidia-smi and CUDA_VISIBLE_DEVICES)")  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the server would start")
+def test_real_entry_without_a_gpu_is_one_line_naming_no_untyped_flag(model_dir):
+    proc = _run_entry("--model-path", model_dir, "--sparse-token-budget", "1024")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == [f"python -m sparse_sglang.launch_server: error: {NO_GPU}"]
 
 
 def test_engine_without_model_path_serves_the_default_model(monkeypatch, tmp_path):
@@ -323,7 +340,7 @@ def test_engine_without_model_path_serves_the_default_model(monkeypatch, tmp_pat
     sparse_sglang.Engine(model_path="/given", device="cpu")
     assert started["model_path"] == "/given"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(NoUsableGPU, match="^device: sparse decode needs a CUDA GPU"):
+    with pytest.raises(NoUsableGPU, match=r"^sparse_sglang\.Engine needs an NVIDIA GPU with CUDA; none is visible"):
         sparse_sglang.Engine()
     monkeypatch.setattr(default_model, "default_model_path", lambda: (_ for _ in ()).throw(
         default_model.DefaultModelUnavailable("no --model-path given and the default model is not installed")))  # fmt: skip

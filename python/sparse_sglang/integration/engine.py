@@ -37,15 +37,12 @@ def default_model_for_engine(kwargs: dict) -> str:
     Instruct, converted once), after the same GPU check, with errors naming the keyword argument."""
     from sparse_sglang.config import SparseConfig
     from sparse_sglang.default_model import DefaultModelUnavailable, default_model_path
-    from sparse_sglang.integration.server_args import NoUsableGPU, require_cuda_gpu
+    from sparse_sglang.integration.server_args import require_cuda_gpu
 
     sparse = kwargs.get("sparse")
     enabled = sparse.enabled if isinstance(sparse, SparseConfig) else (sparse or {}).get("enabled", True)
     if enabled and kwargs.get("device") in (None, "cuda"):
-        try:
-            require_cuda_gpu()
-        except NoUsableGPU as err:
-            raise NoUsableGPU(f"device: {err}") from None
+        require_cuda_gpu("sparse_sglang.Engine")
     try:
         return default_model_path()
     except DefaultModelUnavailable as err:

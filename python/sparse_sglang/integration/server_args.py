@@ -214,14 +214,15 @@ class NoUsableGPU(RuntimeError):
     """Sparse decode needs a CUDA GPU and torch sees none."""
 
 
-def require_cuda_gpu() -> None:
-    """Raise :class:`NoUsableGPU` unless torch can use a CUDA GPU. A launch on ``--device cpu`` (the
-    CPU tests) is not checked: SGLang resolves that device itself."""
+def require_cuda_gpu(needed_by: str) -> None:
+    """Raise :class:`NoUsableGPU`, one line saying that ``needed_by`` needs a CUDA GPU, unless torch
+    can use one. The message suggests no setting: without a GPU neither sparse nor plain SGLang
+    serves. Raised with no chained exception, whoever calls it."""
     import torch
 
     if not torch.cuda.is_available():
-        raise NoUsableGPU("sparse decode needs a CUDA GPU and torch sees none (torch.cuda.is_available() is "
-                          "false); --sparse-enabled false serves plain SGLang on other devices")  # fmt: skip
+        raise NoUsableGPU(f"{needed_by} needs an NVIDIA GPU with CUDA; none is visible to torch "
+                          "(torch.cuda.is_available() is False; check nvidia-smi and CUDA_VISIBLE_DEVICES)") from None  # fmt: skip
 
 
 def _make_model_path_optional(parser: argparse.ArgumentParser) -> None:
@@ -267,11 +268,13 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
         sparse = sparse_config_from_args(args)
     except SparseConfigError as err:
         raise CLIError(err.cli_message()) from None
+    # Before anything slow (the default model's conversion takes about a minute). A launch on
+    # --device cpu (the CPU tests) is not checked: SGLang resolves that device itself.
     if sparse.enabled and args.device in (None, "cuda"):
-        try:  # before anything slow (the default model's conversion takes about a minute)
-            require_cuda_gpu()
-        except NoUsableGPU as err:
-            raise CLIError(f"--device: {err}") from None
+        try:
+            require_cuda_gpu("sparse-sglang")
+        except NoUsableGPU as err:  # names --device only where the user typed it
+            raise CLIError(f"--device cuda: {err}" if args.device else str(err)) from None
     if args.model_path is None:
         from sparse_sglang.default_model import DefaultModelUnavailable, default_model_path
 
