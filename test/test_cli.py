@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -346,6 +347,56 @@ def test_engine_without_model_path_serves_the_default_model(monkeypatch, tmp_pat
         default_model.DefaultModelUnavailable("no --model-path given and the default model is not installed")))  # fmt: skip
     with pytest.raises(default_model.DefaultModelUnavailable, match="^model_path: "):
         sparse_sglang.Engine(device="cpu")
+
+
+def test_engine_checks_for_a_gpu_first_whatever_its_arguments(monkeypatch):
+    from sglang.srt.entrypoints.engine import Engine as SGLangEngine
+
+    import sparse_sglang
+    from sparse_sglang.integration.server_args import NoUsableGPU
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(SGLangEngine, "__init__", lambda self, **kwargs: pytest.fail("SGLang's Engine started"))
+    for kwargs, named in (({"model_path": "/given"}, "sparse_sglang.Engine"),
+                          ({"sparse": {"token_budget": -1}}, "sparse_sglang.Engine"),  # before the config's checks
+                          ({"model_path": "/given", "device": "cuda"}, "sparse_sglang.Engine(device='cuda')")):  # fmt: skip
+        with pytest.raises(NoUsableGPU) as raised:
+            sparse_sglang.Engine(**kwargs)
+        assert str(raised.value) == f"{named} needs {NO_GPU.split(' needs ', 1)[1]}"
+    monkeypatch.setattr(SGLangEngine, "__init__", lambda self, **kwargs: None)
+    sparse_sglang.Engine(model_path="/given", sparse=SparseConfig(enabled=False))  # plain SGLang: its own checks
+
+
+def _indented_block_around(markdown: str, needle: str) -> str:
+    """The indented code block of ``markdown`` whose lines include ``needle``, blank lines and all."""
+    lines = markdown.splitlines()
+    at = next(i for i, line in enumerate(lines) if needle in line and line.startswith("    "))
+    start, end = at, at
+    while start > 0 and (lines[start - 1].startswith("    ") or not lines[start - 1].strip()):
+        start -= 1
+    while end + 1 < len(lines) and (lines[end + 1].startswith("    ") or not lines[end + 1].strip()):
+        end += 1
+    return "\n".join(lines[start : end + 1]).strip("\n")
+
+
+def test_the_documented_engine_example_without_a_gpu_is_one_clear_exception(monkeypatch, tmp_path):
+    """docs/serving.md's Engine example, run as written on a machine without a GPU: one exception,
+    one line, naming no CLI flag, with no chained cause or context to print a second traceback."""
+    from sglang.srt.entrypoints.engine import Engine as SGLangEngine
+
+    from sparse_sglang import default_model
+    from sparse_sglang.integration.server_args import NoUsableGPU
+
+    text = (REPO / "docs" / "serving.md").read_text()
+    block = _indented_block_around(text, "sparse_sglang.Engine(")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(default_model, "default_model_path", lambda: str(tmp_path / "smollm2"))
+    monkeypatch.setattr(SGLangEngine, "__init__", lambda self, **kwargs: pytest.fail("SGLang's Engine started"))
+    with pytest.raises(NoUsableGPU) as raised:
+        exec(textwrap.dedent(block), {})
+    message = str(raised.value)
+    assert message == f"sparse_sglang.Engine needs {NO_GPU.split(' needs ', 1)[1]}" and "--" not in message
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
 
 
 def test_help_prints_the_sparse_flags_first_with_their_choices():
