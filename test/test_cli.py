@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from sparse_sglang import launch_server
-    from sparse_sglang.integration.server_args import CLIError, SparseServerArgs, build_parser, prepare_server_args
+    from sparse_sglang.integration.server_args import SparseServerArgs, build_parser, prepare_server_args
 from sparse_sglang.config import SparseConfig, SparseConfigError
+from sparse_sglang.sparse_flags import CLIError
 from sparse_sglang.testing.models import write_llama3_8b_dummy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,9 +215,10 @@ def test_missing_default_model_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def _run_entry(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sparse_sglang.launch_server", *argv], capture_output=True, text=True, timeout=300
-    )
+    # This checkout's launcher, not the one pip installed (an editable install may be another checkout).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "sparse_sglang.launch_server", *argv], capture_output=True,
+                          text=True, timeout=300, env=env)  # fmt: skip
 
 
 def test_real_entry_bad_flag_exits_2_with_one_line():
@@ -300,10 +305,24 @@ def test_no_gpu_fails_before_the_default_model_is_converted(monkeypatch, capsys)
     with pytest.raises(SystemExit) as exit_info:
         launch_server.main([])
     assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"python -m sparse_sglang.launch_server: error: {NO_GPU}"]
+    with pytest.raises(SystemExit):  # --device is named where it was typed
+        launch_server.main(["--device", "cuda"])
     assert capsys.readouterr().err.splitlines() == [
-        "python -m sparse_sglang.launch_server: error: --device: sparse decode needs a CUDA GPU and torch sees "
-        "none (torch.cuda.is_available() is false); --sparse-enabled false serves plain SGLang on other devices"
+        f"python -m sparse_sglang.launch_server: error: --device cuda: {NO_GPU}"
     ]
+
+
+# Without a GPU neither sparse nor plain SGLang serves: the line suggests no flag, only where to look.
+NO_GPU = ("sparse-sglang needs an NVIDIA GPU with CUDA; none is visible to torch (torch.cuda.is_available() is "
+          "False; check nvidia-smi and CUDA_VISIBLE_DEVICES)")  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the server would start")
+def test_real_entry_without_a_gpu_is_one_line_naming_no_untyped_flag(model_dir):
+    proc = _run_entry("--model-path", model_dir, "--sparse-token-budget", "1024")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.splitlines() == [f"python -m sparse_sglang.launch_server: error: {NO_GPU}"]
 
 
 def test_engine_without_model_path_serves_the_default_model(monkeypatch, tmp_path):
@@ -322,12 +341,62 @@ def test_engine_without_model_path_serves_the_default_model(monkeypatch, tmp_pat
     sparse_sglang.Engine(model_path="/given", device="cpu")
     assert started["model_path"] == "/given"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(NoUsableGPU, match="^device: sparse decode needs a CUDA GPU"):
+    with pytest.raises(NoUsableGPU, match=r"^sparse_sglang\.Engine needs an NVIDIA GPU with CUDA; none is visible"):
         sparse_sglang.Engine()
     monkeypatch.setattr(default_model, "default_model_path", lambda: (_ for _ in ()).throw(
         default_model.DefaultModelUnavailable("no --model-path given and the default model is not installed")))  # fmt: skip
     with pytest.raises(default_model.DefaultModelUnavailable, match="^model_path: "):
         sparse_sglang.Engine(device="cpu")
+
+
+def test_engine_checks_for_a_gpu_first_whatever_its_arguments(monkeypatch):
+    from sglang.srt.entrypoints.engine import Engine as SGLangEngine
+
+    import sparse_sglang
+    from sparse_sglang.integration.server_args import NoUsableGPU
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(SGLangEngine, "__init__", lambda self, **kwargs: pytest.fail("SGLang's Engine started"))
+    for kwargs, named in (({"model_path": "/given"}, "sparse_sglang.Engine"),
+                          ({"sparse": {"token_budget": -1}}, "sparse_sglang.Engine"),  # before the config's checks
+                          ({"model_path": "/given", "device": "cuda"}, "sparse_sglang.Engine(device='cuda')")):  # fmt: skip
+        with pytest.raises(NoUsableGPU) as raised:
+            sparse_sglang.Engine(**kwargs)
+        assert str(raised.value) == f"{named} needs {NO_GPU.split(' needs ', 1)[1]}"
+    monkeypatch.setattr(SGLangEngine, "__init__", lambda self, **kwargs: None)
+    sparse_sglang.Engine(model_path="/given", sparse=SparseConfig(enabled=False))  # plain SGLang: its own checks
+
+
+def _indented_block_around(markdown: str, needle: str) -> str:
+    """The indented code block of ``markdown`` whose lines include ``needle``, blank lines and all."""
+    lines = markdown.splitlines()
+    at = next(i for i, line in enumerate(lines) if needle in line and line.startswith("    "))
+    start, end = at, at
+    while start > 0 and (lines[start - 1].startswith("    ") or not lines[start - 1].strip()):
+        start -= 1
+    while end + 1 < len(lines) and (lines[end + 1].startswith("    ") or not lines[end + 1].strip()):
+        end += 1
+    return "\n".join(lines[start : end + 1]).strip("\n")
+
+
+def test_the_documented_engine_example_without_a_gpu_is_one_clear_exception(monkeypatch, tmp_path):
+    """docs/serving.md's Engine example, run as written on a machine without a GPU: one exception,
+    one line, naming no CLI flag, with no chained cause or context to print a second traceback."""
+    from sglang.srt.entrypoints.engine import Engine as SGLangEngine
+
+    from sparse_sglang import default_model
+    from sparse_sglang.integration.server_args import NoUsableGPU
+
+    text = (REPO / "docs" / "serving.md").read_text()
+    block = _indented_block_around(text, "sparse_sglang.Engine(")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(default_model, "default_model_path", lambda: str(tmp_path / "smollm2"))
+    monkeypatch.setattr(SGLangEngine, "__init__", lambda self, **kwargs: pytest.fail("SGLang's Engine started"))
+    with pytest.raises(NoUsableGPU) as raised:
+        exec(textwrap.dedent(block), {})
+    message = str(raised.value)
+    assert message == f"sparse_sglang.Engine needs {NO_GPU.split(' needs ', 1)[1]}" and "--" not in message
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
 
 
 def test_help_prints_the_sparse_flags_first_with_their_choices():

@@ -18,31 +18,20 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 from sglang.srt.server_args import ServerArgs
 
 from sparse_sglang.config import (
-    BOUND_FORMATS,
-    GROUP_REDUCES,
-    PAGE_BOUNDS,
     SEGMENTED_CHUNK_TOKENS,
-    SELECTORS,
     SparseConfig,
     SparseConfigError,
-    field_type,
     flag_name,
     mention,
     render_mentions,
 )
 from sparse_sglang.integration.attention_backend import BACKEND_NAME, add_sparse_backend_choice
 from sparse_sglang.integration.registry import relies_on
-
-PROG = "python -m sparse_sglang.launch_server"
-
-
-class CLIError(Exception):
-    """A start-up error the user must fix: printed as one line, exit status 2."""
+from sparse_sglang.sparse_flags import PROG, CLIError, OneLineErrorParser, add_sparse_cli_args, sparse_config_from_args
 
 
 class ServerArgRefused(ValueError):
@@ -225,93 +214,15 @@ class NoUsableGPU(RuntimeError):
     """Sparse decode needs a CUDA GPU and torch sees none."""
 
 
-def require_cuda_gpu() -> None:
-    """Raise :class:`NoUsableGPU` unless torch can use a CUDA GPU. A launch on ``--device cpu`` (the
-    CPU tests) is not checked: SGLang resolves that device itself."""
+def require_cuda_gpu(needed_by: str) -> None:
+    """Raise :class:`NoUsableGPU`, one line saying that ``needed_by`` needs a CUDA GPU, unless torch
+    can use one. The message suggests no setting: without a GPU neither sparse nor plain SGLang
+    serves. Raised with no chained exception, whoever calls it."""
     import torch
 
     if not torch.cuda.is_available():
-        raise NoUsableGPU("sparse decode needs a CUDA GPU and torch sees none (torch.cuda.is_available() is "
-                          "false); --sparse-enabled false serves plain SGLang on other devices")  # fmt: skip
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (no usage dump) and exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _typed(base: type):
-    def convert(text: str):
-        try:
-            return base(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {base.__name__}, got {text!r}") from None
-
-    convert.__name__ = base.__name__
-    return convert
-
-
-def _shown(default: Any) -> str:
-    if default is None:
-        return "auto"
-    if isinstance(default, bool):
-        return str(default).lower()
-    return f"{default:g}" if isinstance(default, float) else str(default)
-
-
-# The sparse knobs that take one of a few words: --help lists them, argparse refuses others.
-CHOICES = {
-    "selector": SELECTORS,
-    "bound_format": BOUND_FORMATS,
-    "group_reduce": GROUP_REDUCES,
-    "page_bounds": PAGE_BOUNDS,
-}
-
-
-def add_sparse_cli_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--sparse-<name>`` flag per SparseConfig field, help text from its metadata, in a group
-    that ``--help`` prints before SGLang's own (2,000 lines of them)."""
-    group = parser.add_argument_group("sparse-sglang", "Sparse decode over the per-head KV hierarchy.")
-    parser._action_groups.remove(group)  # argparse prints groups in list order; ours after the usage
-    parser._action_groups.insert(0, group)
-    defaults = SparseConfig()
-    for f in dataclasses.fields(SparseConfig):
-        base = field_type(f)
-        convert = _parse_bool if base is bool else _typed(base)
-        default = getattr(defaults, f.name)
-        choices = CHOICES.get(f.name)
-        group.add_argument(
-            flag_name(f.name),
-            dest=f"sparse_{f.name}",
-            type=convert,
-            default=None,  # None = not given: SparseConfig's own default applies
-            choices=choices,
-            metavar="{" + ",".join(choices) + "}" if choices else base.__name__.upper(),
-            help=f"{f.metadata['help']} (default: {_shown(default)})".replace(
-                "%", "%%"
-            ),  # argparse formats help with %
-        )
-
-
-def sparse_config_from_args(args: argparse.Namespace) -> SparseConfig:
-    given: dict[str, Any] = {}
-    for f in dataclasses.fields(SparseConfig):
-        value = getattr(args, f"sparse_{f.name}")
-        delattr(args, f"sparse_{f.name}")
-        if value is not None:
-            given[f.name] = value
-    return SparseConfig(**given)
+        raise NoUsableGPU(f"{needed_by} needs an NVIDIA GPU with CUDA; none is visible to torch "
+                          "(torch.cuda.is_available() is False; check nvidia-smi and CUDA_VISIBLE_DEVICES)") from None  # fmt: skip
 
 
 def _make_model_path_optional(parser: argparse.ArgumentParser) -> None:
@@ -357,11 +268,13 @@ def prepare_server_args(argv: list[str]) -> SparseServerArgs:
         sparse = sparse_config_from_args(args)
     except SparseConfigError as err:
         raise CLIError(err.cli_message()) from None
+    # Before anything slow (the default model's conversion takes about a minute). A launch on
+    # --device cpu (the CPU tests) is not checked: SGLang resolves that device itself.
     if sparse.enabled and args.device in (None, "cuda"):
-        try:  # before anything slow (the default model's conversion takes about a minute)
-            require_cuda_gpu()
-        except NoUsableGPU as err:
-            raise CLIError(f"--device: {err}") from None
+        try:
+            require_cuda_gpu("sparse-sglang")
+        except NoUsableGPU as err:  # names --device only where the user typed it
+            raise CLIError(f"--device cuda: {err}" if args.device else str(err)) from None
     if args.model_path is None:
         from sparse_sglang.default_model import DefaultModelUnavailable, default_model_path
 
