@@ -36,7 +36,8 @@ def _prepare_server_args(argv: list[str]):
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        check_sparse_flags(argv)
+        if not {"-h", "--help"} & set(argv):  # help is the full parser's, whatever else is given
+            check_sparse_flags(argv)
         server_args = _prepare_server_args(argv)
     except CLIError as err:
         sys.stderr.write(f"{PROG}: error: {err}\n")
