@@ -26,7 +26,7 @@ class Engine(SGLangEngine):
 
     def __init__(self, **kwargs):
         # First, whatever the arguments: without a GPU SGLang's own start-up fails deep inside
-        # (chained tracebacks), and the default model's conversion takes about a minute.
+        # (chained tracebacks), after the default model's conversion has already run.
         require_gpu_for_engine(kwargs)
         from sparse_sglang.integration import install
 
