@@ -177,16 +177,21 @@ def test_a_prompt_over_the_host_store_is_refused_naming_the_flag():
 
     from sparse_sglang.integration import input_length
 
-    input_length.patch_validate_input_length()
     req = Req("long", "", array("q", [7] * 98300), SamplingParams())
-    input_length.note_host_store(98272, "1.5 GiB (--sparse-host-cache-gb)", 131072)
+    input_length.patch_validate_input_length(
+        input_length.HostStoreLimit(98272, "1.5 GiB (--sparse-host-cache-gb)", 131072)
+    )
     message = scheduler.validate_input_length(req, 98266, False)
     assert message.startswith("Input length (98300 tokens) exceeds the maximum allowed length (98266 tokens).")
     assert "host KV store holds 98272 tokens (1.5 GiB (--sparse-host-cache-gb)); a server with a larger " in message
     assert (
         scheduler.validate_input_length(Req("short", "", array("q", [7] * 100), SamplingParams()), 98266, False) is None
     )
-    input_length.note_host_store(1_000_000, "80 GiB (--sparse-host-cache-gb)", 131072)  # the context is the limit
+    # a pool built again rebinds the hook (not wrapped twice); here the context is the limit
+    input_length.patch_validate_input_length(
+        input_length.HostStoreLimit(1_000_000, "80 GiB (--sparse-host-cache-gb)", 131072)
+    )
+    assert not getattr(scheduler.validate_input_length.__wrapped__, "sparse_sglang", False)
     assert "sparse" not in scheduler.validate_input_length(
         Req("ctx", "", array("q", [7] * 131100), SamplingParams()), 131066, False
     )

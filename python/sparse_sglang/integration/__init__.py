@@ -32,7 +32,6 @@ def install() -> None:
     )
     from sparse_sglang.integration.flashinfer_decode_plan import patch_flashinfer_decode_max
     from sparse_sglang.integration.forward_batch import patch_forward_batch_init_new
-    from sparse_sglang.integration.input_length import patch_validate_input_length
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
     from sparse_sglang.integration.metrics import patch_report_decode_stats
     from sparse_sglang.integration.prefill_interleave import patch_get_new_batch_prefill
@@ -53,7 +52,6 @@ def install() -> None:
     patch_get_internal_state()
     patch_tokenizer_get_internal_state()
     patch_report_decode_stats()
-    patch_validate_input_length()
     # Requests are checked in the main process (the HTTP server and tokenizer manager run there).
     patch_normalize_batch_and_arguments()
     patch_validate_one_request()

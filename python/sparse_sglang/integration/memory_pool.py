@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
 
 from sparse_sglang.attention.selectors import kept_summaries
 from sparse_sglang.config import GIB, machine_ram_bytes
-from sparse_sglang.integration.input_length import note_host_store
+from sparse_sglang.integration.input_length import HostStoreLimit, patch_validate_input_length
 from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.mem_cache.host_pool import host_memory_turn
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
@@ -192,7 +192,8 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
         )
         logger.info("sparse memory plan: %s", plan.describe())
         runtime = build_runtime(sparse, plan, runner.device, key_basis, d2h_threads=default_num_threads(share=replicas))
-    note_host_store(plan.max_total_tokens, plan.host_store_reason, model.context_len)
+    # SGLang's prompt-length refusals name the host store when it is what limits prompts.
+    patch_validate_input_length(HostStoreLimit(plan.max_total_tokens, plan.host_store_reason, model.context_len))
     pool = SparseTokenToKVPool(runtime, plan.max_total_tokens, runner.device,
                                conf.layer_info.start_layer, conf.layer_info.end_layer)  # fmt: skip
     runner.req_to_token_pool = conf._build_req_to_token_pool(max_num_reqs=plan.max_running_requests)

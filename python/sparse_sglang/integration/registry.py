@@ -70,6 +70,18 @@ def wrap_once(owner: object, name: str, wrap: Callable[[Callable], Callable]) ->
     setattr(owner, name, patched)
 
 
+def rewrap(owner: object, name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.name`` with ``wrap(original)``, ``original`` being SGLang's own: a wrapper an
+    earlier call installed is replaced, not wrapped again. For hooks bound to state known only
+    after ``install()`` (a scheduler's host store size), which may be bound again."""
+    original = getattr(owner, name)
+    while getattr(original, "sparse_sglang", False):
+        original = original.__wrapped__
+    patched = functools.wraps(original)(wrap(original))
+    patched.sparse_sglang = True
+    setattr(owner, name, patched)
+
+
 def check_sglang_version() -> None:
     import sglang
 
