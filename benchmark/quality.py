@@ -49,18 +49,20 @@ from sparse_sglang.attention import (
     DEFAULT_GROUP_REDUCE,
     GROUP_REDUCES,
     SELECTORS,
-    attention_mass_recall,
     get_selector,
     keep_cached,
-    max_reduce_logical,
-    page_mean_abs_deviation,
     select_pages,
+)
+from sparse_sglang.attention.reference import (
+    attention_mass_recall,
+    choose_reranked_reference,
+    max_reduce_logical,
     sparse_attention_reference,
 )
-from sparse_sglang.attention.reference import choose_reranked_reference
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.default_model import default_model_path
 from sparse_sglang.mem_cache import PageSummaries
+from sparse_sglang.mem_cache.reference import page_mean_abs_deviation
 from sparse_sglang.testing.provenance import run_header, save_result
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from sparse_sglang.attention import keep_cached, page_mean_abs_deviation, select_pages
+from sparse_sglang.attention import keep_cached, select_pages
 from sparse_sglang.attention.reference import retrieve_reference
 from sparse_sglang.mem_cache import (
     GPUCacheFull,
@@ -22,6 +22,7 @@ from sparse_sglang.mem_cache import (
     pages_for_budget,
     slots_for_budget,
 )
+from sparse_sglang.mem_cache.reference import page_mean_abs_deviation
 from sparse_sglang.transfer import gather_blocks_reference, scatter_tokens_reference
 
 GIB = 1 << 30

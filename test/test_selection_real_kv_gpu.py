@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_sglang.attention import get_selector, select_pages, sparse_attention_reference
-from sparse_sglang.attention.reference import score_pages_reference
+from sparse_sglang.attention import get_selector, select_pages
+from sparse_sglang.attention.reference import score_pages_reference, sparse_attention_reference
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import save_gpu_test_record

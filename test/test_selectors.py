@@ -8,18 +8,10 @@ import pytest
 import torch
 
 from sparse_sglang import config
-from sparse_sglang.attention import (
-    NOT_CACHED,
-    SELECTORS,
-    attention_mass_recall,
-    get_selector,
-    keep_cached,
-    max_reduce_logical,
-    page_mean_abs_deviation,
-    select_pages,
-    sparse_attention_reference,
-)
+from sparse_sglang.attention import NOT_CACHED, SELECTORS, get_selector, keep_cached, select_pages
+from sparse_sglang.attention.reference import attention_mass_recall, max_reduce_logical, sparse_attention_reference
 from sparse_sglang.mem_cache import PageSummaries
+from sparse_sglang.mem_cache.reference import page_mean_abs_deviation
 
 B, HKV, G, D, PS = 2, 3, 4, 16, 8
 

@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparse_sglang.attention import sparse_attention_reference
-from sparse_sglang.attention.reference import score_pages_reference
+from sparse_sglang.attention.reference import score_pages_reference, sparse_attention_reference
 from sparse_sglang.attention.scoring import score_pages
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store

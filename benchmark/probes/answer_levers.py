@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from benchmark import accuracy, quality
-from sparse_sglang.attention import select_pages, sparse_attention_reference
+from sparse_sglang.attention import select_pages
+from sparse_sglang.attention.reference import sparse_attention_reference
 from sparse_sglang.mem_cache.key_sketch import KeyBasis
 from sparse_sglang.testing.provenance import run_header, save_result
 

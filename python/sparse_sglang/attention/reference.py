@@ -14,6 +14,16 @@
   (:func:`~sparse_sglang.attention.retrieval.fits_fused_retrieve`).
 
 The CPU tests compare each kernel (run in Triton's interpreter) with its reference here.
+
+Evaluation references, which no kernel implements and the server never runs (the CPU tests, the
+GPU tests' ground truth, ``benchmark/quality.py``):
+
+- :func:`sparse_attention_reference`: decode attention over the tokens of the selected pages
+  (float32 math; ``page_ids=None`` is dense attention), what the GPU decode path must return.
+- :func:`attention_mass_recall`: the share of each query head's dense softmax mass on the
+  selected tokens (:func:`selected_token_mask`).
+- :func:`max_reduce_logical`: LServe's hierarchical paging; score small *logical* pages, keep
+  *physical* pages by the max over the logical pages they hold.
 """
 
 from __future__ import annotations

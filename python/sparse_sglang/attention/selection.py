@@ -1,18 +1,15 @@
-"""Page selection (the *Select* half of SPIN's Index/Select split) and reference sparse attention.
+"""Page selection (the *Select* half of SPIN's Index/Select split).
 
 - :func:`select_pages`: per (request, kv head) the sink pages, the recent pages and the top-scored
   rest, as a fixed-width ``[B, Hkv, budget_pages]`` page table (``-1`` padded), ascending, so the
   partial newest page comes last where FlashInfer's ``last_page_len`` applies.
 - :func:`keep_cached`: LServe's selection reuse, in the form the page cache allows: on a step
   between two full selections a kv head chooses among the pages its cache row holds.
-- :func:`max_reduce_logical`: LServe's hierarchical paging; score small *logical* pages, keep
-  *physical* pages by the max over the logical pages they hold.
-- :func:`sparse_attention_reference` / :func:`attention_mass_recall`: plain-torch decode attention
-  over the selected tokens, and the share of the dense softmax mass those tokens hold; the CPU
-  reference the GPU kernels and the quality benchmark are checked against.
 
-Everything is vectorized over batch and heads (no host synchronization in ``select_pages`` and
-``max_reduce_logical``), for CPU and CUDA tensors alike.
+Everything is vectorized over batch and heads (no host synchronization in ``select_pages``), for
+CPU and CUDA tensors alike. The plain-torch attention over a selection, the share of the dense
+softmax mass it keeps, and LServe's logical-page max (``max_reduce_logical``) are evaluation
+references: :mod:`sparse_sglang.attention.reference`.
 """
 
 from __future__ import annotations

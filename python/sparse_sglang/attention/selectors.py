@@ -57,34 +57,6 @@ def cuboid_score(q: torch.Tensor, center: torch.Tensor, radius: torch.Tensor) ->
     return q @ center.float().transpose(-1, -2) + q.abs() @ radius.float().transpose(-1, -2)
 
 
-def page_mean_abs_deviation(k: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_size: int) -> torch.Tensor:
-    """ArkVale's cuboid-mean radius: per page and channel, the mean of ``|k - c|`` over the page's
-    keys, ``c = (kmax + kmin) / 2``.
-
-    Parameters
-    ----------
-    k : torch.Tensor
-        ``[..., T, D]`` keys of consecutive pages (token ``t`` in page ``t // page_size``); a last
-        partial page averages over the tokens it has.
-    kmin, kmax : torch.Tensor
-        ``[..., N, D]`` with ``N >= ceil(T / page_size)``; pages past the keys get radius 0.
-    page_size : int
-
-    Returns
-    -------
-    torch.Tensor
-        ``[..., N, D]`` float32.
-    """
-    *lead, num_tokens, dim = k.shape
-    num_pages = kmin.shape[-2]
-    pad = num_pages * page_size - num_tokens
-    assert pad >= 0, "summaries cover fewer pages than the keys"
-    k = torch.nn.functional.pad(k.float(), (0, 0, 0, pad), value=float("nan"))
-    center = (kmax.float() + kmin.float()) / 2
-    dev = (k.view(*lead, num_pages, page_size, dim) - center.unsqueeze(-2)).abs()
-    return dev.nanmean(dim=-2).nan_to_num(0.0)
-
-
 class Selector(ABC):
     """Scores pages for the decode queries of each kv head.
 
@@ -120,8 +92,8 @@ class Selector(ABC):
         group_reduce : {"sum", "max"}
             How the ``G`` query heads' scores become the kv head's.
         radius : torch.Tensor, optional
-            ``[B, Hkv, N, D]`` per-page mean ``|k - centre|`` (:func:`page_mean_abs_deviation`);
-            only selectors listing ``"radius"`` in ``summaries`` read it.
+            ``[B, Hkv, N, D]`` per-page mean ``|k - centre|`` (``PageSummaries(with_radius=True)``;
+            :func:`~sparse_sglang.mem_cache.reference.page_mean_abs_deviation` from the keys); only selectors listing ``"radius"`` in ``summaries`` read it.
         sketch : torch.Tensor, optional
             ``[B, Hkv, N, page_size * rank]`` key sketches (``"sketch"`` selector; its ``q`` is
             then the projected query ``[B, Hkv, 1, rank]``, :func:`~sparse_sglang.mem_cache.key_sketch.project_query`).
@@ -134,7 +106,7 @@ class Selector(ABC):
         """
         given = {"kmin": kmin, "kmax": kmax, "mean": mean, "radius": radius, "sketch": sketch}
         missing = [name for name in self.summaries if given[name] is None]
-        if missing:  # e.g. the radius (page_mean_abs_deviation), the key sketches (key_sketch)
+        if missing:  # e.g. the radius (with_radius), the key sketches (key_sketch)
             raise ValueError(f"selector {self.name!r} needs the summaries {', '.join(missing)}")
         scores = self.head_scores(q, kmin=kmin, kmax=kmax, mean=mean, radius=radius, sketch=sketch)
         if group_reduce == "sum":
@@ -176,8 +148,9 @@ class ArkVale(Selector):
     of the layer (one page choice per layer); here it is the kv head's ``G`` query heads, and the
     mean is ``group_reduce="sum"`` up to a constant factor.
 
-    ``PageSummaries`` stores no radius, so callers compute it from the keys
-    (:func:`page_mean_abs_deviation`); ArkVale computes it once per filled page.
+    ``PageSummaries(with_radius=True)`` keeps the radius as keys arrive (exact for a page filled
+    in one call; :func:`~sparse_sglang.mem_cache.reference.page_mean_abs_deviation` is its dense
+    form); ArkVale computes it once per filled page.
     """
 
     name = "arkvale"

@@ -283,7 +283,7 @@ class GPUPageCache:
         stays lowest): the step itself (exact LRU), or with ``lru_buckets`` > 0 SPIN's bucketed LRU,
         the step's bucket with every use older than the newest ``lru_buckets`` buckets tied at the
         oldest. A stable sort of it takes ties by row position, the victims a histogram over
-        the buckets would take (:class:`~sparse_sglang.mem_cache.reference.BucketedLRU`, its reference)."""
+        the buckets would take (``BucketedLRU`` in ``test/test_bucketed_lru.py``, its reference)."""
         if not self.lru_buckets:
             return used
         oldest = self.step // self.lru_steps_per_bucket - (self.lru_buckets - 1)
