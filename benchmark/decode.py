@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from sparse_sglang.attention.sparse_decode import TOPK_IMPLS, topk_pages
-from sparse_sglang.config import BOUND_FORMATS, PAGE_BOUNDS, SparseConfig
+from sparse_sglang.config import BOUND_FORMATS, PAGE_BOUNDS, RERANK_BY, SparseConfig
 from sparse_sglang.mem_cache.bounds import resolve_bound_format
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import finish_run
@@ -151,8 +151,10 @@ def run(args) -> dict:
     page_bounds = [args.page_bounds] + (["minmax"] if args.versus_minmax and args.page_bounds != "minmax" else [])
     configs = {pb: SparseConfig(token_budget=args.budget, host_cache_gb=1.0, bound_format=args.bound_format,
                                 coarse_pages=args.coarse_pages, coarse_candidates=args.coarse_candidates,
-                                selector=args.selector, rerank_factor=args.rerank_factor, page_bounds=pb,
-                                bound_spread=args.bound_spread) for pb in page_bounds}  # fmt: skip
+                                selector=args.selector, page_bounds=pb, bound_spread=args.bound_spread,
+                                # quest's side of --versus-minmax is quest's own step: no re-rank
+                                rerank_factor=args.rerank_factor if pb == args.page_bounds else 1,
+                                rerank_by=args.rerank_by) for pb in page_bounds}  # fmt: skip
     cells = [(c, b) for c in args.contexts for b in args.batches]
     if args.cells:
         cells = [tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")]
@@ -298,6 +300,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--coarse-candidates", type=float, default=4.0, help="--sparse-coarse-candidates")
     parser.add_argument("--selector", choices=("quest", "sketch"), default="quest", help="--sparse-selector")
     parser.add_argument("--rerank-factor", type=int, default=1, help="--sparse-rerank-factor")
+    parser.add_argument("--rerank-by", choices=RERANK_BY, default=DEFAULTS.rerank_by, help="--sparse-rerank-by")
     parser.add_argument("--page-bounds", choices=PAGE_BOUNDS, default=DEFAULTS.page_bounds, help="--sparse-page-bounds")
     parser.add_argument("--bound-spread", type=float, default=DEFAULTS.bound_spread, help="--sparse-bound-spread")
     parser.add_argument("--versus-minmax", action="store_true",
@@ -320,7 +323,7 @@ def main(argv=None) -> dict:
     bounds = resolve_bound_format(args.bound_format, KV_DTYPE_CHOICES[args.kv_dtype], args.page_bounds)
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": args.selector, "kv_dtype": args.kv_dtype,
               "bound_format": bounds, "coarse_pages": args.coarse_pages, "coarse_candidates": args.coarse_candidates,
-              "rerank_factor": args.rerank_factor, "layers_per_graph": args.layers_per_graph,
+              "rerank_factor": args.rerank_factor, "rerank_by": args.rerank_by, "layers_per_graph": args.layers_per_graph,
               "page_bounds": args.page_bounds, "bound_spread": args.bound_spread, "versus_minmax": args.versus_minmax,
               "l2_flushed": True}  # fmt: skip
     name = (
@@ -332,6 +335,7 @@ def main(argv=None) -> dict:
     )
     name += f"-coarse{args.coarse_pages}" if args.coarse_pages else ""
     name += f"-rerank{args.rerank_factor}" if args.rerank_factor > 1 else ""
+    name += "-by-sketch" if args.rerank_factor > 1 and args.rerank_by == "sketch" else ""
     return finish_run(
         "benchmark.decode", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json"
     )

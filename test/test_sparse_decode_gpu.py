@@ -451,3 +451,65 @@ def test_rerank_attends_the_pages_with_the_most_exact_mass(mode, interval):
                     if got != expect:  # only pages within rounding of each other at the boundary
                         swapped = [float(priority[r, h, p]) for p in got ^ expect]
                         assert max(swapped) - min(swapped) < 1e-3, f"step {i} layer {layer} row {r} head {h}"
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_sketch_rerank_attends_the_candidates_whose_best_token_sketch_scores_highest(mode):
+    """``--sparse-rerank-by sketch``: with every page a candidate (factor 8: up to 128 candidates, a
+    94-page context), the pages attended are the sketch selector's best 16 (each page's best token's
+    sketch against the group's summed query, forced pages first) up to ties, only they are loaded
+    (the rows stay one budget wide), and the output is the reference over them; eagerly and replayed
+    in a CUDA graph with a padding row."""
+    from sparse_sglang.attention import select_pages
+    from sparse_sglang.mem_cache.key_sketch import project_query, sketch_page_scores
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    config = SparseConfig(token_budget=512, host_cache_gb=1.0, rerank_factor=8, rerank_by="sketch")
+    b = bench(config, batch=3, context=3000)
+    assert b.decoder.sketch_candidates == 128 and b.decoder.candidates == 0 and b.decoder.width == 16
+    kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
+    for layer, (k, v) in enumerate(kv):
+        b.write_kv(layer, k, v)
+    log = b.decoder.log_selections(max_batch=4)
+    seq_lens, seq = torch.tensor([b.seq_len] * 3 + [1]), torch.full((3,), b.seq_len, device="cuda")
+    slots = torch.cat([b.req_slots, torch.zeros(1, dtype=b.req_slots.dtype, device="cuda")])
+    host_pages = torch.cat([b.host_pages, torch.zeros_like(b.host_pages[:1])])
+    rows = 4 if mode == "graph" else 3
+    q_static = torch.zeros(rows, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+    outs = [None] * SHAPE.num_layers
+    if mode == "graph":
+        b.decoder.init_cuda_graph(max_batch=4)
+    graph = None
+
+    def step():
+        for layer in range(SHAPE.num_layers):
+            outs[layer] = b.decoder.run(layer, q_static)
+
+    summaries = b.store.summaries
+    num_pages = torch.full((3,), b.num_pages, device="cuda")
+    group = SHAPE.num_q_heads // SHAPE.num_kv_heads
+    for i in range(3):
+        qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        q_static[:3].copy_(qs)
+        b.store.cache.next_step()
+        if mode == "graph":
+            b.decoder.plan(slots, seq_lens, host_pages, graph=True)
+            if graph is None:
+                step()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+            graph.replay()
+        else:
+            b.decoder.plan(b.req_slots, seq_lens[:3], b.host_pages)
+            step()
+        for layer, (k, v) in enumerate(kv):
+            pages = log[:3, layer].clone()
+            assert ((pages >= 0).sum(-1) == 16).all(), f"step {i} layer {layer}"
+            want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq)
+            torch.testing.assert_close(outs[layer][:3].float(), want.float(), atol=2e-2, rtol=2e-2)
+            qg = qs.view(3, SHAPE.num_kv_heads, group, SHAPE.head_dim)
+            rows_ = summaries.layer(layer)["sketch"][:, b.host_pages[:, : b.num_pages].long()].transpose(0, 1)
+            priority = sketch_page_scores(project_query(qg, summaries.key_basis.queries[layer]), rows_).squeeze(2)
+            expect = select_pages(priority, num_pages, 16, *b.decoder.forced).page_ids
+            assert_same_pages_up_to_ties(pages, expect, priority, num_pages, f"step {i} layer {layer}")

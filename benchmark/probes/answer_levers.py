@@ -117,12 +117,10 @@ class SketchDecoder(QuestStepDecoder):
             sk = key[0].float() @ b  # [Hkv, T, r]
             logits = (sk @ qp.unsqueeze(-1)).squeeze(-1)  # [Hkv, T]
             pad = -tokens % quality.PAGE_SIZE
-            return (
-                torch.nn.functional.pad(logits, (0, pad), value=-math.inf)
-                .view(heads, -1, quality.PAGE_SIZE)
-                .amax(-1)
-                .unsqueeze(0)
-            )
+            paged = torch.nn.functional.pad(logits, (0, pad), value=-math.inf).view(heads, -1, quality.PAGE_SIZE)
+            if self.reduce == "lse":  # the group's mean logit, a page's log-sum-exp of it
+                return (paged * (scaling * heads / q.shape[1])).logsumexp(-1).unsqueeze(0)
+            return paged.amax(-1).unsqueeze(0)
         sketch = key[0].float() @ b  # [Hkv, T, r]
         if self.fp8:  # stored as e4m3, as a server could keep them
             sketch = sketch.to(torch.float8_e4m3fn).float()
@@ -141,6 +139,23 @@ class SketchDecoder(QuestStepDecoder):
 
     def rank(self, layer, scores, q, key, seq_len, scaling):
         return self.rank_pages(layer, q, key, seq_len, scaling)
+
+
+class SketchRerankDecoder(SketchDecoder):
+    """Two stages: the page corners (``QuestStepDecoder``'s scores) shortlist ``factor`` x the
+    budget's pages, and the candidates' key sketches (``SketchDecoder.rank_pages``, a GPU-resident
+    sketch a server would keep) rank them; pages outside the shortlist are never taken."""
+
+    factor: float = 2.0
+    keep: float = 0.0  # the corners' best keep x the budget's pages are taken outright
+
+    def rank(self, layer, scores, q, key, seq_len, scaling):
+        n, k = scores.shape[-1], self.policy.budget // quality.PAGE_SIZE
+        order = scores.topk(min(n, int(self.factor * k)), dim=-1).indices
+        sketched = self.rank_pages(layer, q, key, seq_len, scaling)
+        ranked = torch.full_like(sketched, -math.inf).scatter_(-1, order, sketched.gather(-1, order))
+        outright = order[..., : int(self.keep * k)]
+        return ranked.scatter_(-1, outright, torch.full_like(ranked, 1e30).gather(-1, outright))
 
 
 class RotatedQuestDecoder(QuestStepDecoder):
@@ -382,10 +397,11 @@ def main() -> None:
     calibration = {}
     text_bases = {}
     pkg_basis = None
-    if "sketchpkg" in args.policies:
+    if "sketchpkg" in args.policies or "sketchrr" in args.policies:
         from sparse_sglang.calibrate import calibration_texts, fit_basis
 
         pkg_basis = fit_basis(model, tokenizer, calibration_texts(), 16)
+        pkg_bases = {32: fit_basis(model, tokenizer, calibration_texts(), 32)} if "-r32" in args.policies else {}
     if "sketchtext" in args.policies or "quest-rot-cal" in args.policies:
         rank = model.config.head_dim if "quest-rot-cal" in args.policies else 16
         text_bases = fit_text_bases(model, tokenizer, args.calibration_text, rank, args.calibration_tokens)
@@ -419,6 +435,8 @@ def main() -> None:
         **{f"sketchcal{r}-{red}": quality.Policy(budget=args.budget) for r in (8, 16) for red in ("max", "lse")},
         **{f"sketchtext-{k}": quality.Policy(budget=args.budget) for k in ("svd", "centred", "bilinear")},
         "sketchpkg": quality.Policy(budget=args.budget),
+        **{f"ms-sketchrr{f}{red}": quality.Policy(budget=args.budget) for f in (1.5, 2, 3, 4) for red in ("", "-lse")},
+        **{f"ms-sketchrr2{v}": quality.Policy(budget=args.budget) for v in ("-k0.25", "-k0.5", "-r32", "-lse-r32")},
         "sketchself": quality.Policy(budget=args.budget),
         "sketchfile-max": quality.Policy(budget=args.budget),  # --basis: sparse_sglang.calibrate's file
         "sketchfile-max8": quality.Policy(budget=args.budget),  # the same, sketches in fp8
@@ -467,6 +485,13 @@ def main() -> None:
                 hook.__class__ = SketchDecoder
                 hook.reduce, hook.fp8 = "max", False
                 hook.basis, hook.query_basis = dict(enumerate(pkg_basis.keys)), dict(enumerate(pkg_basis.queries))
+            elif name.startswith("ms-sketchrr"):  # the corners shortlist, the package's sketches rank
+                hook.__class__ = SketchRerankDecoder
+                factor, *variants = name.removeprefix("ms-sketchrr").split("-")
+                hook.factor, hook.reduce, hook.fp8 = float(factor), "lse" if "lse" in variants else "max", False
+                hook.keep = next((float(v[1:]) for v in variants if v.startswith("k")), 0.0)
+                basis = pkg_bases[32] if "r32" in variants else pkg_basis
+                hook.basis, hook.query_basis = dict(enumerate(basis.keys)), dict(enumerate(basis.queries))
             elif name.startswith("sketchtext"):  # bases fitted on --calibration-text: svd, centred svd, bilinear
                 hook.__class__ = SketchDecoder
                 hook.reduce, hook.fp8 = "max", False

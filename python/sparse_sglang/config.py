@@ -29,6 +29,7 @@ BOUND_FORMATS = ("auto", "exact", "int8")
 # What a page's two key corners are (sparse_sglang.mem_cache.summaries): Quest's channel-wise
 # min and max, or the keys' mean less and plus a spread of standard deviations.
 PAGE_BOUNDS = ("minmax", "meanstd")
+RERANK_BY = ("keys", "sketch")
 
 # Without --sparse-host-cache-gb the host KV store takes what its requests can use, at most this
 # share of the RAM available at start-up: the rest stays for the OS, the tokenizer and detokenizer
@@ -191,7 +192,11 @@ class SparseConfig:
     )
     rerank_factor: int = knob(
         1,
-        help="Re-rank: score F x the budget's pages from the summaries, load them, and attend the budget's pages with the most exact attention mass (their keys against the step's queries); 1 = off.",
+        help="Re-rank: score F x the budget's pages from the summaries and attend the budget's pages among them that --sparse-rerank-by ranks highest; 1 = off.",
+    )
+    rerank_by: str = knob(
+        "keys",
+        help=f"What re-ranks the candidates: {' | '.join(RERANK_BY)}. keys = their exact attention mass (loads every candidate's KV); sketch = their best token's key sketch (kept on the GPU for every token, as --sparse-selector sketch keeps them; loads only the pages attended).",
     )
     cache_row_ratio: float = knob(
         1.25,
@@ -310,6 +315,11 @@ class SparseConfig:
             raise SparseConfigError("reselect_interval", f"must be >= 1, got {self.reselect_interval}")
         if self.rerank_factor < 1:
             raise SparseConfigError("rerank_factor", f"must be >= 1 (1 = off), got {self.rerank_factor}")
+        if self.rerank_by not in RERANK_BY:
+            raise SparseConfigError("rerank_by", f"must be one of {', '.join(RERANK_BY)}; got {self.rerank_by!r}")
+        if self.rerank_by == "sketch" and self.rerank_factor > 1 and self.selector == "sketch":
+            raise SparseConfigError("rerank_by", f"the candidates of {mention('selector')} sketch are ranked by "
+                                                 "their sketches already: re-rank by keys, or pick another selector")  # fmt: skip
         if self.cache_row_ratio < 1:
             raise SparseConfigError(
                 "cache_row_ratio",
@@ -412,9 +422,21 @@ class SparseConfig:
 
     @property
     def candidate_pages(self) -> int:
-        """Pages each kv head loads per decode step: the budget's, or with re-ranking
+        """Pages each kv head loads per decode step: the budget's, or with re-ranking by keys
         ``rerank_factor`` times that (the budget's pages with the most exact mass are attended)."""
-        return self.budget_pages * self.rerank_factor
+        return self.budget_pages * (self.rerank_factor if self.rerank_by == "keys" else 1)
+
+    @property
+    def sketch_candidates(self) -> int:
+        """Pages each kv head's key sketches re-rank per decode step (0: none): ``rerank_factor``
+        times the budget's with ``rerank_by`` sketch."""
+        return self.budget_pages * self.rerank_factor if self.rerank_by == "sketch" and self.rerank_factor > 1 else 0
+
+    @property
+    def keeps_key_sketches(self) -> bool:
+        """Whether the GPU keeps every token's key sketch: the sketch selector scores them, the
+        sketch re-rank reads its candidates'."""
+        return self.selector == "sketch" or self.sketch_candidates > 0
 
     def inject_tokens(self, num_layers: int) -> int:
         """Layer-segmented prefill budget (tokens x layers per iteration) for a model."""

@@ -8,6 +8,8 @@
   (the re-rank's per-page log-masses from the cached keys).
 - :func:`choose_reranked_reference`: :func:`~sparse_sglang.attention.rerank.choose_reranked` (the
   re-rank's priorities, :func:`rerank_priority_reference`, and its choice of the best).
+- :func:`choose_by_sketch_reference`: :func:`~sparse_sglang.attention.rerank.choose_by_sketch`
+  (candidates re-ranked by their key sketches).
 - :func:`retrieve_reference`: :func:`~sparse_sglang.attention.retrieval.retrieve_pages`'s choices
   (hits, LRU victims, table updates) in torch ops over the cache's public methods. The decoder
   also runs it for rows too wide for the kernel's one program
@@ -39,6 +41,7 @@ from sparse_sglang.attention.selection import force_pages, keep_cached
 from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
 from sparse_sglang.mem_cache.bounds import dequantize_bounds
 from sparse_sglang.mem_cache.gpu_cache import CachedRows, GPUPageCache
+from sparse_sglang.mem_cache.key_sketch import project_query, sketch_page_scores
 
 
 def gather_layer(summary: torch.Tensor, host_pages: torch.Tensor) -> torch.Tensor:
@@ -258,6 +261,33 @@ def choose_reranked_reference(candidates: torch.Tensor, row_pages: torch.Tensor,
     chosen = position < kc
     at = position.clamp(max=kc - 1)
     return (torch.where(chosen, pages.gather(1, at), -1), torch.where(chosen, slots.gather(1, at), -1))
+
+
+def choose_by_sketch_reference(qg: torch.Tensor, query_basis: torch.Tensor, sketch: torch.Tensor,
+                               host_pages: torch.Tensor, candidates: torch.Tensor, num_pages: torch.Tensor, k: int,
+                               forced: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """:func:`~sparse_sglang.attention.rerank.choose_by_sketch` in torch: the projected query
+    (:func:`~sparse_sglang.mem_cache.key_sketch.project_query`), the candidates' sketch rows
+    gathered and scored by :func:`~sparse_sglang.mem_cache.key_sketch.sketch_page_scores`, the
+    forced pages first, ``torch.topk`` (at equal scores any of them); ``[B, Hkv, k]`` int32 in
+    ascending page order, ``-1`` padded."""
+    batch, heads, kc = candidates.shape
+    n = num_pages.view(-1, 1, 1)
+    valid = (candidates >= 0) & (candidates < n)
+    page = torch.where(valid, candidates, 0).long()
+    host = host_pages.long().gather(1, page.view(batch, -1)).view(batch, heads, kc)
+    rows = sketch[torch.arange(heads, device=sketch.device).view(1, -1, 1), host]  # [B, Hkv, Kc, P * R]
+    score = sketch_page_scores(project_query(qg, query_basis), rows).squeeze(2)  # [B, Hkv, Kc]
+    sink, recent = forced
+    is_forced = (page < sink) | (page >= n - recent)
+    priority = torch.where(is_forced, torch.full_like(score, math.inf), score).masked_fill(~valid, -math.inf)
+    top = torch.topk(priority, min(k, kc), dim=-1)
+    chosen = torch.where(
+        top.values > -math.inf, candidates.gather(-1, top.indices).long(), torch.iinfo(torch.int64).max
+    )
+    chosen = chosen.sort(dim=-1).values
+    chosen = torch.where(chosen < torch.iinfo(torch.int64).max, chosen, -1)
+    return F.pad(chosen, (0, k - chosen.shape[-1]), value=-1).to(torch.int32)
 
 
 # Evaluation references: attention over a page selection and the mass it keeps (the accuracy

@@ -132,6 +132,51 @@ if triton is not None:
         tl.store(pages_out_ptr + row * k + offs_k, -1, mask=pad)
         tl.store(slots_out_ptr + row * k + offs_k, -1, mask=pad)
 
+    @triton.jit
+    def _sketch_choose_kernel(
+        q_ptr, wq_ptr, sketch_ptr, host_pages_ptr, cand_ptr, num_pages_ptr, out_ptr,
+        num_heads, sketch_rows, host_pages_stride, sink, recent, k,
+        KC: tl.constexpr, KCP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+        R: tl.constexpr, P: tl.constexpr, KP: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (request, kv head) row: the group's summed query projected by the
+        # layer's Wq, each candidate scored by its best token's sketch, the k best kept.
+        row = tl.program_id(0)
+        b = row // num_heads
+        h = row % num_heads
+        n = tl.load(num_pages_ptr + b)
+        offs = tl.arange(0, KCP)
+        cand = tl.load(cand_ptr + row * KC + offs, mask=offs < KC, other=-1)
+        ok = (cand >= 0) & (cand < n)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_ptr + (row * G + offs_g[:, None]) * D + offs_d[None, :], mask=(offs_g < G)[:, None], other=0.0)
+        q_sum = tl.sum(q.to(tl.float32), axis=0)  # [D]
+        offs_r = tl.arange(0, R)
+        wq = tl.load(wq_ptr + (h * D + offs_d[:, None]) * R + offs_r[None, :])  # [D, R] float32
+        qp = tl.sum(q_sum[:, None] * wq, axis=0)  # [R]
+        host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=ok, other=0).to(tl.int64)
+        base = (h * sketch_rows + host) * (P * R)
+        score = tl.full((KCP,), float("-inf"), tl.float32)
+        for t in range(P):  # a page's best token
+            s = tl.load(sketch_ptr + base[:, None] + t * R + offs_r[None, :], mask=ok[:, None], other=0.0)
+            score = tl.maximum(score, tl.sum(s.to(tl.float32) * qp[None, :], axis=1))
+        forced = (cand < sink) | (cand >= n - recent)
+        priority = tl.where(forced, float("inf"), score)
+        priority = tl.where(ok, priority, float("-inf"))
+        # The k-th highest priority; above it all kept, at it the first ones (in candidate order) up to k.
+        ranked = tl.sort(priority, descending=True)
+        threshold = tl.max(tl.where(offs == k - 1, ranked, float("-inf")))
+        above = priority > threshold
+        tied = (priority == threshold) & (priority > float("-inf"))
+        keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= k - tl.sum(above.to(tl.int32))))
+        keep = keep & ok
+        position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + row * k + position, cand, mask=keep)
+        offs_k = tl.arange(0, KP)
+        pad = (offs_k >= tl.sum(keep.to(tl.int32))) & (offs_k < k)
+        tl.store(out_ptr + row * k + offs_k, -1, mask=pad)
+
 
 def _exact_in_fp32_products(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether ``q . k`` in ``q``'s dtype with fp32 accumulation is exact per product: 16-bit
@@ -219,3 +264,46 @@ def rerank_candidates(candidates: torch.Tensor, row_pages: torch.Tensor, slots: 
     count = ((candidates >= 0) & (candidates < row_pages.view(-1, 1))).sum(dim=-1, dtype=torch.int32)
     lse = candidate_page_lse(q, k_cache, slots, count, sm_scale, k_scale, logits_soft_cap)
     return choose_reranked(candidates, row_pages, lse, slots, k, forced)
+
+
+def choose_by_sketch(qg: torch.Tensor, query_basis: torch.Tensor, sketch: torch.Tensor, host_pages: torch.Tensor,
+                     candidates: torch.Tensor, num_pages: torch.Tensor, k: int,
+                     forced: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """The ``k`` of each row's candidate pages whose best token's key sketch scores highest
+    against the group's summed query: ``[B, Hkv, k]`` int32 logical pages (any order), ``-1``
+    padded where a row has fewer valid candidates. One Triton program per row.
+
+    Parameters
+    ----------
+    qg : torch.Tensor
+        ``[B, Hkv, G, D]`` the step's queries.
+    query_basis : torch.Tensor
+        ``[Hkv, D, R]`` float32, the layer's ``Wq`` (:class:`~sparse_sglang.mem_cache.key_sketch.KeyBasis`).
+    sketch : torch.Tensor
+        ``[Hkv, N + 1, P * R]`` the layer's key sketches by host page (``PageSummaries.layer(l)["sketch"]``).
+    host_pages : torch.Tensor
+        ``[B, max_pages]`` int32 host page of each logical page.
+    candidates : torch.Tensor
+        ``[B, Hkv, Kc]`` distinct logical pages (any order; ``-1`` or ``>= num_pages``: none), as
+        the top-k gives them.
+    num_pages : torch.Tensor
+        ``[B]`` int32 pages each request holds.
+
+    The forced pages (``forced = (sink, recent)``) rank first; at equal scores the earlier
+    candidates are kept. The newest page's tokens past its fill read 0; it is a forced page,
+    whose score is not read.
+    """
+    batch, heads, group, dim = qg.shape
+    kc, rank = candidates.shape[-1], query_basis.shape[-1]
+    out = torch.empty(batch, heads, k, dtype=torch.int32, device=qg.device)
+    if batch * heads == 0 or k == 0:
+        return out
+    if not (sketch.is_contiguous() and host_pages.stride(1) == 1):
+        raise ValueError("the sketches must be contiguous and host_pages' rows dense")
+    _sketch_choose_kernel[(batch * heads,)](
+        qg.contiguous(), query_basis.contiguous(), sketch, host_pages, candidates.contiguous(), num_pages.contiguous(),
+        out, heads, sketch.shape[1], host_pages.stride(0), int(forced[0]), int(forced[1]), int(k),
+        KC=kc, KCP=triton.next_power_of_2(kc), G=group, GP=max(2, triton.next_power_of_2(group)), D=dim, R=rank,
+        P=sketch.shape[-1] // rank, KP=triton.next_power_of_2(k),
+    )  # fmt: skip
+    return out

@@ -19,7 +19,9 @@ runs once per layer, on the device only:
    FlashInfer's indices; :func:`retrieve_reference` is the reference);
    With ``rerank_factor`` F > 1 the selection takes ``F x K`` candidates, retrieval loads them
    all, and the ``K`` with the most exact attention mass (their cached keys against the step's
-   queries, :mod:`~sparse_sglang.attention.rerank`) are the ones attended;
+   queries, :mod:`~sparse_sglang.attention.rerank`) are the ones attended; with ``rerank_by``
+   sketch the ``F x K`` candidates are ranked by their tokens' key sketches on the GPU instead
+   and only the ``K`` chosen are loaded;
 4. **Attend** with FlashInfer's paged decode: every (request, kv head) is its own sequence of
    one kv head and its group's ``G`` query heads over its ``K`` cache slots (HND layout), the
    newest page last so ``last_page_len`` covers the partial page.
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 
 from sparse_sglang.attention.constants import LayerConstants
 from sparse_sglang.attention.reference import retrieve_reference, score_coarse_reference
-from sparse_sglang.attention.rerank import rerank_candidates
+from sparse_sglang.attention.rerank import choose_by_sketch, rerank_candidates
 from sparse_sglang.attention.retrieval import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
@@ -154,6 +156,11 @@ class SparseDecoder:
         # exact mass attended; 0: off.
         candidates = min(config.candidate_pages, shape.row_width)
         self.candidates = candidates if candidates > self.width else 0
+        # Kc > K re-ranked by their key sketches (--sparse-rerank-by sketch): only the K chosen
+        # are loaded; 0: off.
+        self.sketch_candidates = config.sketch_candidates if config.sketch_candidates > self.width else 0
+        if self.sketch_candidates and store.summaries.key_basis is None:
+            raise ValueError("the sketch re-rank needs a store that keeps key sketches (SparseKVStore(key_basis=...))")
         if use_tensor_cores is None:
             use_tensor_cores = self.group >= 4
         self.workspace, self.use_tensor_cores = workspace, use_tensor_cores
@@ -420,6 +427,9 @@ class SparseDecoder:
         self.constants.check(sm_scale, logits_soft_cap, "sparse decoder")
         if self.candidates and not self.exact:
             page_ids = self._rerank(layer, q, k_scale)
+        elif self.sketch_candidates and not self.exact:
+            page_ids = self._sketch_rerank(layer, q)
+            self._retrieve(layer, page_ids)
         else:
             page_ids = self.select_raw(layer, q)
             self._retrieve(layer, page_ids)
@@ -453,6 +463,17 @@ class SparseDecoder:
         )
         self.indices.scatter_(0, at.view(-1), chosen_slots.view(-1).to(torch.int32))
         return chosen_pages.view(self.batch, self.num_kv_heads, self.width)
+
+    def _sketch_rerank(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """``Kc`` candidates from the summaries, the ``K`` whose best token's key sketch scores
+        highest (:func:`~sparse_sglang.attention.rerank.choose_by_sketch`): ``[B, Hkv, K]`` pages,
+        ``-1`` padded."""
+        candidates = self.select_raw(layer, q, self.sketch_candidates)
+        qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
+        summaries = self.store.summaries
+        return choose_by_sketch(qg, summaries.key_basis.queries[layer], summaries.layer(layer)["sketch"],
+                                self.host_pages[:, : self.max_pages], candidates, self.num_pages, self.width,
+                                self.forced)  # fmt: skip
 
     def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
         """Hits and misses of one layer's selection, the misses loaded, FlashInfer's indices

@@ -213,13 +213,13 @@ def alloc_sparse_memory_pool(runner: ModelRunner) -> None:
 
 
 def rank_key_basis(sparse, num_layers: int, total_kv_heads: int, head_dim: int, tp_size: int, tp_rank: int):
-    """The sketch selector's :class:`~sparse_sglang.mem_cache.key_sketch.KeyBasis` for this rank's
+    """The key sketches' :class:`~sparse_sglang.mem_cache.key_sketch.KeyBasis` for this rank's
     kv heads, from ``--sparse-key-basis`` (resolved by the launcher), or random for dummy weights
-    (no file); ``--sparse-sketch-rank`` keeps its leading directions. None for other selectors."""
+    (no file); ``--sparse-sketch-rank`` keeps its leading directions. None when no sketches are kept."""
     from sparse_sglang.calibrate import default_rank
     from sparse_sglang.mem_cache.key_sketch import KeyBasis
 
-    if sparse.selector != "sketch":
+    if not sparse.keeps_key_sketches:
         return None
     if sparse.key_basis is None:
         basis = KeyBasis.random(num_layers, total_kv_heads, head_dim, sparse.sketch_rank or default_rank(head_dim))

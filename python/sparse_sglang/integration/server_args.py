@@ -121,7 +121,7 @@ class SparseServerArgs(ServerArgs):
                                    f"replica serves whole requests), or set {mention('enabled')} false")  # fmt: skip
         self.page_size = page
         self._check_kv_scales()
-        if self.sparse.selector == "sketch":
+        if self.sparse.keeps_key_sketches:
             self._resolve_key_basis()
         # SGLang's overlap scheduler plans step N+1 while step N runs: the backend reads request
         # slots from the host mirror, queues row changes behind the forwards, and waits for saved

@@ -40,7 +40,7 @@ def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_co
         max_requests=max_batch + 1, row_width=width, max_pages=max_pages, max_save_tokens=8192,
     )  # fmt: skip
     key_basis = None
-    if config.selector == "sketch":  # random directions: the test and timing KV is random too
+    if config.keeps_key_sketches:  # random directions: the test and timing KV is random too
         rank = config.sketch_rank or max(1, shape.head_dim // 4)
         key_basis = KeyBasis.random(shape.num_layers, shape.num_kv_heads, shape.head_dim, rank)
     return build_store(config, s, "cuda", key_basis)
