@@ -165,7 +165,7 @@ class SparseServerArgs(ServerArgs):
             raise ServerArgRefused("quantization_param_path", self.quantization_param_path, problem)
 
     def _resolve_key_basis(self) -> None:
-        """The sketch selector's key basis file, resolved once here (the scheduler loads it):
+        """The key sketches' basis file (the sketch selector, the sketch re-rank), resolved once here (the scheduler loads it):
         ``--sparse-key-basis``, else the model folder's, fitted now for the default model; dummy
         weights take a random basis (no file)."""
         from sparse_sglang.mem_cache.key_sketch import BASIS_FILE
@@ -179,7 +179,7 @@ class SparseServerArgs(ServerArgs):
             logging.getLogger(__name__).info("fitting the default model's key basis (once): %s", found)
             calibrate(self.model_path, self.sparse.sketch_rank).save(found)
         if not found.is_file():
-            raise ServerArgRefused("model_path", self.model_path, f"{mention('selector')} sketch needs the model's "
+            raise ServerArgRefused("model_path", self.model_path, f"key sketches ({mention('selector')} or {mention('rerank_by')} sketch) need the model's "
                                    f"key basis: run `python -m sparse_sglang.calibrate --model-path {self.model_path}` "
                                    f"(writes {BASIS_FILE} there), or pass {mention('key_basis')} FILE")  # fmt: skip
         self.sparse = dataclasses.replace(self.sparse, key_basis=str(found))
