@@ -171,24 +171,24 @@ def run(args) -> dict:
         store = make_store(Llama8BShape(num_layers=layers), config, batch, context, dtype=kv_dtype)
         b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
         b.fill_summaries_randomly(gen)
-        b.plan()
+        plan = b.plan()
         q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
         row = {"context": context, "batch": batch, "budget": args.budget, "layers": layers, "page_bounds": pb}
         row["dense_ms"] = time_graph(dense_step(batch, context, workspace, dense_kv, q, layers), args.iters, per=layers)
 
         def step():
             for layer in range(layers):
-                b.decoder.run(layer, q)
+                b.decoder.run(layer, q, plan)
 
         step()  # loads every selected page: the cache is warm from here on
-        pages = [b.decoder.select(layer, q) for layer in range(layers)]
+        pages = [b.decoder.select(layer, q, plan) for layer in range(layers)]
         row["sparse_hit_ms"] = time_graph(step, args.iters, per=layers)
         if args.kernels:
             row["sparse_hit_kernels_us"] = kernel_times(step, args.iters, per=layers)
 
         def select():
             for layer in range(layers):
-                b.decoder.select_raw(layer, q)
+                b.decoder.select_raw(layer, q, plan)
 
         row["select_ms"] = time_graph(select, args.iters, per=layers)
         for impl in TOPK_IMPLS:  # the top-k alone, each implementation (the default by measurement)
@@ -196,7 +196,7 @@ def run(args) -> dict:
 
             def topk(impl=impl, prios=prios):
                 for prio in prios:
-                    topk_pages(prio, b.decoder.width, impl, b.decoder.row_pages, b.decoder.topk_offsets)
+                    topk_pages(prio, b.decoder.width, impl, plan.row_pages, b.decoder.topk_offsets)
 
             row[f"topk_{impl}_ms"] = time_graph(topk, args.iters, per=layers)
         for frac in args.miss_fracs:

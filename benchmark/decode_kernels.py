@@ -31,7 +31,7 @@ from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_s
 from sparse_sglang.testing.provenance import finish_run
 
 
-def score_times(b: DecodeBench, q: torch.Tensor, layers: int, args) -> dict[str, float]:
+def score_times(b: DecodeBench, plan, q: torch.Tensor, layers: int, args) -> dict[str, float]:
     d = b.decoder
     qg = q.view(b.batch, d.num_kv_heads, d.group, d.head_dim)
     out = {}
@@ -42,7 +42,7 @@ def score_times(b: DecodeBench, q: torch.Tensor, layers: int, args) -> dict[str,
 
             def score(block_n=block_n, warps=warps):
                 for layer in range(layers):
-                    score_pages(d.selector, qg, b.store.summaries.layer(layer), b.host_pages, b.decoder.num_pages,
+                    score_pages(d.selector, qg, b.store.summaries.layer(layer), b.host_pages, plan.num_pages,
                                 forced=d.forced, fill_tail=False, block_n=block_n, num_warps=warps)  # fmt: skip
 
             out[f"block{block_n}_warps{warps}_programs{programs}"] = time_graph(score, args.iters, per=layers) * 1e3
@@ -55,12 +55,12 @@ def attention_times(store, config, batch: int, context: int, workspace, q, layer
     out = {}
     for tensor_cores in (True, False):
         b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace, use_tensor_cores=tensor_cores)
-        b.plan()
+        plan = b.plan()
         d = b.decoder
 
         def step():
             for layer in range(layers):
-                d.run(layer, q)
+                d.run(layer, q, plan)
 
         step()  # the cache is warm from here on, and the indices hold the selection
         qs = q.reshape(batch * d.num_kv_heads, d.group, d.head_dim)
@@ -68,7 +68,7 @@ def attention_times(store, config, batch: int, context: int, workspace, q, layer
 
         def attend():
             for _ in range(layers):
-                d.wrapper.run(qs, d.kv)  # planned with the decoder's scale
+                plan.wrapper.run(qs, d.kv)  # planned with the decoder's scale
 
         out[f"attention_{name}_us"] = time_graph(attend, args.iters, per=layers) * 1e3
         out[f"step_{name}_us"] = time_graph(step, args.iters, per=layers) * 1e3
@@ -86,9 +86,14 @@ def run(args) -> list[dict]:
             store = make_store(Llama8BShape(num_layers=layers), config, batch, context)
             b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
             b.fill_summaries_randomly(gen)
-            b.plan()
+            plan = b.plan()
             q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
-            row = {"context": context, "batch": batch, "layers": layers, "score_us": score_times(b, q, layers, args)}
+            row = {
+                "context": context,
+                "batch": batch,
+                "layers": layers,
+                "score_us": score_times(b, plan, q, layers, args),
+            }
             row.update(attention_times(store, config, batch, context, workspace, q, layers, args))
             best = min(row["score_us"], key=row["score_us"].get)
             row["score_best"] = best

@@ -127,8 +127,9 @@ def test_freeing_a_request_slot_returns_its_page_cache_row():
 def test_a_slot_reused_after_a_cache_flush_gets_a_new_row():
     """SGLang's ReqToTokenPool on CPU: a request finishes (its slot freed, its row returned),
     ``/flush_cache`` clears the pool (zeroing the generations), and the next request gets the same
-    slot at the same generation: the backend still opens it a row (on the GPU host this sequence
-    crashed the server's first request after the benchmark's warm-up and flush)."""
+    slot at the same generation: the runtime still opens it a row (on the GPU host this sequence
+    crashed the server's first request after the benchmark's warm-up and flush). The generations
+    are SGLang's, read by the backend; which row belongs to which generation only the cache keeps."""
     import types
 
     import torch
@@ -139,29 +140,35 @@ def test_a_slot_reused_after_a_cache_flush_gets_a_new_row():
     from sparse_sglang.integration.attention_backend import SparseAttnBackend
     from sparse_sglang.integration.memory_pool import release_rows_on_free
     from sparse_sglang.mem_cache import GPUPageCache
+    from sparse_sglang.runtime import SparseRuntime
     from sparse_sglang.scheduler import WorkingSetTracker
 
     pool = ReqToTokenPool(3, 64, "cpu", False)
     cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)
     release_rows_on_free(pool, store_of(cache))
     tracker = WorkingSetTracker(4, 2, 2, 4, window=3)
-    backend = types.SimpleNamespace(store=types.SimpleNamespace(cache=cache), req_generation=pool.req_generation,
-                                    row_generation={}, tracker=tracker)  # fmt: skip
+    runtime = SparseRuntime(config=None, plan=None, store=store_of(cache), tracker=tracker)
+    backend = types.SimpleNamespace(req_generation=pool.req_generation)
+
+    def hold_row(slot):  # what a forward does first for each of its requests
+        runtime._hold_rows([slot], SparseAttnBackend._generations(backend, [slot]))
+
     first = Req("first", "", [1, 2, 3], SamplingParams())
     (slot,) = pool.alloc([first])
-    SparseAttnBackend._open_rows(backend, [slot])
+    opened_at = int(pool.req_generation[slot])
+    hold_row(slot)
     assert cache.is_open(slot)
     pool.free(first)
     assert not cache.is_open(slot)
     pool.clear()  # what /flush_cache does
     second = Req("second", "", [4, 5], SamplingParams())
-    assert pool.alloc([second]) == [slot] and int(pool.req_generation[slot]) == backend.row_generation[slot]
+    assert pool.alloc([second]) == [slot] and int(pool.req_generation[slot]) == opened_at
     tracker.record_step(torch.tensor([slot]), torch.ones(1, 2, 2, 4, dtype=torch.int32))  # the first one's selections
-    SparseAttnBackend._open_rows(backend, [slot])
+    hold_row(slot)
     assert cache.is_open(slot) and cache.num_open == 1
     assert tracker.sizes(torch.tensor([slot])).tolist() == [0]  # the new request inherits no working set
     cache.write_allocate(slot, 0, 1)  # what failed with KeyError on the server
-    SparseAttnBackend._open_rows(backend, [slot])  # its own row: kept
+    hold_row(slot)  # its own row: kept
     assert cache.num_open == 1
 
 
@@ -247,11 +254,13 @@ def test_the_prefill_graph_runners_made_up_batches_touch_no_sparse_state():
 
     from sparse_sglang.integration.attention_backend import PADDING_REQ_SLOT, SparseAttnBackend
     from sparse_sglang.mem_cache import GPUPageCache
+    from sparse_sglang.runtime import PrefillPlan, SparseRuntime
 
     cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)
     saved, bound, planned = [], [], []
     store = types.SimpleNamespace(cache=cache, shape=types.SimpleNamespace(page_size=4, dtype=torch.bfloat16),
-                                  bind_runs=bound.append)  # fmt: skip
+                                  bind_runs=bound.append, note_forward_stream=lambda: None,
+                                  wait_saves=lambda: None)  # fmt: skip
     prefix = types.SimpleNamespace(active=False)
 
     def plan(req_to_token, req_slots, prefix_lens, extend_lens):
@@ -259,16 +268,17 @@ def test_the_prefill_graph_runners_made_up_batches_touch_no_sparse_state():
         planned.append(list(prefix_lens))
 
     prefix.plan = plan
+    runtime = SparseRuntime(config=None, plan=None, store=store, prefix=prefix)
     backend = types.SimpleNamespace(
-        store=store, prefix=prefix, next_req_slots=None, req_generation=torch.zeros(4, dtype=torch.int64),
-        row_generation={}, tracker=None, extend_runs="runs of the batch before",
+        runtime=runtime, store=store, prefix=prefix, next_req_slots=None,
+        req_generation=torch.zeros(4, dtype=torch.int64), prefill_plan=PrefillPlan(runs="runs of the batch before"),
         req_to_token_pool=types.SimpleNamespace(req_to_token=torch.zeros(4, 64, dtype=torch.int32)),
         constants=types.SimpleNamespace(check=lambda *a: None),
         prefill_wrapper_ragged=types.SimpleNamespace(run=lambda q, k, v: torch.zeros_like(q)),
         kv_pool=types.SimpleNamespace(save=lambda *a, **kw: saved.append(a)),
     )  # fmt: skip
     backend._req_slots_cpu = lambda slots: SparseAttnBackend._req_slots_cpu(backend, slots)
-    backend._open_rows = lambda slots: SparseAttnBackend._open_rows(backend, slots)
+    backend._generations = lambda slots: SparseAttnBackend._generations(backend, slots)
     layer = types.SimpleNamespace(tp_q_head_num=4, tp_k_head_num=2, tp_v_head_num=2, head_dim=16, layer_id=0,
                                   scaling=0.25, logit_cap=0.0)  # fmt: skip
     q, k, v = torch.zeros(8, 64), torch.zeros(8, 32), torch.zeros(8, 32)
@@ -280,7 +290,7 @@ def test_the_prefill_graph_runners_made_up_batches_touch_no_sparse_state():
     made_up = batch(PADDING_REQ_SLOT, 0)
     SparseAttnBackend._begin_extend(backend, made_up)
     SparseAttnBackend.forward_extend(backend, q, k, v, layer, made_up)
-    assert (cache.num_open, bound, saved, backend.extend_runs) == (0, [], [], None)
+    assert (cache.num_open, bound, saved, backend.prefill_plan.runs) == (0, [], [], None)
     assert planned == [[0]] and not prefix.active
     real = batch(2, 0)
     SparseAttnBackend._begin_extend(backend, real)

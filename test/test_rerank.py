@@ -251,15 +251,15 @@ def test_the_decoder_loads_its_candidates_and_points_flashinfer_at_the_pages_it_
     candidates = {}
     select_raw = decoder.select_raw
 
-    def recording(layer, q, width=None):
-        candidates[width] = ids = select_raw(layer, q, width)
+    def recording(layer, q, plan, width=None):
+        candidates[width] = ids = select_raw(layer, q, plan, width)
         return ids
 
     decoder.select_raw = recording
     store.cache.next_step()
-    decoder.plan(req_slots, torch.tensor([tokens] * batch), host_pages)
+    plan = decoder.plan(req_slots, torch.tensor([tokens] * batch), host_pages)
     q = torch.randn(batch, heads * group, dim, generator=gen)
-    chosen = decoder._rerank(0, q, None)
+    chosen = decoder._rerank(0, q, plan, None)
     logits = torch.einsum("bhgd,bthd->bhgt", q.view(batch, heads, group, dim), k.float()) * dim**-0.5
     lse = (
         torch.nn.functional.pad(logits, (0, 20), value=-float("inf")).view(batch, heads, group, 10, page).logsumexp(-1)
@@ -274,7 +274,7 @@ def test_the_decoder_loads_its_candidates_and_points_flashinfer_at_the_pages_it_
             best = free[int(share[[offered.index(p) for p in free]].argmax())]
             assert chosen[b, h].tolist() == sorted([0, best, 8, 9])
             row = b * heads + h
-            start = int(decoder.indptr[row])
+            start = int(plan.indptr[row])
             slots = decoder.indices[start : start + 4].long()
             want = store.cache.page_table.lookup(req_slots[b], 0, torch.tensor(h), chosen[b, h].long())
             assert slots.tolist() == want.tolist()

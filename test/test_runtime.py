@@ -56,3 +56,71 @@ def test_attention_parts_write_the_runtimes_stats_and_start_once():
     off = small_runtime("cuda")
     off.start_attention(num_q_heads=8, workspace=workspace, max_batch=max_batch, staging_tokens=4096)
     assert off.gate is None and off.tracker is None
+
+
+class NoWrapper:
+    """FlashInfer's wrappers on CPU: the step plans them, and the decode output is zeros."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def plan(self, *args, **kwargs):
+        pass
+
+    def run(self, q, kv, **kwargs):
+        return torch.zeros_like(q)
+
+
+def cpu_attention_runtime(monkeypatch, **config):
+    import flashinfer
+
+    import sparse_sglang.attention.prefix as prefix
+
+    monkeypatch.setattr(flashinfer, "BatchDecodeWithPagedKVCacheWrapper", NoWrapper)
+    monkeypatch.setattr(prefix, "PrefixAttention", NoWrapper)  # stages prefixes through FlashH2D: CUDA only
+    runtime = small_runtime("cpu", **config)
+    runtime.start_attention(num_q_heads=4, workspace=torch.empty(1), max_batch=4, staging_tokens=64)
+    return runtime
+
+
+def token_locations(shape, slots: int = 4) -> torch.Tensor:
+    """SGLang's ``req_to_token``: request slot ``s`` holds host pages ``1 + s * P ...`` (its own)."""
+    per_slot = (shape.num_host_pages - 1) // slots
+    t = torch.arange(per_slot * shape.page_size)
+    pages = 1 + torch.arange(slots).view(-1, 1) * per_slot + t // shape.page_size
+    return (pages * shape.page_size + t % shape.page_size).to(torch.int32)
+
+
+def test_a_decode_step_is_one_runtime_call_with_a_frozen_plan_that_leaves_the_decoder_as_it_was(monkeypatch):
+    """``begin_decode`` is the whole host side of a step: rows held (a slot given to a new request
+    gets a new row, its working-set history dropped), the saved-token count, the tracker's batch,
+    the plan. The layers read the plan, which cannot change; no attribute of the decoder is
+    rebound by a step (the CUDA-graph form, whose plans are views of static buffers, is
+    ``test_sparse_decode_gpu.py``'s)."""
+    import dataclasses
+
+    runtime = cpu_attention_runtime(monkeypatch, working_set_admission=True, reselect_interval=3)
+    store, decoder, cache = runtime.store, runtime.decoder, runtime.store.cache
+    page = store.shape.page_size
+    req_to_token = token_locations(store.shape)
+    attributes = {name: id(value) for name, value in vars(decoder).items()}
+    slots, q = torch.tensor([1, 2]), torch.randn(2, 4, store.shape.head_dim)
+    plans = []
+    for step, generations in enumerate(([5, 7], [5, 7], [6, 7])):  # the third: slot 1 holds a new request
+        lengths = torch.tensor([3 * page + 1 + step, 40 * page + step])
+        plan = runtime.begin_decode(slots, [1, 2], generations, lengths, lengths, req_to_token)
+        plans.append(plan)
+        assert plan.batch == 2 and plan.num_pages.tolist() == [4, 40 + (step > 0)]
+        assert plan.host_pages.tolist() == (req_to_token[:3, ::page][1:, : plan.max_pages] // page).tolist()
+        assert plan.reselect is not None and not plan.exact  # 40 pages are over the 16-page budget
+        assert store.saved_tokens == 2 * (step + 1) and runtime.tracked_slots.tolist() == [1, 2]
+        for layer in range(store.shape.num_layers):
+            assert decoder.run(layer, q, plan).shape == q.shape
+        assert (decoder.selection_log[:2] >= 0).any()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plan.batch = 3
+    assert {name: id(value) for name, value in vars(decoder).items()} == attributes
+    assert not cache.hold_row(1, 6) and not cache.hold_row(2, 7)  # each row is its request's
+    assert plans[0].reselect.tolist() == [True, True] and plans[1].reselect.tolist() == [False, False]
+    assert plans[2].reselect.tolist() == [True, False]  # the new request selects from all its pages
+    assert runtime.tracker.sizes(slots).tolist()[0] <= 4 * store.shape.num_layers * store.shape.num_kv_heads

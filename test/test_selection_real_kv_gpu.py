@@ -81,8 +81,8 @@ def test_server_path_selects_what_the_reference_selects_on_real_kv(captured, bou
     selected = {}  # what the step's own selection chose (run() selects once per layer)
     select_raw = decoder.select_raw
 
-    def recording(layer, q):
-        selected["ids"] = ids = select_raw(layer, q)
+    def recording(layer, q, plan):
+        selected["ids"] = ids = select_raw(layer, q, plan)
         return ids
 
     decoder.select_raw = recording
@@ -90,20 +90,18 @@ def test_server_path_selects_what_the_reference_selects_on_real_kv(captured, bou
     for step in range(STEPS):
         seq_len = tokens - STEPS + 1 + step
         seq_lens = torch.tensor([seq_len])
-        store.cache.next_step()
-        decoder.plan(bench.req_slots, seq_lens, bench.host_pages)
+        plan = bench.step(bench.req_slots, seq_lens, bench.host_pages)
+        num_pages = plan.num_pages
         for layer in range(shape.num_layers):
             q = qs[layer][seq_len - 1].unsqueeze(0)  # [1, Hq, D]: the query of the newest token
-            out = decoder.run(layer, q)
+            out = decoder.run(layer, q, plan)
             raw = selected["ids"]
-            got = torch.where(raw < decoder.num_pages.view(-1, 1, 1), raw, -1)
+            got = torch.where(raw < num_pages.view(-1, 1, 1), raw, -1)
             qg = q.view(1, heads, group, -1)
             summaries = store.summaries.layer(layer)
-            scores = score_pages_reference(config.selector, qg, summaries, bench.host_pages, decoder.num_pages,
+            scores = score_pages_reference(config.selector, qg, summaries, bench.host_pages, num_pages,
                                            config.group_reduce)  # fmt: skip
-            want = select_pages(
-                scores, decoder.num_pages, config.budget_pages, config.sink_pages, config.recent_pages
-            ).page_ids
+            want = select_pages(scores, num_pages, config.budget_pages, config.sink_pages, config.recent_pages).page_ids
             for h in range(heads):
                 g = {p for p in got[0, h].tolist() if p >= 0}
                 w = {p for p in want[0, h].tolist() if p >= 0}
@@ -131,9 +129,7 @@ def test_server_path_selects_what_the_reference_selects_on_real_kv(captured, bou
                 kmin = torch.where(valid, blocks, torch.inf).amin(2).unsqueeze(0)
                 kmax = torch.where(valid, blocks, -torch.inf).amax(2).unsqueeze(0)
             s32 = get_selector("quest").score(qg, kmin, kmax, None, config.group_reduce)
-            exact = select_pages(
-                s32, decoder.num_pages, config.budget_pages, config.sink_pages, config.recent_pages
-            ).page_ids
+            exact = select_pages(s32, num_pages, config.budget_pages, config.sink_pages, config.recent_pages).page_ids
             for h in range(heads):
                 exact_overlap += len(
                     {p for p in got[0, h].tolist() if p >= 0} & {p for p in exact[0, h].tolist() if p >= 0}

@@ -50,8 +50,8 @@ def record_selections(decoder, into: dict, tag: str) -> None:
     captured tensors, which each replay rewrites)."""
     select_raw = decoder.select_raw
 
-    def recording(layer, q):
-        into[tag, layer] = ids = select_raw(layer, q)
+    def recording(layer, q, plan):
+        into[tag, layer] = ids = select_raw(layer, q, plan)
         return ids
 
     decoder.select_raw = recording
@@ -87,11 +87,11 @@ def test_q1_sparse_decode_equals_dense_flashinfer_when_the_budget_covers_the_con
         b.write_kv(layer, k, v)
     worst = 0.0
     for step in ("cold", "warm"):
-        b.plan()
-        assert not b.decoder.exact
+        plan = b.plan()
+        assert not plan.exact
         for layer, (k, v) in enumerate(kv):
             q = torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
-            out = b.decoder.run(layer, q)
+            out = b.decoder.run(layer, q, plan)
             want = dense_decode(q, k, v)
             err = (out.float() - want.float()).abs().max().item()
             worst = max(worst, err)
@@ -111,19 +111,19 @@ def test_the_planned_softmax_scale_and_soft_cap_are_the_ones_attended_with():
     kv = [random_kv(2, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
     for layer, (k, v) in enumerate(kv):
         b.write_kv(layer, k, v)
-    b.plan()
+    plan = b.plan()
     import flashinfer
 
     for layer, (k, v) in enumerate(kv):
         q = torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16) * 4
-        out = b.decoder.run(layer, q, scale, cap)
+        out = b.decoder.run(layer, q, plan, scale, cap)
         want = torch.stack([flashinfer.single_decode_with_kv_cache(q[i], k[i], v[i], sm_scale=scale, logits_soft_cap=cap)
                             for i in range(2)])  # fmt: skip
         torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2, msg=f"layer {layer}")
     with pytest.raises(ValueError, match="softmax scale"):
-        b.decoder.run(0, q, 0.1, cap)
+        b.decoder.run(0, q, plan, 0.1, cap)
     with pytest.raises(ValueError, match="soft cap"):
-        b.decoder.run(0, q, scale, None)
+        b.decoder.run(0, q, plan, scale, None)
 
 
 def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
@@ -144,10 +144,10 @@ def test_fp8_kv_with_calibrated_scales_attends_like_its_dequantized_kv():
         kv.append(
             (store.to_store_dtype(k / k_scale).float() * k_scale, store.to_store_dtype(v / v_scale).float() * v_scale)
         )
-    b.plan()
+    plan = b.plan()
     for layer, (k, v) in enumerate(kv):
         q = (torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen) * 1e5).to(torch.bfloat16)
-        out = b.decoder.run(layer, q, k_scale=k_scale, v_scale=v_scale).float() / 1e-5
+        out = b.decoder.run(layer, q, plan, k_scale=k_scale, v_scale=v_scale).float() / 1e-5
         want = (
             sparse_attention_reference(
                 q.float(),
@@ -174,13 +174,13 @@ def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector
         b.write_kv(layer, k, v)
     seq = torch.full((3,), b.seq_len, device="cuda")
     for _ in range(4):  # selections move: misses load into the rows and evict older pages
-        b.plan()
+        plan = b.plan()
         for layer, (k, v) in enumerate(kv):
             q = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
-            pages = b.decoder.select(layer, q)
+            pages = b.decoder.select(layer, q, plan)
             assert ((pages >= 0).sum(-1) == 16).all()  # 16 pages per (request, kv head)
             assert (pages == b.num_pages - 1).any(-1).all() and (pages == 0).any(-1).all()  # recent, sink
-            out = b.decoder.run(layer, q)
+            out = b.decoder.run(layer, q, plan)
             want = sparse_attention_reference(q, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq)
             torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
@@ -212,18 +212,16 @@ def test_fused_and_reference_paths_give_the_same_steps(interval, coarse, selecto
         gen_q = torch.Generator(device="cuda").manual_seed(100 + step)
         qs = [torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen_q).to(torch.bfloat16)
               for _ in range(SHAPE.num_layers)]  # fmt: skip
+        plans = {}
         for path, b in runs.items():
-            b.store.cache.next_step()
-            b.decoder.plan(b.req_slots, seq_lens, host_pages)
-            assert b.decoder.use_coarse == bool(coarse)
+            plans[path] = plan = b.step(b.req_slots, seq_lens, host_pages)
+            assert plan.use_coarse == bool(coarse)
             assert b.decoder.stats.coarse_first_steps == (step + 1) * bool(
                 coarse
             )  # server info's decode_steps_coarse_first
             for layer, (k, v) in enumerate(kv):
-                out = b.decoder.run(layer, qs[layer])
-                pages = torch.where(
-                    selected[path, layer] < b.decoder.num_pages.view(-1, 1, 1), selected[path, layer], -1
-                )
+                out = b.decoder.run(layer, qs[layer], plan)
+                pages = torch.where(selected[path, layer] < plan.num_pages.view(-1, 1, 1), selected[path, layer], -1)
                 selected[path, layer] = pages.clone()
                 want = sparse_attention_reference(
                     qs[layer], k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq_lens.cuda()
@@ -234,10 +232,11 @@ def test_fused_and_reference_paths_give_the_same_steps(interval, coarse, selecto
         for layer in range(SHAPE.num_layers):  # both paths selected the same pages (up to exact ties)
             b = runs["reference"]
             qg = b.decoder.scoring_query(layer, qs[layer].view(2, SHAPE.num_kv_heads, -1, SHAPE.head_dim))
+            num_pages = plans["reference"].num_pages
             priority = score_pages(b.decoder.selector, qg, b.store.summaries.layer(layer), host_pages,
-                                   b.decoder.num_pages)  # fmt: skip
+                                   num_pages)  # fmt: skip
             assert_same_pages_up_to_ties(selected["fused", layer], selected["reference", layer], priority,
-                                         b.decoder.num_pages, f"step {step} layer {layer}")  # fmt: skip
+                                         num_pages, f"step {step} layer {layer}")  # fmt: skip
         loaded.append(runs["fused"].store.cache.stats()["pages_loaded"])
     # New queries pick new pages each step; reusing the rows (request 0 never reaches its next
     # full selection here, its length is fixed) loads nothing after the first step.
@@ -257,15 +256,15 @@ def test_a_step_does_not_depend_on_the_order_the_top_k_returns_its_pages():
     select_raw, outs = b.decoder.select_raw, []
     for order in ("as returned", "reversed", "shuffled"):
 
-        def reorder(layer, q, order=order):
-            ids = select_raw(layer, q)
+        def reorder(layer, q, plan, order=order):
+            ids = select_raw(layer, q, plan)
             if order == "reversed":
                 return ids.flip(-1)
             return ids[..., torch.randperm(ids.shape[-1], device="cuda", generator=gen)] if order == "shuffled" else ids
 
         b.decoder.select_raw = reorder
-        b.plan()
-        outs.append([b.decoder.run(layer, q) for layer in range(SHAPE.num_layers)])
+        plan = b.plan()
+        outs.append([b.decoder.run(layer, q, plan) for layer in range(SHAPE.num_layers)])
     for other in outs[1:]:
         for a, c in zip(outs[0], other):
             assert torch.equal(a, c)
@@ -332,9 +331,9 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse)
     q_static = torch.zeros(4, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
     outs = [None] * SHAPE.num_layers
 
-    def step():
+    def step(plan):
         for layer in range(SHAPE.num_layers):
-            outs[layer] = g.decoder.run(layer, q_static)
+            outs[layer] = g.decoder.run(layer, q_static, plan)
 
     selected: dict = {}
     for mode, b in runs.items():
@@ -343,19 +342,17 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse)
     graph = None
     for i in range(4):
         qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
-        e.store.cache.next_step()
-        e.decoder.plan(e.req_slots, seq_lens[:3], e.host_pages)
+        eager_plan = e.step(e.req_slots, seq_lens[:3], e.host_pages)
         for layer in range(SHAPE.num_layers):
-            e.decoder.run(layer, qs)
+            e.decoder.run(layer, qs, eager_plan)
         eager_pages = [selected["eager", layer].clone() for layer in range(SHAPE.num_layers)]
-        g.store.cache.next_step()
-        g.decoder.plan(slots, seq_lens, host_pages, graph=True)
+        graph_plan = g.step(slots, seq_lens, host_pages, graph=True)  # rewrites the static buffers in place
         q_static[:3].copy_(qs)
         if graph is None:  # the first step runs eagerly (compiles kernels), then is captured
-            step()
+            step(graph_plan)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                step()  # records only: the replay below computes this step's outputs
+                step(graph_plan)  # records only: the replay below computes this step's outputs
         graph.replay()
         for layer, (k, v) in enumerate(kv):
             # The replayed step attends exactly to the pages it selected (cache contents, indices,
@@ -370,10 +367,10 @@ def test_cuda_graph_steps_equal_eager_steps_with_a_padding_row(interval, coarse)
                 qs.view(3, SHAPE.num_kv_heads, -1, SHAPE.head_dim),
                 e.store.summaries.layer(layer),
                 e.host_pages,
-                e.decoder.num_pages,
+                eager_plan.num_pages,
             )
             assert_same_pages_up_to_ties(
-                pages, eager_pages[layer], priority, e.decoder.num_pages, f"step {i} layer {layer}"
+                pages, eager_pages[layer], priority, eager_plan.num_pages, f"step {i} layer {layer}"
             )
 
 
@@ -416,27 +413,25 @@ def test_rerank_attends_the_pages_with_the_most_exact_mass(mode, interval):
         b.decoder.init_cuda_graph(max_batch=4)
     graph = None
 
-    def step():
+    def step(plan):
         for layer in range(SHAPE.num_layers):
-            outs[layer] = b.decoder.run(layer, q_static)
+            outs[layer] = b.decoder.run(layer, q_static, plan)
 
     group = SHAPE.num_q_heads // SHAPE.num_kv_heads
     num_pages = torch.full((3,), b.num_pages, device="cuda")
     for i in range(4):
         qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
         q_static[:3].copy_(qs)
-        b.store.cache.next_step()
         if mode == "graph":
-            b.decoder.plan(slots, seq_lens, host_pages, graph=True)
+            plan = b.step(slots, seq_lens, host_pages, graph=True)
             if graph is None:  # the first step runs eagerly (compiles kernels), then is captured
-                step()
+                step(plan)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    step()
+                    step(plan)
             graph.replay()
         else:
-            b.decoder.plan(b.req_slots, seq_lens[:3], b.host_pages)
-            step()
+            step(b.step(b.req_slots, seq_lens[:3], b.host_pages))
         for layer, (k, v) in enumerate(kv):
             pages = log[:3, layer].clone()
             assert ((pages >= 0).sum(-1) == 16).all(), f"step {i} layer {layer}"
@@ -481,9 +476,9 @@ def test_sketch_rerank_attends_the_candidates_whose_best_token_sketch_scores_hig
         b.decoder.init_cuda_graph(max_batch=4)
     graph = None
 
-    def step():
+    def step(plan):
         for layer in range(SHAPE.num_layers):
-            outs[layer] = b.decoder.run(layer, q_static)
+            outs[layer] = b.decoder.run(layer, q_static, plan)
 
     summaries = b.store.summaries
     num_pages = torch.full((3,), b.num_pages, device="cuda")
@@ -491,18 +486,16 @@ def test_sketch_rerank_attends_the_candidates_whose_best_token_sketch_scores_hig
     for i in range(3):
         qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
         q_static[:3].copy_(qs)
-        b.store.cache.next_step()
         if mode == "graph":
-            b.decoder.plan(slots, seq_lens, host_pages, graph=True)
+            plan = b.step(slots, seq_lens, host_pages, graph=True)
             if graph is None:
-                step()
+                step(plan)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    step()
+                    step(plan)
             graph.replay()
         else:
-            b.decoder.plan(b.req_slots, seq_lens[:3], b.host_pages)
-            step()
+            step(b.step(b.req_slots, seq_lens[:3], b.host_pages))
         for layer, (k, v) in enumerate(kv):
             pages = log[:3, layer].clone()
             assert ((pages >= 0).sum(-1) == 16).all(), f"step {i} layer {layer}"

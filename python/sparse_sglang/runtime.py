@@ -12,10 +12,24 @@ whole :class:`~sparse_sglang.config.SparseConfig`. It holds
 - ``stats``: the one :class:`~sparse_sglang.stats.SparseStats` the gate, the decoder and the
   segmented-prefill loop write.
 
+It also owns the *step*: :meth:`SparseRuntime.begin_decode` is the one call that prepares a decode
+step (rows opened, resized and write-allocated in the page cache, the step counter, the saved-token
+count, the host page table, the re-selection phase, the tracker's publication, the save runs) and
+returns its frozen :class:`~sparse_sglang.attention.sparse_decode.DecodePlan`, which
+``decoder.run(layer, q, plan)`` reads for every layer; :meth:`SparseRuntime.begin_prefill` does the
+same for a prefill (:class:`PrefillPlan`). The SGLang adapter (``integration/attention_backend.py``)
+only translates SGLang's ``ForwardBatch`` into their arguments. A CUDA-graph step is the same call
+with ``graph=True``: its plan's tensors are the decoder's static buffers, rewritten in place, so a
+replay reads what the call wrote and nothing is rebound.
+
 Invariants: ``store`` is set once, at build; :meth:`start_attention` runs once; ``tracker`` and
 ``gate`` are both set exactly when ``config.working_set_admission`` is on. Every other object
 reads these through the runtime (SGLang's side reaches it through the KV pool it hands out:
-``integration/memory_pool.py``'s ``runtime_of``); none keeps its own copy of a counter.
+``integration/memory_pool.py``'s ``runtime_of``); none keeps its own copy of a counter, and each
+counter has one writer (``test/test_runtime.py`` checks the source). Between steps only the runtime
+(and the request slot's release) changes the page cache's rows, which the cache alone records
+(:meth:`~sparse_sglang.mem_cache.gpu_cache.GPUPageCache.hold_row`); request slot 0 (padding) never
+gets one. A step's plan is made before any of its layers runs and never changes after.
 
 Example (a CUDA machine; the server builds it from SGLang's model runner the same way)::
 
@@ -37,21 +51,34 @@ Example (a CUDA machine; the server builds it from SGLang's model runner the sam
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch.profiler import record_function
 
+from sparse_sglang.mem_cache.gpu_cache import PADDING_SLOT
+from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.stats import SparseStats
 
 if TYPE_CHECKING:
     from sparse_sglang.attention.prefix import PrefixAttention
-    from sparse_sglang.attention.sparse_decode import SparseDecoder
+    from sparse_sglang.attention.sparse_decode import DecodePlan, SparseDecoder
     from sparse_sglang.config import SparseConfig
     from sparse_sglang.mem_cache.key_sketch import KeyBasis
     from sparse_sglang.mem_cache.kv_store import SparseKVStore, StoreShape
     from sparse_sglang.mem_cache.plan import MemoryPlan
     from sparse_sglang.scheduler import WorkingSetGate, WorkingSetTracker
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """One prefill (extend) forward as its layers read it: ``runs``, the tokens it saves (their
+    request slots and positions), or None for a batch that saves nothing (SGLang's made-up graph
+    warm-up batches in the padding slot). The prefix attention keeps its own plan (``prefix.plan``)."""
+
+    runs: SaveRuns | None
 
 
 @dataclass
@@ -64,6 +91,8 @@ class SparseRuntime:
     prefix: PrefixAttention | None = None
     tracker: WorkingSetTracker | None = None
     gate: WorkingSetGate | None = None
+    # The last decode step's batch, whose selections the tracker records as the next forward begins.
+    tracked_slots: torch.Tensor | None = None
 
     def start_attention(self, num_q_heads: int, workspace: torch.Tensor, max_batch: int, staging_tokens: int,
                         sm_scale: float | None = None, logits_soft_cap: float | None = None,
@@ -92,6 +121,108 @@ class SparseRuntime:
                                              config.working_set_window, store.device)  # fmt: skip
             self.decoder.log_selections(max_batch)
             self.gate = WorkingSetGate(store.cache, self.tracker, agree=agree, counts=self.stats.working_set)
+
+    # Per forward, on the host: the step's owner.
+
+    def _begin_forward(self) -> None:
+        """What every forward starts with: its stream noted, earlier prefill saves landed (before
+        any host read), and the last decode step's selections handed to the tracker (before a row
+        opens: a slot reused by a new request must not inherit them)."""
+        store = self.store
+        store.note_forward_stream()
+        with record_function("sparse.wait_saves"):
+            store.wait_saves()
+        if self.tracked_slots is not None:
+            self.tracker.record_step(self.tracked_slots, self.decoder.selection_log[: len(self.tracked_slots)])
+            self.tracked_slots = None
+
+    def _hold_rows(self, slots: list[int], generations: list[int]) -> None:
+        """Each request its own page-cache row (:meth:`GPUPageCache.hold_row`); a new one starts
+        with no working-set history."""
+        for slot, generation in zip(slots, generations):
+            if self.store.cache.hold_row(slot, generation) and self.tracker is not None:
+                self.tracker.forget(slot)
+
+    def begin_decode(self, req_slots: torch.Tensor, slots: list[int], generations: list[int],
+                     seq_lens_cpu: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor,
+                     graph: bool = False) -> DecodePlan:  # fmt: skip
+        """Prepare one decode step and return its plan.
+
+        Parameters
+        ----------
+        req_slots : torch.Tensor
+            ``[B]`` request slots on the device (a CUDA-graph batch padded with slot 0).
+        slots, generations : list[int]
+            The same slots on the host, and each one's generation (the count of requests the
+            slot was given to; the padding slot's is not read).
+        seq_lens_cpu, seq_lens : torch.Tensor
+            ``[B]`` tokens of each request, the one decoded now included, on the host and the device.
+        req_to_token : torch.Tensor
+            The request slots' token locations (host page ``loc // page_size``), ``[slots, tokens]``.
+        graph : bool
+            A CUDA-graph step (captured or replayed): the plan points at static buffers, every
+            request planned over the store's ``max_pages``, and the save runs are bound inside the
+            graph (:meth:`bind_decode_runs`).
+        """
+        from sparse_sglang.attention.sparse_decode import host_page_table
+
+        self._begin_forward()
+        store, cache, page = self.store, self.store.cache, self.store.shape.page_size
+        lengths = seq_lens_cpu.tolist()
+        real = [(slot, n, g) for slot, n, g in zip(slots, lengths, generations) if slot != PADDING_SLOT]
+        self._hold_rows([slot for slot, _, _ in real], [g for _, _, g in real])  # open since their prefill, mostly
+        cache.next_step()
+        store.count_decode_saves(len(real))
+        for slot, length, _ in real:
+            pages = math.ceil(length / page)
+            cache.resize_request(slot, pages)
+            if (length - 1) % page == 0:  # this token starts a page
+                cache.write_allocate(slot, pages - 1, 1)
+        num_pages = store.shape.max_pages if graph else math.ceil(max(lengths) / page)
+        host_pages = host_page_table(req_to_token, req_slots, num_pages, page)
+        interval = self.config.reselect_interval
+        reselect = None if interval == 1 else cache.due_for_selection(req_slots, seq_lens_cpu, interval)
+        plan = self.decoder.plan(req_slots, seq_lens_cpu, host_pages, graph=graph, seq_lens=seq_lens,
+                                 reselect=reselect)  # fmt: skip
+        if self.tracker is not None:  # counts up to the last step; this step's selection is recorded next forward
+            self.tracker.publish([slot for slot, _, _ in real], math.ceil(max(lengths) / page))
+            self.tracked_slots = req_slots.clone()
+        if not graph:
+            self.bind_decode_runs(req_slots, seq_lens)
+        return plan
+
+    def bind_decode_runs(self, req_slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """The decode step's save runs (one token per request); a CUDA-graph step binds them inside
+        the graph (SGLang's ``init_forward_metadata_in_graph``)."""
+        self.store.bind_runs(SaveRuns.for_decode(req_slots, seq_lens, self.store.shape.page_size))
+
+    def begin_prefill(self, req_slots: torch.Tensor, slots: list[int], generations: list[int],
+                      prefix_lens: list[int], extend_lens: list[int], req_to_token: torch.Tensor) -> PrefillPlan:  # fmt: skip
+        """Prepare one prefill (extend) forward: rows held, the new pages resized and
+        write-allocated, the save runs bound, the prefix attention planned. A batch in the padding
+        slot (SGLang's prefill graph runner warms up and captures on made-up batches there, which
+        no request holds) is attended (no prefix) but opens no row and saves nothing."""
+        self._begin_forward()
+        prefix = self.prefix
+        if PADDING_SLOT in slots:
+            prefix.plan(req_to_token, req_slots, [0] * len(slots), extend_lens)
+            return PrefillPlan(runs=None)
+        store, cache, page = self.store, self.store.cache, self.store.shape.page_size
+        self._hold_rows(slots, generations)
+        for slot, before, new in zip(slots, prefix_lens, extend_lens):
+            first, end = math.ceil(before / page), math.ceil((before + new) / page)
+            cache.resize_request(slot, end)
+            cache.write_allocate(slot, first, end - first)  # new pages go to free row slots while any are left
+        runs = SaveRuns.for_extend(slots, prefix_lens, extend_lens, page, req_slots.device)
+        store.bind_runs(runs)
+        prefix.plan(req_to_token, req_slots, prefix_lens, extend_lens)
+        return PrefillPlan(runs=runs)
+
+    def resume_prefill(self, plan: PrefillPlan) -> None:
+        """Before the next layer segment of a layer-segmented prefill: its plan (made at its first
+        segment) outlives the decode steps run since, which bound their own save runs; its go back."""
+        self.store.wait_saves()
+        self.store.bind_runs(plan.runs)
 
     def report(self, window: int) -> dict:
         """The runtime's part of ``/get_server_info``'s ``"sparse"`` entry: the store's counters over

@@ -79,11 +79,45 @@ def topk_pages(priority: torch.Tensor, k: int, impl: str = "flashinfer", lengths
 
 
 @dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """One decode step as every layer of it reads it: made once per step by
+    :meth:`SparseDecoder.plan` (in the server through ``SparseRuntime.begin_decode``), read by
+    :meth:`SparseDecoder.run`, never changed. In a CUDA-graph step every tensor is a view of the
+    decoder's :class:`GraphBuffers` (the same addresses at capture and at each replay, their
+    contents rewritten in place); in an eager step they are the step's own.
+    """
+
+    # fmt: off
+    batch:      int                  # B: requests (a graph batch's padding rows included)
+    req_slots:  torch.Tensor         # [B]          request slots (slot 0: padding, no cache row)
+    num_pages:  torch.Tensor         # [B]          int32 pages each request holds
+    row_pages:  torch.Tensor         # [B * Hkv]    int32 the same per selection row (the top-k's lengths)
+    host_pages: torch.Tensor         # [B, N]       int32 host page of each logical page
+    max_pages:  int                  # columns of host_pages scored (a graph's: the store's max_pages)
+    indptr:     torch.Tensor         # [B * Hkv + 1] int32 FlashInfer indptr: row r's pages at indptr[r]
+    wrapper:    object               # the FlashInfer decode wrapper planned for this step
+    exact:      bool                 # every page selected: no scoring (the exact shortcut)
+    all_pages:  torch.Tensor | None  # [B, Hkv, K]  the exact shortcut's selection
+    reselect:   torch.Tensor | None  # [B] bool     requests selecting from all their pages (None: all)
+    dest:       torch.Tensor | None  # [B * Hkv * K] where the torch path writes a selection's slots
+    use_coarse: bool                 # super-pages scored first (--sparse-coarse-pages)
+    built:      torch.Tensor | None  # [B]          int32 complete super-pages per request
+    built_rows: torch.Tensor | None  # [B * Hkv]    int32 the same per selection row
+    # fmt: on
+
+
+def _copied(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``buffer`` (a static buffer's view) after copying ``values`` into it in place."""
+    buffer.copy_(values)
+    return buffer
+
+
+@dataclass(frozen=True, slots=True)
 class GraphBuffers:
     """The static buffers of CUDA-graph decode steps (on the GPU), for batches of up to
     ``max_batch`` requests: a captured step reads its per-step values from here, and
-    :meth:`SparseDecoder.plan` rewrites their first ``batch`` (or ``batch * Hkv``) entries before
-    each replay. Allocated once, before any capture; never reallocated (the graphs hold their
+    :meth:`SparseDecoder.plan` rewrites their first ``batch`` (or ``batch * Hkv``) entries in
+    place before each replay; each step's :class:`DecodePlan` holds views of them. Allocated once, before any capture; never reallocated (the graphs hold their
     addresses).
     """
 
@@ -167,7 +201,6 @@ class SparseDecoder:
         self.eager_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "HND", use_tensor_cores=use_tensor_cores
         )
-        self.wrapper = self.eager_wrapper
         self.graph_wrappers: dict = {}  # batch size -> CUDA-graph wrapper (init_cuda_graph)
         if topk not in TOPK_IMPLS:
             raise ValueError(f"topk must be one of {TOPK_IMPLS}, got {topk!r}")
@@ -186,16 +219,7 @@ class SparseDecoder:
         if self.coarse and shape.max_pages // self.coarse <= self.supers:
             self.coarse = 0
         self.coarse_tail = self.coarse + self.forced[1] - 1  # most pages a request holds from built * S on
-        self.use_coarse = False  # this step (plan)
         self.stats = SparseStats() if stats is None else stats  # counts coarse-first steps (server info)
-        self.built = self.built_rows = None  # [B], [B * Hkv] int32: complete super-pages per request
-        # Per step (plan). reselect: [B] bool, which requests select from all their pages (None:
-        # every request, interval 1).
-        self.reselect = None
-        self.req_slots = self.host_pages = self.num_pages = self.dest = self.all_pages = self.indptr = None
-        self.row_pages = None  # [B * Hkv] int32 pages of each selection row's request (the top-k's lengths)
-        self.batch = 0
-        self.exact = False
         self.graph: GraphBuffers | None = None  # static buffers of CUDA-graph mode (init_cuda_graph)
         # [max_batch, num_layers, Hkv, K] each layer's selection of the current step, -1 = none
         # (allocated by log_selections: the working-set tracker reads it after the step).
@@ -253,8 +277,9 @@ class SparseDecoder:
         return self.graph_wrappers[batch]
 
     def plan(self, req_slots: torch.Tensor, seq_lens_cpu: torch.Tensor, host_pages: torch.Tensor,
-             graph: bool = False, seq_lens: torch.Tensor | None = None) -> None:  # fmt: skip
-        """Prepare one decode step.
+             graph: bool = False, seq_lens: torch.Tensor | None = None,
+             reselect: torch.Tensor | None = None) -> DecodePlan:  # fmt: skip
+        """Plan one decode step: FlashInfer's plan, the step's tensors, the coarse bounds it needs.
 
         Parameters
         ----------
@@ -265,11 +290,20 @@ class SparseDecoder:
         host_pages : torch.Tensor
             ``[B, N]`` host page id of each logical page (GPU), ``N >= max pages``.
         graph : bool
-            A step of a CUDA graph (captured or replayed; see :meth:`init_cuda_graph`).
+            A step of a CUDA graph (captured or replayed; see :meth:`init_cuda_graph`): the plan's
+            tensors are views of the static :class:`GraphBuffers`, rewritten in place.
         seq_lens : torch.Tensor, optional
             ``seq_lens_cpu`` on the device, when the caller has it: the page counts are then
             computed there, with no copy from the host (a host-to-device copy of pageable memory may
             wait for the forward before, which the overlap scheduler runs while this plans).
+        reselect : torch.Tensor, optional
+            ``[B]`` bool, which requests select from all their pages (``--sparse-reselect-interval``
+            > 1: :meth:`GPUPageCache.due_for_selection`, which the step's owner asks); None: all.
+
+        Returns
+        -------
+        DecodePlan
+            What :meth:`run` reads for every layer of the step. No attribute of the decoder changes.
         """
         batch, heads, width, page = req_slots.shape[0], self.num_kv_heads, self.width, self.page_size
         device = req_slots.device
@@ -284,95 +318,93 @@ class SparseDecoder:
         torch.cumsum(per_row, 0, out=indptr[1:])
         last_page_len = ((seq_lens_cpu - 1) % page + 1).to(torch.int32).repeat_interleave(heads)
         nnz = int(indptr[-1])
-        self._plan_indices(indptr, selected_cpu, device)
-        self.wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
-        self.wrapper.plan(
+        dest = self._plan_indices(indptr, selected_cpu, device)
+        wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
+        wrapper.plan(
             indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
             q_data_type=kv_compute_dtype(self.store.shape.dtype),
             kv_data_type=self.store.shape.dtype,
             sm_scale=self.constants.sm_scale, logits_soft_cap=self.constants.logits_soft_cap,
         )  # fmt: skip
-        self.req_slots, self.batch = req_slots, batch
-        reselect = (
-            None if self.interval == 1 else self.store.cache.due_for_selection(req_slots, seq_lens_cpu, self.interval)
-        )
-        if graph:  # into the static buffers the captured kernels read
-            g = self.graph
-            if reselect is not None:
-                self.reselect = g.reselect[:batch]
-                self.reselect.copy_(reselect)
-            self.indptr = g.indptr[: batch * heads + 1]  # the graph wrapper's: plan() filled it
-            self.num_pages = g.num_pages[:batch]
-            self.num_pages.copy_(num_pages_dev)
-            self.row_pages = g.row_pages[: batch * heads]
-            self.row_pages.copy_(num_pages_dev.repeat_interleave(heads))
-            self.host_pages = g.host_pages[:batch]
-            self.host_pages[:, : host_pages.shape[1]].copy_(host_pages)
-            self.max_pages = self.host_pages.shape[1]
-            self.exact = False
-            self._plan_coarse(num_pages_dev, num_pages_cpu, g)
-            return
-        self.reselect = reselect
-        self.indptr = host_to_device(indptr, device, torch.int32)
-        self.host_pages = host_pages
-        self.num_pages = num_pages_dev
-        self.row_pages = num_pages_dev.repeat_interleave(heads)
-        self.max_pages = int(num_pages_cpu.max())
-        self.exact = self.config.exact_shortcut and self.max_pages <= width
-        self._plan_coarse(num_pages_dev, num_pages_cpu)
-        if self.exact:
+        if graph:  # into the static buffers the captured kernels read (the same at capture and every replay)
+            g, columns = self.graph, self.graph.host_pages.shape[1]
+            g.host_pages[:batch, : host_pages.shape[1]].copy_(host_pages)
+            return DecodePlan(
+                batch=batch, req_slots=req_slots, num_pages=_copied(g.num_pages[:batch], num_pages_dev),
+                row_pages=_copied(g.row_pages[: batch * heads], num_pages_dev.repeat_interleave(heads)),
+                host_pages=g.host_pages[:batch], max_pages=columns,
+                indptr=g.indptr[: batch * heads + 1],  # the graph wrapper's: its plan filled it
+                wrapper=wrapper, exact=False, all_pages=None, dest=dest,
+                reselect=None if reselect is None else _copied(g.reselect[:batch], reselect),
+                **self._plan_coarse(batch, columns, num_pages_dev, num_pages_cpu, g),
+            )  # fmt: skip
+        max_pages = int(num_pages_cpu.max())
+        exact = self.config.exact_shortcut and max_pages <= width
+        all_pages = None
+        if exact:
             # Every page is selected: no scoring (pages >= n are padding).
             pages = torch.arange(width, device=device).view(1, 1, width)
-            self.all_pages = torch.where(pages < self.num_pages.view(-1, 1, 1), pages, -1).expand(batch, heads, width)
+            all_pages = torch.where(pages < num_pages_dev.view(-1, 1, 1), pages, -1).expand(batch, heads, width)
+        coarse = self._plan_coarse(batch, max_pages, num_pages_dev, num_pages_cpu, None, host_pages, exact)
+        return DecodePlan(batch=batch, req_slots=req_slots, num_pages=num_pages_dev,
+                          row_pages=num_pages_dev.repeat_interleave(heads), host_pages=host_pages,
+                          max_pages=max_pages, indptr=host_to_device(indptr, device, torch.int32), wrapper=wrapper,
+                          exact=exact, all_pages=all_pages, reselect=reselect, dest=dest, **coarse)  # fmt: skip
 
-    def _plan_indices(self, indptr: torch.Tensor, selected_cpu: torch.Tensor, device: torch.device) -> None:
+    def _plan_indices(
+        self, indptr: torch.Tensor, selected_cpu: torch.Tensor, device: torch.device
+    ) -> torch.Tensor | None:
         """Where a layer's selection goes in FlashInfer's indices: nothing to plan here, the
         retrieve kernel writes each row at its ``indptr`` (:class:`TorchPathDecoder` plans it)."""
+        return None
 
-    def _plan_coarse(self, num_pages: torch.Tensor, num_pages_cpu: torch.Tensor, g: GraphBuffers | None = None) -> None:
-        """Complete super-pages per request, and their coarse bounds built where missing (one
-        launch for every layer: new super-pages since the last step, all of a new request's)."""
-        self.use_coarse = False
-        if not self.coarse or self.exact:
-            return
-        recent = self.forced[1]
+    def _plan_coarse(self, batch: int, max_pages: int, num_pages: torch.Tensor, num_pages_cpu: torch.Tensor,
+                     g: GraphBuffers | None = None, host_pages: torch.Tensor | None = None,
+                     exact: bool = False) -> dict:  # fmt: skip
+        """The plan's coarse-first fields: complete super-pages per request, and their coarse
+        bounds built where missing (one launch for every layer: new super-pages since the last
+        step, all of a new request's)."""
+        off = dict(use_coarse=False, built=None, built_rows=None)
+        if not self.coarse or exact:
+            return off
+        heads, recent = self.num_kv_heads, self.forced[1]
         built = coarse_built(num_pages, self.coarse, recent)
         max_built = int(coarse_built(num_pages_cpu, self.coarse, recent).max())  # on the host: sizes a grid
+        pays = self.config.coarse_pays(batch, max_pages, self.width)
         if g is not None:  # a CUDA graph's path is fixed per batch size, for the longest context
-            self.built, self.built_rows = g.built[: self.batch], g.built_rows[: self.batch * self.num_kv_heads]
-            self.built.copy_(built)
-            self.built_rows.copy_(built.repeat_interleave(self.num_kv_heads))
-            self.use_coarse = self.config.coarse_pays(self.batch, self.max_pages, self.width)
+            built = _copied(g.built[:batch], built)
+            built_rows = _copied(g.built_rows[: batch * heads], built.repeat_interleave(heads))
+            host_pages, use_coarse = g.host_pages[:batch], pays
         else:
-            self.built, self.built_rows = built, built.repeat_interleave(self.num_kv_heads)
-            # max_built > supers: else every super-page would be kept
-            self.use_coarse = max_built > self.supers and self.config.coarse_pays(
-                self.batch, self.max_pages, self.width
-            )
-        if not self.use_coarse or torch.cuda.is_current_stream_capturing():  # capture: no real pages
-            return
+            built_rows = built.repeat_interleave(heads)
+            use_coarse = max_built > self.supers and pays  # else every super-page would be kept
+        if not use_coarse:
+            return off
+        coarse = dict(use_coarse=True, built=built, built_rows=built_rows)
+        if torch.cuda.is_current_stream_capturing():  # capture: no real pages
+            return coarse
         self.stats.coarse_first_steps += 1
-        if max_built == 0:
-            return
-        self._build_coarse(max_built)
+        if max_built > 0:
+            self._build_coarse(host_pages, built, max_built)
+        return coarse
 
-    def _build_coarse(self, max_built: int) -> None:
+    def _build_coarse(self, host_pages: torch.Tensor, built: torch.Tensor, max_built: int) -> None:
         """The coarse bounds of the super-pages not built yet (one launch for every layer)."""
-        build_coarse(self.store.summaries, self.host_pages, self.built, max_built)
+        build_coarse(self.store.summaries, host_pages, built, max_built)
 
-    def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def select(self, layer: int, q: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """``[B, Hkv, K]`` logical pages one layer attends (``-1`` padded; any order)."""
-        ids = self.select_raw(layer, q)
-        return torch.where(ids < self.num_pages.view(-1, 1, 1), ids, -1)
+        ids = self.select_raw(layer, q, plan)
+        return torch.where(ids < plan.num_pages.view(-1, 1, 1), ids, -1)
 
-    def select_raw(self, layer: int, q: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    def select_raw(self, layer: int, q: torch.Tensor, plan: DecodePlan, width: int | None = None) -> torch.Tensor:
         """The selection as :meth:`run` uses it: entries ``-1`` or ``>= num_pages`` (what the top-k
         gives a request holding fewer than ``K`` pages) stand for none. ``width``: pages per
         (request, kv head), ``K`` by default (the re-rank's candidates take ``Kc``)."""
-        if self.exact:
-            return self.all_pages
+        if plan.exact:
+            return plan.all_pages
         width = self.width if width is None else width
-        qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
+        qg = q.view(plan.batch, self.num_kv_heads, self.group, self.head_dim)
         summaries = self.store.summaries.layer(layer)
         # FlashInfer's ragged top-k reads each row up to its request's pages, so the score kernel
         # leaves the rest of the row unwritten; torch.topk reads whole rows, so there the rest
@@ -381,22 +413,22 @@ class SparseDecoder:
         # score only the pages their rows hold (TorchPathDecoder masks full scores: the GPU tests
         # compare them).
         ragged = self.topk == "flashinfer"
-        reuse = None if self.reselect is None else self.store.cache.cached_rows(layer, self.req_slots, self.reselect)
-        if self.use_coarse:
-            host_pages = self.host_pages[:, : self.max_pages]
-            coarse = score_coarse(qg, self.store.summaries.coarse_layer(layer), host_pages, self.built, self.coarse,
-                                  self.forced[0], self.group_reduce, reselect=self.reselect)  # fmt: skip
-            supers = topk_pages(coarse, self.supers, self.topk, self.built_rows, self.topk_offsets)
-            priority = score_candidates(self.selector, qg, summaries, host_pages, self.num_pages, supers, self.built,
+        reuse = None if plan.reselect is None else self.store.cache.cached_rows(layer, plan.req_slots, plan.reselect)
+        if plan.use_coarse:
+            host_pages = plan.host_pages[:, : plan.max_pages]
+            coarse = score_coarse(qg, self.store.summaries.coarse_layer(layer), host_pages, plan.built, self.coarse,
+                                  self.forced[0], self.group_reduce, reselect=plan.reselect)  # fmt: skip
+            supers = topk_pages(coarse, self.supers, self.topk, plan.built_rows, self.topk_offsets)
+            priority = score_candidates(self.selector, qg, summaries, host_pages, plan.num_pages, supers, plan.built,
                                         self.coarse, self.coarse_tail, self.group_reduce, forced=self.forced,
                                         reuse=reuse)  # fmt: skip
-            return topk_pages(priority, width, self.topk, self.row_pages, self.topk_offsets)
+            return topk_pages(priority, width, self.topk, plan.row_pages, self.topk_offsets)
         priority = score_pages(self.selector, self.scoring_query(layer, qg), summaries,
-                               self.host_pages[:, : self.max_pages], self.num_pages, self.group_reduce,
+                               plan.host_pages[:, : plan.max_pages], plan.num_pages, self.group_reduce,
                                forced=self.forced, reuse=reuse, fill_tail=not ragged)  # fmt: skip
-        if self.max_pages <= width:  # every page fits (the exact shortcut is off): pad, so the
-            priority = F.pad(priority, (0, width + 1 - self.max_pages), value=-math.inf)  # top-k has a choice
-        return topk_pages(priority, width, self.topk, self.row_pages, self.topk_offsets)
+        if plan.max_pages <= width:  # every page fits (the exact shortcut is off): pad, so the
+            priority = F.pad(priority, (0, width + 1 - plan.max_pages), value=-math.inf)  # top-k has a choice
+        return topk_pages(priority, width, self.topk, plan.row_pages, self.topk_offsets)
 
     def scoring_query(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
         """What the score kernel takes for queries ``[B, Hkv, G, D]``: themselves, or for the
@@ -405,8 +437,9 @@ class SparseDecoder:
             return qg
         return project_query(qg, self.store.summaries.key_basis.queries[layer])
 
-    def run(self, layer: int, q: torch.Tensor, sm_scale: float | None = None, logits_soft_cap: float | None = None,
-            k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:  # fmt: skip
+    def run(self, layer: int, q: torch.Tensor, plan: DecodePlan, sm_scale: float | None = None,
+            logits_soft_cap: float | None = None, k_scale: float | None = None,
+            v_scale: float | None = None) -> torch.Tensor:  # fmt: skip
         """Sparse decode attention of one layer.
 
         Parameters
@@ -414,6 +447,8 @@ class SparseDecoder:
         layer : int
         q : torch.Tensor
             ``[B, Hq, D]`` decode queries (post-RoPE).
+        plan : DecodePlan
+            The step's (:meth:`plan`; in the server, ``SparseRuntime.begin_decode``).
         sm_scale, logits_soft_cap : float, optional
             The layer's; ``None``, or equal to the decoder's (a mismatch raises ``ValueError``).
         k_scale, v_scale : float, optional
@@ -425,65 +460,65 @@ class SparseDecoder:
             ``[B, Hq, D]``.
         """
         self.constants.check(sm_scale, logits_soft_cap, "sparse decoder")
-        if self.candidates and not self.exact:
-            page_ids = self._rerank(layer, q, k_scale)
-        elif self.sketch_candidates and not self.exact:
-            page_ids = self._sketch_rerank(layer, q)
-            self._retrieve(layer, page_ids)
+        if self.candidates and not plan.exact:
+            page_ids = self._rerank(layer, q, plan, k_scale)
+        elif self.sketch_candidates and not plan.exact:
+            page_ids = self._sketch_rerank(layer, q, plan)
+            self._retrieve(layer, page_ids, plan)
         else:
-            page_ids = self.select_raw(layer, q)
-            self._retrieve(layer, page_ids)
+            page_ids = self.select_raw(layer, q, plan)
+            self._retrieve(layer, page_ids, plan)
         if self.selection_log is not None:  # -1 for none (the top-k's picks past a request's end)
-            self.selection_log[: self.batch, layer] = torch.where(
-                page_ids < self.num_pages.view(-1, 1, 1), page_ids, -1
+            self.selection_log[: plan.batch, layer] = torch.where(
+                page_ids < plan.num_pages.view(-1, 1, 1), page_ids, -1
             )
-        qs = q.reshape(self.batch * self.num_kv_heads, self.group, self.head_dim)
-        return self.wrapper.run(qs, self.kv, k_scale=k_scale, v_scale=v_scale).view(q.shape)
+        qs = q.reshape(plan.batch * self.num_kv_heads, self.group, self.head_dim)
+        return plan.wrapper.run(qs, self.kv, k_scale=k_scale, v_scale=v_scale).view(q.shape)
 
-    def _rerank(self, layer: int, q: torch.Tensor, k_scale: float | None) -> torch.Tensor:
+    def _rerank(self, layer: int, q: torch.Tensor, plan: DecodePlan, k_scale: float | None) -> torch.Tensor:
         """Select ``Kc`` candidates, load them (hits, misses, LRU as any selection), keep the ``K``
         with the most exact attention mass (:mod:`~sparse_sglang.attention.rerank`) and write
         FlashInfer's indices for them; returns the ``[B, Hkv, K]`` pages attended (``-1``: none)."""
-        store, kc, rows = self.store, self.candidates, self.batch * self.num_kv_heads
-        candidates = self.select_raw(layer, q, kc)
+        store, kc, rows = self.store, self.candidates, plan.batch * self.num_kv_heads
+        candidates = self.select_raw(layer, q, plan, kc)
         n = rows * kc
         slots, src, dst = self.candidate_slots[:n], self.miss_src[:n], self.miss_dst[:n]
-        retrieve_pages(store.cache.view, layer, self.req_slots, candidates, self.num_pages, self.host_pages,
+        retrieve_pages(store.cache.view, layer, plan.req_slots, candidates, plan.num_pages, plan.host_pages,
                        store.shape.num_host_pages, self.candidate_indptr[: rows + 1], slots, src, dst)  # fmt: skip
         store.load(src, dst)
         c = self.constants
-        chosen_pages, chosen_slots = rerank_candidates(candidates, self.row_pages, slots.view(rows, kc),
+        chosen_pages, chosen_slots = rerank_candidates(candidates, plan.row_pages, slots.view(rows, kc),
                                                        q.reshape(rows, self.group, self.head_dim), store.cache.k,
                                                        self.width, self.forced, c.sm_scale, k_scale,
                                                        c.logits_soft_cap)  # fmt: skip
         # Row r's choice at indptr[r] .. (min(num_pages, K) of them, as planned); the padding to
         # the buffer's last entry.
         at = torch.where(
-            chosen_pages >= 0, self.indptr[:-1].view(rows, 1).long() + self.ranks, self.indices.numel() - 1
+            chosen_pages >= 0, plan.indptr[:-1].view(rows, 1).long() + self.ranks, self.indices.numel() - 1
         )
         self.indices.scatter_(0, at.view(-1), chosen_slots.view(-1).to(torch.int32))
-        return chosen_pages.view(self.batch, self.num_kv_heads, self.width)
+        return chosen_pages.view(plan.batch, self.num_kv_heads, self.width)
 
-    def _sketch_rerank(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _sketch_rerank(self, layer: int, q: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """``Kc`` candidates from the summaries, the ``K`` whose best token's key sketch scores
         highest (:func:`~sparse_sglang.attention.rerank.choose_by_sketch`): ``[B, Hkv, K]`` pages,
         ``-1`` padded."""
-        candidates = self.select_raw(layer, q, self.sketch_candidates)
-        qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
+        candidates = self.select_raw(layer, q, plan, self.sketch_candidates)
+        qg = q.view(plan.batch, self.num_kv_heads, self.group, self.head_dim)
         summaries = self.store.summaries
         return choose_by_sketch(qg, summaries.key_basis.queries[layer], summaries.layer(layer)["sketch"],
-                                self.host_pages[:, : self.max_pages], candidates, self.num_pages, self.width,
+                                plan.host_pages[:, : plan.max_pages], candidates, plan.num_pages, self.width,
                                 self.forced)  # fmt: skip
 
-    def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
+    def _retrieve(self, layer: int, page_ids: torch.Tensor, plan: DecodePlan) -> None:
         """Hits and misses of one layer's selection, the misses loaded, FlashInfer's indices
         written (retrieve_pages takes each row's pages in ascending order: a fixed FlashInfer sum
         order)."""
         store = self.store
-        n = self.batch * self.num_kv_heads * self.width
+        n = plan.batch * self.num_kv_heads * self.width
         src, dst = self.miss_src[:n], self.miss_dst[:n]
-        retrieve_pages(store.cache.view, layer, self.req_slots, page_ids, self.num_pages, self.host_pages,
-                       store.shape.num_host_pages, self.indptr, self.indices, src, dst)  # fmt: skip
+        retrieve_pages(store.cache.view, layer, plan.req_slots, page_ids, plan.num_pages, plan.host_pages,
+                       store.shape.num_host_pages, plan.indptr, self.indices, src, dst)  # fmt: skip
         store.load(src, dst)
 
 
@@ -508,56 +543,56 @@ class TorchPathDecoder(SparseDecoder):
                          f"{MAX_RETRIEVE_CELLS} (selected x row) page pairs; this budget's rows need "
                          f"{next_pow2(self.width) * next_pow2(self.store.shape.row_width)}: lower --sparse-token-budget")  # fmt: skip
 
-    def _plan_indices(self, indptr: torch.Tensor, selected_cpu: torch.Tensor, device: torch.device) -> None:
+    def _plan_indices(self, indptr: torch.Tensor, selected_cpu: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Where entry (b, h, j) of a ``[B, Hkv, K]`` selection goes in the indices buffer (the
         last entry takes the padding)."""
         batch, width = selected_cpu.shape[0], self.width
         j = torch.arange(width).view(1, 1, width)
         dest = torch.where(j < selected_cpu.view(-1, 1, 1), indptr[:-1].view(batch, self.num_kv_heads, 1) + j,
                            self.indices.numel() - 1)  # fmt: skip
-        self.dest = host_to_device(dest.view(-1), device, dest.dtype)
+        return host_to_device(dest.view(-1), device, dest.dtype)
 
-    def _build_coarse(self, max_built: int) -> None:
-        self.store.summaries.build_coarse(self.host_pages, self.built)
+    def _build_coarse(self, host_pages: torch.Tensor, built: torch.Tensor, max_built: int) -> None:
+        self.store.summaries.build_coarse(host_pages, built)
 
-    def select(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def select(self, layer: int, q: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """``[B, Hkv, K]`` logical pages one layer attends (``-1`` padded; ascending)."""
-        return self.select_raw(layer, q)
+        return self.select_raw(layer, q, plan)
 
-    def select_raw(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        if self.exact:
-            return self.all_pages
-        qg = q.view(self.batch, self.num_kv_heads, self.group, self.head_dim)
+    def select_raw(self, layer: int, q: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        if plan.exact:
+            return plan.all_pages
+        qg = q.view(plan.batch, self.num_kv_heads, self.group, self.head_dim)
         summaries = self.store.summaries.layer(layer)
-        scores = score_pages(self.selector, self.scoring_query(layer, qg), summaries, self.host_pages, self.num_pages,
+        scores = score_pages(self.selector, self.scoring_query(layer, qg), summaries, plan.host_pages, plan.num_pages,
                              self.group_reduce)  # fmt: skip
-        if self.use_coarse:  # only the candidates of requests due for a full selection
-            scores = scores.masked_fill(~self._coarse_candidates_reference(layer, qg), -math.inf)
-        scores = self._keep_cached(layer, scores)
-        return select_pages(scores, self.num_pages, self.width, *self.forced).page_ids
+        if plan.use_coarse:  # only the candidates of requests due for a full selection
+            scores = scores.masked_fill(~self._coarse_candidates_reference(layer, qg, plan), -math.inf)
+        scores = self._keep_cached(layer, scores, plan)
+        return select_pages(scores, plan.num_pages, self.width, *self.forced).page_ids
 
-    def _coarse_candidates_reference(self, layer: int, qg: torch.Tensor) -> torch.Tensor:
+    def _coarse_candidates_reference(self, layer: int, qg: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """``[B, Hkv, N]`` bool: the pages the coarse pass leaves to score (all of a request
         reusing its selection), in plain torch (``torch.topk`` breaks ties its own way)."""
-        coarse = score_coarse_reference(qg, self.store.summaries.coarse_layer(layer), self.host_pages, self.built,
+        coarse = score_coarse_reference(qg, self.store.summaries.coarse_layer(layer), plan.host_pages, plan.built,
                                         self.coarse, self.forced[0], self.group_reduce)  # fmt: skip
         top = coarse.topk(min(self.supers, coarse.shape[-1]), dim=-1)
         supers = torch.where(top.values > -math.inf, top.indices, -1)
-        keep = candidate_pages(supers, self.built, self.num_pages, self.coarse, self.host_pages.shape[1])
-        return keep if self.reselect is None else keep | ~self.reselect.view(-1, 1, 1)
+        keep = candidate_pages(supers, plan.built, plan.num_pages, self.coarse, plan.host_pages.shape[1])
+        return keep if plan.reselect is None else keep | ~plan.reselect.view(-1, 1, 1)
 
-    def _keep_cached(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
-        if self.reselect is None:
+    def _keep_cached(self, layer: int, scores: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        if plan.reselect is None:
             return scores
         return keep_cached(
-            scores, self.store.cache.cached_pages(layer, self.req_slots, scores.shape[-1]), self.reselect
+            scores, self.store.cache.cached_pages(layer, plan.req_slots, scores.shape[-1]), plan.reselect
         )
 
-    def _retrieve(self, layer: int, page_ids: torch.Tensor) -> None:
+    def _retrieve(self, layer: int, page_ids: torch.Tensor, plan: DecodePlan) -> None:
         store = self.store
-        slots = retrieve_reference(store.cache, layer, self.req_slots, page_ids, self.host_pages, store.load,
+        slots = retrieve_reference(store.cache, layer, plan.req_slots, page_ids, plan.host_pages, store.load,
                                    store.shape.num_host_pages)  # fmt: skip
-        self.indices[self.dest] = slots.view(-1).to(torch.int32)
+        self.indices[plan.dest] = slots.view(-1).to(torch.int32)
 
 
 def make_decoder(store: SparseKVStore, config: SparseConfig, num_q_heads: int, workspace: torch.Tensor,

@@ -10,25 +10,26 @@ FlashInfer backend whose
   keep the top pages within the token budget per (request, kv head), load misses with FlashH2D,
   FlashInfer paged decode over the selected pages.
 
-Per forward, :meth:`SparseAttnBackend.init_forward_metadata` does the host-side work (request
-rows of the page cache, write-allocation of new pages, the FlashInfer plans); the per-layer work
-runs on the device only.
+Per forward, :meth:`SparseAttnBackend.init_forward_metadata` translates SGLang's ``ForwardBatch``
+into one call of the runtime (:meth:`~sparse_sglang.runtime.SparseRuntime.begin_decode` or
+``begin_prefill``), which owns the step's host-side work (page-cache rows, write allocation, the
+FlashInfer plans, counters) and returns the step's frozen plan; the layers read that plan and run on
+the device only. This module keeps no state of its own about rows or counters: it holds the
+current forward's plan, as SGLang's backends hold their ``forward_metadata``.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from torch.profiler import record_function
 
-from sparse_sglang.attention.sparse_decode import host_page_table
 from sparse_sglang.integration.registry import relies_on
-from sparse_sglang.mem_cache.kernels import SaveRuns
+from sparse_sglang.mem_cache.gpu_cache import PADDING_SLOT
 from sparse_sglang.mem_cache.plan import prefix_staging_tokens
 
 if TYPE_CHECKING:
@@ -36,10 +37,13 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
+    from sparse_sglang.attention.sparse_decode import DecodePlan
+    from sparse_sglang.runtime import PrefillPlan
+
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "sparse"
-PADDING_REQ_SLOT = 0  # SGLang's ReqToTokenPool row 0: the request slot of CUDA-graph padding
+PADDING_REQ_SLOT = PADDING_SLOT  # SGLang's ReqToTokenPool row 0: the request slot of CUDA-graph padding
 
 
 @relies_on(
@@ -55,7 +59,6 @@ class SparseAttnBackend(FlashInferAttnBackend):
         self.kv_pool = model_runner.token_to_kv_pool
         runtime = self.runtime = self.kv_pool.runtime
         self.req_generation = model_runner.req_to_token_pool.req_generation  # bumps when a slot gets a new request
-        self.row_generation: dict[int, int] = {}  # request slot -> generation its cache row belongs to
         self.num_q_heads = self.num_qo_heads_per_rank(model_runner)
         max_batch = model_runner.req_to_token_pool.size + 1
         sm_scale, soft_cap = self.attention_constants(model_runner)
@@ -63,14 +66,15 @@ class SparseAttnBackend(FlashInferAttnBackend):
         runtime.start_attention(self.num_q_heads, self.workspace_buffer, max_batch, staging, sm_scale=sm_scale,
                                 logits_soft_cap=soft_cap, agree=tp_agreement())  # fmt: skip
         # The runtime's parts, named here because every layer of every forward uses them.
-        self.store, self.decoder, self.prefix, self.tracker = runtime.store, runtime.decoder, runtime.prefix, runtime.tracker  # fmt: skip
+        self.store, self.decoder, self.prefix = runtime.store, runtime.decoder, runtime.prefix
         self.constants = self.decoder.constants  # the model's scale and soft cap, as every plan here takes them
         self.activation_dtype = model_runner.dtype  # the new tokens' q, k and v: what the ragged prefill reads
-        self.extend_runs: SaveRuns | None = None  # the tokens the current prefill saves
+        # The current forward's plans (the runtime makes them; the layers read them).
+        self.decode_plan: DecodePlan | None = None
+        self.prefill_plan: PrefillPlan | None = None
         # The next forward's request slots on the host (``ForwardBatch.init_new`` hands them over):
         # reading the GPU copy back would wait for the forward before it (overlap scheduling).
         self.next_req_slots: list[int] | None = None
-        self.tracked_slots = None  # the last decode step's batch, which the tracker records next forward
         logger.info("sparse attention backend: %s", self.sparse_config)
 
     @staticmethod
@@ -110,10 +114,6 @@ class SparseAttnBackend(FlashInferAttnBackend):
         mode = forward_batch.forward_mode
         if mode.is_idle():
             return super().init_forward_metadata(forward_batch)
-        self.store.note_forward_stream()
-        with record_function("sparse.wait_saves"):
-            self.store.wait_saves()  # earlier prefill saves land before any host read below
-        self._record_last_decode_step()
         if mode.is_decode():
             with record_function("sparse.begin_decode"):
                 self._begin_decode(forward_batch)
@@ -129,48 +129,17 @@ class SparseAttnBackend(FlashInferAttnBackend):
             raise NotImplementedError(f"the sparse backend does not run {mode} batches (speculative decoding, "
                                       "mixed chunks); turn those options off")  # fmt: skip
 
-    def _open_rows(self, req_slots: list[int]) -> None:
-        """Give each request its page-cache row; a slot holding a new request drops the old row.
-
-        A row is the request's own only if it is open *and* was opened at the slot's current
-        generation: SGLang frees a slot (which returns its row, ``release_rows_on_free``) and
-        ``/flush_cache`` zeroes every generation, so a later request can get the slot back at a
-        generation an earlier one had."""
-        cache = self.store.cache
-        # One read of the host tensor for the batch, not two torch ops per slot: this runs every
-        # decode step, on the host thread the GPU waits for when it falls behind.
-        generations = self.req_generation[req_slots].tolist() if req_slots else []
-        for slot, generation in zip(req_slots, generations):
-            if cache.is_open(slot) and self.row_generation.get(slot) == generation:
-                continue
-            if cache.is_open(slot):  # left by an earlier request of this slot
-                cache.close_request(slot)
-            cache.open_request(slot)
-            if self.tracker is not None:
-                self.tracker.forget(slot)
-            self.row_generation[slot] = generation
+    def _generations(self, slots: list[int]) -> list[int]:
+        """Each slot's generation (SGLang bumps it when the slot gets a new request), in one read
+        of the host tensor: this runs every decode step, on the host thread the GPU waits for when
+        it falls behind."""
+        return self.req_generation[slots].tolist() if slots else []
 
     def _begin_extend(self, fb: ForwardBatch) -> None:
         slots = self._req_slots_cpu(fb.req_pool_indices)
-        if PADDING_REQ_SLOT in slots:
-            # SGLang's prefill graph runner warms up and captures on made-up batches in slot 0,
-            # which no request holds: attend them (no prefix), but open no row and save nothing.
-            self.extend_runs = None
-            self.prefix.plan(self.req_to_token_pool.req_to_token, fb.req_pool_indices, [0] * len(slots),
-                             fb.extend_seq_lens_cpu)  # fmt: skip
-            return
-        page = self.store.shape.page_size
-        cache = self.store.cache
-        self._open_rows(slots)
-        for slot, prefix, new in zip(slots, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
-            first, end = math.ceil(prefix / page), math.ceil((prefix + new) / page)
-            cache.resize_request(slot, end)
-            cache.write_allocate(slot, first, end - first)  # new pages go to free row slots while any are left
-        self.extend_runs = SaveRuns.for_extend(slots, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, page,
-                                               fb.req_pool_indices.device)  # fmt: skip
-        self.store.bind_runs(self.extend_runs)
-        self.prefix.plan(self.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu,
-                         fb.extend_seq_lens_cpu)  # fmt: skip
+        self.prefill_plan = self.runtime.begin_prefill(fb.req_pool_indices, slots, self._generations(slots),
+                                                       fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
+                                                       self.req_to_token_pool.req_to_token)  # fmt: skip
 
     def _plan_ragged(self, fb: ForwardBatch) -> None:
         """Plan the ragged (new tokens to new tokens) prefill the way this backend runs it: causal,
@@ -187,42 +156,15 @@ class SparseAttnBackend(FlashInferAttnBackend):
         """Before the next layer segment of a layer-segmented prefill. Its metadata (the ragged and
         prefix plans, the pages it writes) was set up at its first segment and outlives the decode
         steps run since, which only bound their own save runs; the prefill's go back in place."""
-        self.store.wait_saves()
-        self.store.bind_runs(self.extend_runs)
+        self.runtime.resume_prefill(self.prefill_plan)
 
     def _begin_decode(self, fb: ForwardBatch, graph: bool = False) -> None:
-        page = self.store.shape.page_size
-        cache = self.store.cache
         bs = fb.batch_size
-        req_slots, seq_lens_cpu = fb.req_pool_indices[:bs], fb.seq_lens_cpu[:bs]
-        seq_lens = seq_lens_cpu.tolist()
-        # Slot 0 pads CUDA-graph batches: it has no cache row, and the kernels skip it.
-        real = [(slot, n) for slot, n in zip(self._req_slots_cpu(req_slots), seq_lens) if slot != PADDING_REQ_SLOT]
-        self._open_rows([slot for slot, _ in real])  # normally open since their prefill; a no-op then
-        cache.next_step()
-        self.store.count_decode_saves(len(real))
-        for slot, length in real:
-            pages = math.ceil(length / page)
-            cache.resize_request(slot, pages)
-            if (length - 1) % page == 0:  # this token starts a page
-                cache.write_allocate(slot, pages - 1, 1)
-        num_pages = self.store.shape.max_pages if graph else math.ceil(max(seq_lens) / page)
-        host_pages = host_page_table(self.req_to_token_pool.req_to_token, req_slots, num_pages, page)
-        self.decoder.plan(req_slots, seq_lens_cpu, host_pages, graph=graph, seq_lens=fb.seq_lens[:bs])
-        if (
-            self.tracker is not None
-        ):  # counts up to the last step; this step's selection is recorded at the next forward
-            self.tracker.publish([slot for slot, _ in real], math.ceil(max(seq_lens) / page))
-            self.tracked_slots = req_slots.clone()
-        if not graph:  # a captured step binds its runs inside the graph (init_forward_metadata_in_graph)
-            self.store.bind_runs(SaveRuns.for_decode(req_slots, fb.seq_lens[:bs], page))
-
-    def _record_last_decode_step(self) -> None:
-        """Hand the last decode step's selections to the working-set tracker, before this forward
-        opens any row (a slot reused by a new request must not inherit them)."""
-        if self.tracked_slots is not None:
-            self.tracker.record_step(self.tracked_slots, self.decoder.selection_log[: len(self.tracked_slots)])
-            self.tracked_slots = None
+        req_slots = fb.req_pool_indices[:bs]
+        slots = self._req_slots_cpu(req_slots)
+        self.decode_plan = self.runtime.begin_decode(req_slots, slots, self._generations(slots), fb.seq_lens_cpu[:bs],
+                                                     fb.seq_lens[:bs], self.req_to_token_pool.req_to_token,
+                                                     graph=graph)  # fmt: skip
 
     # CUDA-graph decode (--sparse-decode-cuda-graph): SGLang's decode graph runner calls these.
 
@@ -239,18 +181,12 @@ class SparseAttnBackend(FlashInferAttnBackend):
             )
         if in_capture:  # a batch the graph runner made up, not one init_new built
             self.next_req_slots = None
-        self.store.note_forward_stream()
-        with record_function("sparse.wait_saves"):
-            self.store.wait_saves()
-        self._record_last_decode_step()
         with record_function("sparse.begin_decode"):
             self._begin_decode(forward_batch, graph=True)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch):
-        bs, page = forward_batch.batch_size, self.store.shape.page_size
-        self.store.bind_runs(
-            SaveRuns.for_decode(forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs], page)
-        )
+        bs = forward_batch.batch_size
+        self.runtime.bind_decode_runs(forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs])
 
     # Per layer, on the device.
 
@@ -265,7 +201,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         else:
             o, lse = self.prefill_wrapper_ragged.run(q3, k3, v3, return_lse=True)
             self.prefix.run(layer.layer_id - self.kv_pool.start_layer, q3, o, lse, k_scale=k_scale, v_scale=v_scale)
-        if save_kv_cache and self.extend_runs is not None:  # None: a made-up batch (init_forward_metadata)
+        if save_kv_cache and self.prefill_plan.runs is not None:  # None: a made-up batch (begin_prefill)
             self.kv_pool.save(layer.layer_id, forward_batch.out_cache_loc, k3, v3, staged=True,
                               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return o.view(-1, heads * dim)
@@ -277,7 +213,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
             self.kv_pool.save(layer.layer_id, forward_batch.out_cache_loc, k, v, staged=False,
                               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         o = self.decoder.run(layer.layer_id - self.kv_pool.start_layer, q.contiguous().view(-1, heads, dim),
-                             layer.scaling, layer.logit_cap, k_scale, v_scale)  # fmt: skip
+                             self.decode_plan, layer.scaling, layer.logit_cap, k_scale, v_scale)  # fmt: skip
         return o.view(-1, heads * dim)
 
 

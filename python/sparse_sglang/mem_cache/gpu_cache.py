@@ -16,6 +16,17 @@ write-through: new pages are *write-allocated* into a row's free slots while it 
 request whose pages all fit never reads the host), tokens of uncached pages just skip the GPU
 copy, and an evicted block needs no write-back.
 
+Contract
+--------
+The cache owns the lifetime of every row: which request slots have one (``is_open``), which
+request a row belongs to (the slot's generation when it opened, :meth:`GPUPageCache.hold_row`),
+its width and its write-allocated columns. Nothing else keeps a copy of these. Invariants: an
+open row's slots are ``rows[req, :, :, :width]`` and no other row's; free slots plus open rows'
+slots are the pool. In the server request slot 0 (SGLang's padding row, :data:`PADDING_SLOT`)
+never gets a row (the runtime opens none for it; the retrieve kernel skips it).
+Rows change only between steps, from the step's owner (``SparseRuntime.begin_decode`` /
+``begin_prefill``) and from the request slot's release (``integration/memory_pool.py``).
+
 Where the work happens
 ----------------------
 - ``open_request``/``close_request``/``resize_request``/``write_allocate`` run on the host
@@ -38,6 +49,8 @@ import torch
 
 from sparse_sglang.mem_cache.page_table import TwoLevelPageTable
 from sparse_sglang.mem_cache.utils import FreeStack, check_kv_shape, host_to_device, units_for_budget
+
+PADDING_SLOT = 0  # the request slot of CUDA-graph padding rows (SGLang's ReqToTokenPool row 0): no row, kernels skip it
 
 
 class GPUCacheFull(RuntimeError):
@@ -220,6 +233,9 @@ class GPUPageCache:
         # Write-allocation fills columns [0, filled) of a row in page order (see write_allocate).
         self._filled: dict[int, int] = {}
         self._width: dict[int, int] = {}
+        # The request each open row belongs to: its slot's generation when the row opened (None:
+        # opened without one). _width, _filled and _generation have the same keys, the open rows.
+        self._generation: dict[int, int | None] = {}
 
     @property
     def view(self) -> CacheView:
@@ -295,8 +311,25 @@ class GPUPageCache:
 
     # Host side: rows and page-table sizes, between steps.
 
-    def open_request(self, req_slot: int, num_pages: int = 0) -> None:
-        """Give request slot ``req_slot`` its row and a page table of ``num_pages`` pages.
+    def hold_row(self, req_slot: int, generation: int) -> bool:
+        """Make ``req_slot``'s row the one of the request holding the slot at ``generation`` (the
+        slot's count of requests it was given to): kept when it is, otherwise a row left by an
+        earlier request of the slot is closed and a new one opened. True when a row opened.
+
+        A row is the request's own only if it is open *and* was opened at the slot's current
+        generation: the slot's owner frees it (returning the row) between requests, but a flush can
+        zero the generations, so a later request may get the slot back at a generation an earlier
+        one had; then the row is closed already and opens anew."""
+        if self.is_open(req_slot):
+            if self._generation[req_slot] == generation:
+                return False
+            self.close_request(req_slot)  # left by an earlier request of this slot
+        self.open_request(req_slot, generation=generation)
+        return True
+
+    def open_request(self, req_slot: int, num_pages: int = 0, generation: int | None = None) -> None:
+        """Give request slot ``req_slot`` its row and a page table of ``num_pages`` pages, for the
+        request holding the slot at ``generation`` (:meth:`hold_row`).
 
         The row gets an equal share of the pool among the open requests (within the row width
         bounds); the widest open rows give back their least recently used slots when the free ones
@@ -327,6 +360,7 @@ class GPUPageCache:
         slots = self._free.pop(lh * width)
         self._filled[req_slot] = 0
         self._width[req_slot] = width
+        self._generation[req_slot] = generation
         self.selected_at[req_slot].fill_(-1)  # fill_, not `= -1`: see mem_cache.utils
         self.rows[req_slot].fill_(-1)
         self.rows[req_slot, :, :, :width] = slots.view(self.num_layers, self.num_kv_heads, width).to(self.rows.device)
@@ -334,7 +368,7 @@ class GPUPageCache:
     def close_request(self, req_slot: int) -> None:
         """Return the row of ``req_slot`` (finish, abort, or the slot's reuse) and drop its table;
         the narrowest open rows grow into the freed slots."""
-        del self._filled[req_slot]
+        del self._filled[req_slot], self._generation[req_slot]
         slots = self.rows[req_slot, :, :, : self._width.pop(req_slot)].reshape(-1)  # may be a view of rows
         self.page_table.release(req_slot)
         self.slot_page.index_fill_(0, slots, -1)  # the row's slots are on the device

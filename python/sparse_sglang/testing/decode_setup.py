@@ -3,6 +3,9 @@
 :class:`DecodeBench` holds one :class:`SparseKVStore` with ``batch`` requests of ``context``
 tokens each (their own host pages), a decoder (:func:`make_decoder`) planned for the step, and helpers to
 fill the host store and summaries from real K/V, and to evict a fraction of the cached pages.
+:meth:`DecodeBench.step` is what ``SparseRuntime.begin_decode`` does to the cache and decoder for
+a step whose rows are open already (no SGLang request slots, no tracker); it returns the step's
+:class:`~sparse_sglang.attention.sparse_decode.DecodePlan`, which ``decoder.run`` takes.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_sglang.attention.sparse_decode import make_decoder
+from sparse_sglang.attention.sparse_decode import DecodePlan, make_decoder
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import SaveRuns
 from sparse_sglang.mem_cache.key_sketch import KeyBasis
@@ -68,10 +71,20 @@ class DecodeBench:
         self.decoder = make_decoder(store, config, num_q_heads, workspace, batch, **decoder_options)
         self.positions = torch.full((batch,), context, device="cuda")
 
-    def plan(self) -> None:
-        self.store.cache.next_step()
-        self.decoder.plan(self.req_slots, torch.full((self.batch,), self.seq_len), self.host_pages)
+    def plan(self) -> DecodePlan:
+        """The bench's own step (every request at ``seq_len``), its save runs bound."""
+        plan = self.step(self.req_slots, torch.full((self.batch,), self.seq_len), self.host_pages)
         self.store.bind_runs(SaveRuns.for_decode(self.req_slots, self.positions + 1, self.store.shape.page_size))
+        return plan
+
+    def step(self, req_slots: torch.Tensor, seq_lens: torch.Tensor, host_pages: torch.Tensor,
+             graph: bool = False) -> DecodePlan:  # fmt: skip
+        """A decode step of ``req_slots`` at ``seq_lens`` (host) over ``host_pages``: the cache's
+        step counter, the re-selection phase, the decoder's plan."""
+        cache, interval = self.store.cache, self.decoder.interval
+        cache.next_step()
+        reselect = None if interval == 1 else cache.due_for_selection(req_slots, seq_lens, interval)
+        return self.decoder.plan(req_slots, seq_lens, host_pages, graph=graph, reselect=reselect)
 
     def token_slots(self) -> torch.Tensor:
         """``[batch, seq_len]`` host token slots of every token of every request."""
