@@ -124,3 +124,44 @@ def test_a_decode_step_is_one_runtime_call_with_a_frozen_plan_that_leaves_the_de
     assert plans[0].reselect.tolist() == [True, True] and plans[1].reselect.tolist() == [False, False]
     assert plans[2].reselect.tolist() == [True, False]  # the new request selects from all its pages
     assert runtime.tracker.sizes(slots).tolist()[0] <= 4 * store.shape.num_layers * store.shape.num_kv_heads
+
+
+def test_each_counter_has_one_writer():
+    """Every counter the server reports is written (``=``, ``+=``) in one module of the package:
+    the stats' fields by the part their group names, the store's saved tokens by the store (a
+    decode step's through ``count_decode_saves``, which the runtime calls once per step). A write
+    is ``holder.counter`` for any holder but ``self``, and ``self.counter`` inside the counter's
+    own class (another class's attribute of the same name is another thing)."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    from sparse_sglang import stats
+
+    package = Path(__file__).resolve().parents[1] / "python" / "sparse_sglang"
+    # counter -> (the class holding it, the one module that writes it)
+    counters = {"saved_tokens": ("SparseKVStore", "mem_cache/kv_store.py"),
+                "coarse_first_steps": ("SparseStats", "attention/sparse_decode.py"),
+                "prefills_held": ("SparseStats", "integration/prefill_interleave.py")}  # fmt: skip
+    for group, module in ((stats.WorkingSetCounts, "scheduler/admission.py"),
+                          (stats.SegmentedPrefillCounts, "integration/segmented_prefill.py")):  # fmt: skip
+        counters.update({f.name: (group.__name__, module) for f in dataclasses.fields(group)})
+    groups = {"working_set", "segmented_prefill"}
+    assert {f.name for f in dataclasses.fields(stats.SparseStats)} - groups <= set(counters)  # none left out
+    writers: dict[str, set[str]] = {name: set() for name in counters}
+
+    def visit(node: ast.AST, module: str, cls: str | None) -> None:
+        if isinstance(node, ast.ClassDef):
+            cls = node.name
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Attribute) and target.attr in counters:
+                    own = isinstance(target.value, ast.Name) and target.value.id == "self"
+                    if not own or cls == counters[target.attr][0]:
+                        writers[target.attr].add(module)
+        for child in ast.iter_child_nodes(node):
+            visit(child, module, cls)
+
+    for path in package.rglob("*.py"):
+        visit(ast.parse(path.read_text()), path.relative_to(package).as_posix(), None)
+    assert writers == {name: {module} for name, (_, module) in counters.items()}
