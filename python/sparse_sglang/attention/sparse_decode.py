@@ -1,7 +1,17 @@
 """Sparse decode over the per-head KV hierarchy, as a FlashInfer-style plan/run pair.
 
-``plan`` runs once per decode step on the host (the scheduler's lengths are known there); ``run``
-runs once per layer, on the device only:
+Contract: :meth:`SparseDecoder.plan` runs once per decode step on the host (the scheduler's
+lengths are known there) and returns the step's :class:`DecodePlan`, a frozen record of every
+tensor and size the step's layers read; :meth:`SparseDecoder.run` runs once per layer, on the
+device only, and reads the plan it is given. The decoder owns what outlives a step: the FlashInfer
+wrappers, the indices and miss buffers, the CUDA-graph static buffers (:class:`GraphBuffers`, which
+a graph step's plan points at and which ``plan`` rewrites in place), the selection log. No
+attribute of the decoder is rebound per step. It does not own rows, the step counter or
+counters of the store: the step's owner (``SparseRuntime.begin_decode``) changes those before it
+plans; the decoder reads the cache and summaries and, per layer, retrieves into the request's row.
+Its one counter is ``stats.coarse_first_steps``.
+
+Per layer:
 
 1. **Score** every page each request holds from the GPU summaries (:func:`score_pages`), unless
    every context fits in the budget (then every page is selected, the exact path);

@@ -12,6 +12,11 @@ request slot and position (for the page cache), which the attention backend bind
 forward as :class:`~sparse_sglang.mem_cache.kernels.SaveRuns` (:meth:`bind_runs`), before the
 layers run.
 
+Contract: the store owns the KV's memory (host pages, summaries, cache slots) and the
+``saved_tokens`` counter; the page cache inside it owns the rows' lifetime
+(:mod:`~sparse_sglang.mem_cache.gpu_cache`). What a forward saves is what was bound last
+(:meth:`SparseKVStore.bind_runs`, by the runtime as a step begins).
+
 On a CPU device (tests) the store is built with the engines' pure-torch references
 (``transfer/reference.py``) and the index kernel's (``mem_cache/reference.py``): the choice is
 made once, here, and the methods run whichever they were given.
@@ -121,8 +126,9 @@ class SparseKVStore:
         # The stream the forwards run on (note_forward_stream): SGLang's overlap scheduler runs
         # them on a stream of their own, and what changes the cache between them goes there too.
         self.forward_stream: torch.cuda.Stream | None = None
-        # Tokens whose KV went to the host (every layer): prefill saves count here, decode steps are
-        # counted by the attention backend (a CUDA-graph replay runs no Python).
+        # Tokens whose KV went to the host (every layer). This store is its one writer: prefill
+        # saves count in save(), a decode step's in count_decode_saves(), which the step's owner
+        # (SparseRuntime.begin_decode) calls once per step (a CUDA-graph replay runs no Python).
         self.saved_tokens = 0
 
     @property
