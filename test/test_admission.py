@@ -251,6 +251,47 @@ def test_gate_admits_while_working_sets_and_a_narrowest_row_per_new_request_fit_
     assert gate.counts.aborted_while_holding == 2
 
 
+def _answer_of_a_fresh_policy(capacity, demand, row, starting, candidate_pages):
+    """What the gate answered before it kept one policy: a fresh ``AdmissionPolicy`` per question,
+    this round's earlier admissions waiting (a narrowest row each) ahead of the candidate."""
+    running = [Running(i, i, pages) for i, pages in enumerate(demand)]
+    waiting = [Waiting(("new", j), len(running) + j, row, 0) for j in range(starting)]
+    waiting.append(Waiting(("new", starting), len(running) + starting, candidate_pages, 0))
+    return waiting[-1].rid in AdmissionPolicy(capacity, host_total_pages=1).decide(running, waiting, 0).admit
+
+
+def test_gate_keeps_one_policy_and_answers_as_a_fresh_policy_per_question_did():
+    from types import SimpleNamespace
+
+    from sparse_sglang.scheduler import WorkingSetGate
+
+    rng, yes = random.Random(7), 0
+    for _ in range(50):
+        cache = SimpleNamespace(num_slots=rng.randint(1, 120), row_slots=rng.randint(1, 16))
+        published: dict[int, int] = {}
+        gate = WorkingSetGate(cache, SimpleNamespace(published=lambda published=published: published))
+        policy, answers = gate.policy, []
+        for question in range(40):
+            slots = rng.sample(range(12), rng.randint(0, 6))
+            published.clear()
+            published.update({s: rng.randint(0, 40) for s in rng.sample(slots, len(slots) // 2)})
+            rid, starting = f"r{question % 5}", rng.randint(0, 4)
+            if rng.random() < 0.3:
+                gate.resume_pages[rid] = rng.randint(0, 60)
+            candidate_pages = gate.resume_pages.get(rid, cache.row_slots)
+            demand = [max(published.get(s, 0), cache.row_slots) for s in slots]
+            want = _answer_of_a_fresh_policy(cache.num_slots, demand, cache.row_slots, starting, candidate_pages)
+            answers.append(gate.admits(slots, starting, rid=rid))
+            assert answers[-1] == want
+            assert gate.holding == (not want) and not (want and rid in gate.resume_pages)  # admitted: forgotten
+        assert gate.policy is policy  # built once
+        stats = gate.counts.admission
+        assert stats is policy.stats and stats.rounds == len(answers) and stats.refused == 0
+        assert (gate.counts.admitted, gate.counts.deferred) == (sum(answers), len(answers) - sum(answers))
+        yes += sum(answers)
+    assert 0.2 < yes / (50 * 40) < 0.8  # both answers are exercised
+
+
 def test_queued_aborts_follow_sglangs_rid_prefix_rule():
     from types import SimpleNamespace
 

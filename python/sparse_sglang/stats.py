@@ -11,14 +11,39 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True)
+class AdmissionStats:
+    """Written by :class:`~sparse_sglang.scheduler.AdmissionPolicy`: its totals over every round it
+    decided (Prometheus-style counters)."""
+
+    rounds: int = 0
+    admitted: int = 0
+    deferred: int = 0  # request-rounds spent waiting (a request deferred 3 rounds counts 3)
+    retracted: int = 0  # running requests a round did not keep (the newest past the budget)
+    refused: int = 0
+    forced: int = 0  # rounds where one request ran alone over the budget
+
+
 @dataclass
 class WorkingSetCounts:
-    """Written by :class:`~sparse_sglang.scheduler.WorkingSetGate` (``--sparse-working-set-admission``)."""
+    """Written by :class:`~sparse_sglang.scheduler.WorkingSetGate` (``--sparse-working-set-admission``),
+    ``admission`` by the gate's policy: one round per admission question, whose one waiting request
+    is the candidate (so ``admission.admitted`` / ``deferred`` are the "yes" / "no" answers, and
+    ``admission.forced`` the candidates let in alone over the cache by the progress rule)."""
 
-    admitted: int = 0  # admission answers "yes"
-    deferred: int = 0  # admission answers "no" (a request deferred 3 rounds counts 3)
-    retracted: int = 0  # running requests the working-set rule retracted
+    admission: AdmissionStats = field(default_factory=AdmissionStats)
+    retracted: int = 0  # running requests the working-set rule retracted (its decode-check "no"s)
     aborted_while_holding: int = 0  # queued requests aborted while the rule held the queue
+
+    @property
+    def admitted(self) -> int:
+        """Admission answers "yes"."""
+        return self.admission.admitted
+
+    @property
+    def deferred(self) -> int:
+        """Admission answers "no" (a request deferred 3 rounds counts 3)."""
+        return self.admission.deferred
 
 
 @dataclass

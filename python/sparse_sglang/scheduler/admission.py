@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparse_sglang.mem_cache.utils import host_to_device
-from sparse_sglang.stats import WorkingSetCounts
+from sparse_sglang.stats import AdmissionStats, WorkingSetCounts
 
 
 def prefill_pages(num_tokens: int, layers_now: int, num_kv_heads: int, page_size: int) -> int:
@@ -214,26 +214,6 @@ class AdmissionDecision:
     forced: bool = False
 
 
-@dataclass(slots=True)
-class AdmissionStats:
-    """Running totals over all rounds, for metrics (Prometheus counters)."""
-
-    rounds: int = 0
-    admitted: int = 0
-    deferred: int = 0  # request-rounds spent waiting (a request deferred 3 rounds counts 3)
-    retracted: int = 0
-    refused: int = 0
-    forced: int = 0  # rounds where one request ran alone over the budget
-
-    def add(self, d: AdmissionDecision) -> None:
-        self.rounds += 1
-        self.admitted += len(d.admit)
-        self.deferred += len(d.defer)
-        self.retracted += len(d.retract)
-        self.refused += len(d.refuse)
-        self.forced += d.forced
-
-
 class AdmissionPolicy:
     """Keep, retract, admit, defer and refuse so the summed working sets fit the GPU cache.
 
@@ -243,6 +223,9 @@ class AdmissionPolicy:
         GPU page-cache slots (one slot = one (layer, kv head, page)) the working sets may use.
     host_total_pages : int
         Pages in the host KV store: a request needing more can never run.
+    stats : AdmissionStats, optional
+        Where :meth:`decide` counts its rounds (its owner's, e.g. the runtime's
+        :class:`~sparse_sglang.stats.SparseStats`); a fresh one by default.
 
     Rules of :meth:`decide`, in order:
 
@@ -259,11 +242,11 @@ class AdmissionPolicy:
        pages stay a hard limit: its KV has to be stored somewhere.
     """
 
-    def __init__(self, gpu_budget_pages: int, host_total_pages: int):
+    def __init__(self, gpu_budget_pages: int, host_total_pages: int, stats: AdmissionStats | None = None):
         if gpu_budget_pages < 1 or host_total_pages < 1:
             raise ValueError(f"budgets must be positive, got gpu {gpu_budget_pages}, host {host_total_pages} pages")
         self.gpu_budget_pages, self.host_total_pages = gpu_budget_pages, host_total_pages
-        self.stats = AdmissionStats()
+        self.stats = AdmissionStats() if stats is None else stats  # totals over every decide(); only it writes them
 
     def decide(self, running: Sequence[Running], waiting: Sequence[Waiting], host_free_pages: int) -> AdmissionDecision:
         budget = self.gpu_budget_pages
@@ -298,8 +281,16 @@ class AdmissionPolicy:
             host_free -= w.host_pages
             d.forced |= used > budget
         d.working_set_pages = used
-        self.stats.add(d)
+        self._count(d)
         return d
+
+    def _count(self, d: AdmissionDecision) -> None:
+        self.stats.rounds += 1
+        self.stats.admitted += len(d.admit)
+        self.stats.deferred += len(d.defer)
+        self.stats.retracted += len(d.retract)
+        self.stats.refused += len(d.refuse)
+        self.stats.forced += d.forced
 
 
 class WorkingSetGate:
@@ -311,58 +302,64 @@ class WorkingSetGate:
     sync), counted as at least a narrowest cache row: that much it holds whatever happens. A
     request starting needs a narrowest row, or a retracted one the working set it had.
 
-    - :meth:`admits` (SGLang's prefill admission): :class:`AdmissionPolicy` decides; a deferred
-      request stops the round (strict FCFS) and is asked about again in the next one.
+    - :meth:`admits` (SGLang's prefill admission): the gate's one :class:`AdmissionPolicy`
+      decides a round of the running requests, those admitted earlier in SGLang's round (a
+      narrowest row each: they run once their prefill does) and the candidate; a deferred request
+      stops the round (strict FCFS) and is asked about again in the next one.
     - :meth:`keeps` (SGLang's decode memory check): False while the running working sets exceed
       the cache, so SGLang retracts one more (its retraction order; the request keeps its host KV
       as a radix-cached prefix, ``integration/retraction.py``); the last request always stays.
 
-    The :class:`~sparse_sglang.runtime.SparseRuntime` owns the gate (and the ``counts`` it writes);
-    SGLang's scheduler reaches it through its token allocator's KV pool.
+    The :class:`~sparse_sglang.runtime.SparseRuntime` owns the gate and the ``counts`` it writes
+    (its policy writes ``counts.admission``, one round per :meth:`admits`); SGLang's scheduler
+    reaches the gate through its token allocator's KV pool.
 
     Ranks agree: under tensor parallelism every rank's scheduler asks the same questions in the same
     order, but each answers from its own kv heads' working sets (and its own cache size). ``agree``
     (:func:`max_over_ranks` over the TP group's CPU group) turns each rank's numbers into the same
     numbers on every rank, the largest demand and the smallest cache, so every rank decides alike
-    (and, answering alike, asks alike next). ``None``: one rank.
+    (and, answering alike, asks alike next). The cache size is agreed once, here, so every rank
+    must build its gate at the same point (the runtime's ``start_attention``, which each rank runs
+    while its attention backend is made). ``None``: one rank.
     """
 
     def __init__(self, cache, tracker: WorkingSetTracker, agree=None, counts: WorkingSetCounts | None = None):
         self.cache, self.tracker = cache, tracker  # the tracker's window is the rule's w
         self.agree = agree  # list[int] -> list[int]: the elementwise max over ranks (None: one rank)
         self.counts = WorkingSetCounts() if counts is None else counts  # its answers since start (metrics)
+        # The smallest cache over ranks: the working sets' budget, the same on every rank.
+        capacity = cache.num_slots if agree is None else -agree([-cache.num_slots])[0]
+        # Host memory is SGLang's to check (its token allocator): no request here needs host pages.
+        self.policy = AdmissionPolicy(capacity, host_total_pages=1, stats=self.counts.admission)
         self.holding = False  # the last answer deferred: the waiting queue waits for working-set room
         self.resume_pages: dict = {}  # rid of a retracted request -> its working set then
 
+    @property
+    def capacity(self) -> int:
+        """GPU cache slots the running working sets may use (the smallest cache over ranks)."""
+        return self.policy.gpu_budget_pages
+
     def demand(self, running_slots: list[int]) -> list[int]:
         """Working-set pages of each running request (at least a narrowest row), the largest over ranks."""
-        return self._agreed(running_slots)[:-1]
-
-    def _agreed(self, running_slots: list[int]) -> list[int]:
-        # The demands and the negated cache size: one max over ranks gives the largest demands
-        # and the smallest cache.
+        if not running_slots:  # every rank runs the same batch: all of them skip the exchange alike
+            return []
         row = self.cache.row_slots
         published = self.tracker.published()
-        local = [max(published.get(slot, 0), row) for slot in running_slots] + [-self.cache.num_slots]
+        local = [max(published.get(slot, 0), row) for slot in running_slots]
         return local if self.agree is None else self.agree(local)
-
-    def _capacity_and_demand(self, running_slots: list[int]) -> tuple[int, list[int]]:
-        agreed = self._agreed(running_slots)
-        return -agreed[-1], agreed[:-1]
 
     def admits(self, running_slots: list[int], starting: int, rid=None) -> bool:
         """``running_slots``: request slots of the running batch; ``starting``: requests already
         admitted in this round (slots not yet assigned); ``rid``: the candidate's. True when one
         more fits."""
         row = self.cache.row_slots
-        capacity, demand = self._capacity_and_demand(running_slots)
-        running = [Running(i, i, pages) for i, pages in enumerate(demand)]
-        waiting = [Waiting(("new", j), len(running) + j, row, 0) for j in range(starting)]
-        waiting.append(Waiting(("new", starting), len(running) + starting, self.resume_pages.get(rid, row), 0))
-        policy = AdmissionPolicy(capacity, host_total_pages=1)  # host memory is SGLang's to check
-        fits = waiting[-1].rid in policy.decide(running, waiting, host_free_pages=0).admit
-        self.counts.admitted += fits
-        self.counts.deferred += not fits
+        demand = self.demand(running_slots)
+        # The round as the policy sees it: the running requests by slot order, then this round's
+        # earlier admissions (newer), then the candidate, the one request waiting.
+        running = [Running(("running", i), i, pages) for i, pages in enumerate(demand)]
+        running += [Running(("starting", j), len(demand) + j, row) for j in range(starting)]
+        candidate = Waiting(rid, len(running), self.resume_pages.get(rid, row), host_pages=0)
+        fits = bool(self.policy.decide(running, [candidate], host_free_pages=0).admit)
         self.holding = not fits
         if fits:
             self.resume_pages.pop(rid, None)
@@ -373,8 +370,7 @@ class WorkingSetGate:
         a False answer makes SGLang retract one request, so it counts a retraction."""
         if len(running_slots) <= 1:
             return True
-        capacity, demand = self._capacity_and_demand(running_slots)
-        fits = sum(demand) <= capacity
+        fits = sum(self.demand(running_slots)) <= self.capacity
         self.counts.retracted += not fits
         return fits
 
