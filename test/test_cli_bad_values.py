@@ -26,6 +26,7 @@ from sparse_sglang.config import (
     GROUP_REDUCES,
     INT32_MAX,
     PAGE_BOUNDS,
+    RERANK_BY,
     SELECTORS,
     SparseConfig,
     field_type,
@@ -35,7 +36,7 @@ from sparse_sglang.config import (
 FIELDS = {f.name: field_type(f) for f in dataclasses.fields(SparseConfig)}
 BOOL_WORDS = {"1", "true", "yes", "on", "0", "false", "no", "off"}
 CHOICES = {"selector": set(SELECTORS), "bound_format": set(BOUND_FORMATS), "group_reduce": set(GROUP_REDUCES),
-           "page_bounds": set(PAGE_BOUNDS)}  # fmt: skip
+           "page_bounds": set(PAGE_BOUNDS), "rerank_by": set(RERANK_BY)}  # fmt: skip
 
 non_numeric = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12).filter(
     lambda text: not _is_number(text) and text.strip() != "" and "\x00" not in text
