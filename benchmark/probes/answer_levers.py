@@ -76,6 +76,26 @@ class RerankDecoder(QuestStepDecoder):
         return torch.full_like(mass, -math.inf).scatter_(-1, candidates, mass.gather(-1, candidates))
 
 
+class ReusedRerankDecoder(RerankDecoder):
+    """The exact re-rank on one decode step in ``every`` (per layer), its pages attended again on
+    the steps between without any scoring (LServe's reuse, of the re-rank's choice): what a step
+    costs on average falls with ``every``, what it keeps is what this measures."""
+
+    every: int = 4
+
+    def rank(self, layer, scores, q, key, seq_len, scaling):
+        if not hasattr(self, "steps"):
+            self.steps, self.chosen = {}, {}
+        step = self.steps.get(layer, 0)
+        self.steps[layer] = step + 1
+        if step % self.every and layer in self.chosen:
+            return torch.full_like(scores, -math.inf).scatter_(-1, self.chosen[layer], 1.0)
+        ranked = super().rank(layer, scores, q, key, seq_len, scaling)
+        k = self.policy.budget // quality.PAGE_SIZE
+        self.chosen[layer] = ranked.topk(min(k, ranked.shape[-1]), dim=-1).indices
+        return ranked
+
+
 class BandRerankDecoder(QuestStepDecoder):
     """The re-rank of a band only: the bound's best ``keep`` x the budget's pages are kept as
     they are, the next ``band`` x the budget's compete by exact mass for the places left. A server
@@ -424,6 +444,7 @@ def main() -> None:
         **{f"quest-rerank{f}": quality.Policy(budget=args.budget, page_bounds="minmax") for f in (2, 3, 4)},
         "ms": quality.Policy(budget=args.budget),
         **{f"ms-rerank{f}": quality.Policy(budget=args.budget) for f in (1.25, 1.5, 2, 3)},
+        **{f"ms-rerank2-every{n}": quality.Policy(budget=args.budget) for n in (2, 4, 8)},
         **{f"ms-band{a}x{b}": quality.Policy(budget=args.budget) for a, b in ((0.5, 1.0), (0.75, 0.5), (0.5, 0.5))},
         **{f"sketch{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
         "sketch16-max": quality.Policy(budget=args.budget),  # the per-request basis, scored as the server scores
@@ -469,8 +490,9 @@ def main() -> None:
             if name == "ms":
                 hook.__class__ = QuestStepDecoder
             if name.startswith(("quest-rerank", "ms-rerank")):
-                hook.__class__ = RerankDecoder
-                hook.factor = float(name.rpartition("rerank")[2])
+                factor, _, every = name.rpartition("rerank")[2].partition("-every")
+                hook.__class__ = ReusedRerankDecoder if every else RerankDecoder
+                hook.factor, hook.every = float(factor), int(every or 1)
             if name.startswith("ms-band"):
                 hook.__class__ = BandRerankDecoder
                 hook.keep, hook.band = (float(x) for x in name.removeprefix("ms-band").split("x"))
