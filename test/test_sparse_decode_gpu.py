@@ -385,6 +385,51 @@ def oracle_priority(q, k, group: int, page: int = 32):
     return (lse - lse[..., :-1].logsumexp(-1, keepdim=True)).logsumexp(2)
 
 
+def three_request_steps(b: DecodeBench, mode: str, steps: int, gen):
+    """``steps`` decode steps of ``b``'s 3 requests over random KV, eagerly or replayed from one
+    CUDA graph with a padding row; yields ``(step, queries [3, Hq, D], per-layer outputs, per-layer
+    [3, Hkv, K] pages attended, per-layer (k, v))``."""
+    kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
+    for layer, (k, v) in enumerate(kv):
+        b.write_kv(layer, k, v)
+    log = b.decoder.log_selections(max_batch=4)
+    seq_lens = torch.tensor([b.seq_len] * 3 + [1])
+    slots = torch.cat([b.req_slots, torch.zeros(1, dtype=b.req_slots.dtype, device="cuda")])
+    host_pages = torch.cat([b.host_pages, torch.zeros_like(b.host_pages[:1])])
+    rows = 4 if mode == "graph" else 3
+    q_static = torch.zeros(rows, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+    outs = [None] * SHAPE.num_layers
+    if mode == "graph":
+        b.decoder.init_cuda_graph(max_batch=4)
+    graph = None
+
+    def step(plan):
+        for layer in range(SHAPE.num_layers):
+            outs[layer] = b.decoder.run(layer, q_static, plan)
+
+    for i in range(steps):
+        qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        q_static[:3].copy_(qs)
+        if mode == "graph":
+            plan = b.step(slots, seq_lens, host_pages, graph=True)
+            if graph is None:  # the first step runs eagerly (compiles kernels), then is captured
+                step(plan)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step(plan)
+            graph.replay()
+        else:
+            step(b.step(b.req_slots, seq_lens[:3], b.host_pages))
+        yield i, qs, [o[:3] for o in outs], [log[:3, layer].clone() for layer in range(SHAPE.num_layers)], kv
+
+
+def assert_attends_16_pages(out, pages, qs, k, v, seq, msg):
+    """Every row attended 16 pages, and ``out`` is the reference attention over them."""
+    assert ((pages >= 0).sum(-1) == 16).all(), msg
+    want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2, msg=msg)
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("interval", [1, 3])
 def test_rerank_attends_the_pages_with_the_most_exact_mass(mode, interval):
@@ -399,44 +444,12 @@ def test_rerank_attends_the_pages_with_the_most_exact_mass(mode, interval):
     config = SparseConfig(token_budget=512, host_cache_gb=1.0, rerank_factor=8, reselect_interval=interval)
     b = bench(config, batch=3, context=3000)
     assert b.decoder.candidates > b.decoder.width == 16
-    kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
-    for layer, (k, v) in enumerate(kv):
-        b.write_kv(layer, k, v)
-    log = b.decoder.log_selections(max_batch=4)
-    seq_lens, seq = torch.tensor([b.seq_len] * 3 + [1]), torch.full((3,), b.seq_len, device="cuda")
-    slots = torch.cat([b.req_slots, torch.zeros(1, dtype=b.req_slots.dtype, device="cuda")])
-    host_pages = torch.cat([b.host_pages, torch.zeros_like(b.host_pages[:1])])
-    rows = 4 if mode == "graph" else 3
-    q_static = torch.zeros(rows, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
-    outs = [None] * SHAPE.num_layers
-    if mode == "graph":
-        b.decoder.init_cuda_graph(max_batch=4)
-    graph = None
-
-    def step(plan):
-        for layer in range(SHAPE.num_layers):
-            outs[layer] = b.decoder.run(layer, q_static, plan)
-
     group = SHAPE.num_q_heads // SHAPE.num_kv_heads
-    num_pages = torch.full((3,), b.num_pages, device="cuda")
-    for i in range(4):
-        qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
-        q_static[:3].copy_(qs)
-        if mode == "graph":
-            plan = b.step(slots, seq_lens, host_pages, graph=True)
-            if graph is None:  # the first step runs eagerly (compiles kernels), then is captured
-                step(plan)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step(plan)
-            graph.replay()
-        else:
-            step(b.step(b.req_slots, seq_lens[:3], b.host_pages))
+    num_pages, seq = torch.full((3,), b.num_pages, device="cuda"), torch.full((3,), b.seq_len, device="cuda")
+    for i, qs, outs, pages_by_layer, kv in three_request_steps(b, mode, 4, gen):
         for layer, (k, v) in enumerate(kv):
-            pages = log[:3, layer].clone()
-            assert ((pages >= 0).sum(-1) == 16).all(), f"step {i} layer {layer}"
-            want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq)
-            torch.testing.assert_close(outs[layer][:3].float(), want.float(), atol=2e-2, rtol=2e-2)
+            pages = pages_by_layer[layer]
+            assert_attends_16_pages(outs[layer], pages, qs, k, v, seq, f"step {i} layer {layer}")
             priority = oracle_priority(qs, k, group)
             oracle = select_pages(priority, num_pages, 16, *b.decoder.forced).page_ids
             for r in range(3):
@@ -462,47 +475,14 @@ def test_sketch_rerank_attends_the_candidates_whose_best_token_sketch_scores_hig
     config = SparseConfig(token_budget=512, host_cache_gb=1.0, rerank_factor=8, rerank_by="sketch")
     b = bench(config, batch=3, context=3000)
     assert b.decoder.sketch_candidates == 128 and b.decoder.candidates == 0 and b.decoder.width == 16
-    kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
-    for layer, (k, v) in enumerate(kv):
-        b.write_kv(layer, k, v)
-    log = b.decoder.log_selections(max_batch=4)
-    seq_lens, seq = torch.tensor([b.seq_len] * 3 + [1]), torch.full((3,), b.seq_len, device="cuda")
-    slots = torch.cat([b.req_slots, torch.zeros(1, dtype=b.req_slots.dtype, device="cuda")])
-    host_pages = torch.cat([b.host_pages, torch.zeros_like(b.host_pages[:1])])
-    rows = 4 if mode == "graph" else 3
-    q_static = torch.zeros(rows, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
-    outs = [None] * SHAPE.num_layers
-    if mode == "graph":
-        b.decoder.init_cuda_graph(max_batch=4)
-    graph = None
-
-    def step(plan):
-        for layer in range(SHAPE.num_layers):
-            outs[layer] = b.decoder.run(layer, q_static, plan)
-
-    summaries = b.store.summaries
-    num_pages = torch.full((3,), b.num_pages, device="cuda")
-    group = SHAPE.num_q_heads // SHAPE.num_kv_heads
-    for i in range(3):
-        qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
-        q_static[:3].copy_(qs)
-        if mode == "graph":
-            plan = b.step(slots, seq_lens, host_pages, graph=True)
-            if graph is None:
-                step(plan)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step(plan)
-            graph.replay()
-        else:
-            step(b.step(b.req_slots, seq_lens[:3], b.host_pages))
+    summaries, group = b.store.summaries, SHAPE.num_q_heads // SHAPE.num_kv_heads
+    num_pages, seq = torch.full((3,), b.num_pages, device="cuda"), torch.full((3,), b.seq_len, device="cuda")
+    for i, qs, outs, pages_by_layer, kv in three_request_steps(b, mode, 3, gen):
         for layer, (k, v) in enumerate(kv):
-            pages = log[:3, layer].clone()
-            assert ((pages >= 0).sum(-1) == 16).all(), f"step {i} layer {layer}"
-            want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq)
-            torch.testing.assert_close(outs[layer][:3].float(), want.float(), atol=2e-2, rtol=2e-2)
+            pages = pages_by_layer[layer]
+            assert_attends_16_pages(outs[layer], pages, qs, k, v, seq, f"step {i} layer {layer}")
             qg = qs.view(3, SHAPE.num_kv_heads, group, SHAPE.head_dim)
-            rows_ = summaries.layer(layer)["sketch"][:, b.host_pages[:, : b.num_pages].long()].transpose(0, 1)
-            priority = sketch_page_scores(project_query(qg, summaries.key_basis.queries[layer]), rows_).squeeze(2)
+            rows = summaries.layer(layer)["sketch"][:, b.host_pages[:, : b.num_pages].long()].transpose(0, 1)
+            priority = sketch_page_scores(project_query(qg, summaries.key_basis.queries[layer]), rows).squeeze(2)
             expect = select_pages(priority, num_pages, 16, *b.decoder.forced).page_ids
             assert_same_pages_up_to_ties(pages, expect, priority, num_pages, f"step {i} layer {layer}")

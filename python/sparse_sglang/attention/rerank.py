@@ -90,6 +90,16 @@ if triton is not None:
         return tl.where(finite, shift + tl.log(tl.where(finite, total, 1.0)), float("-inf"))
 
     @triton.jit
+    def _best_k(priority, offs, k):
+        # Which of a block's entries are its k highest: the k-th highest priority found by a sort;
+        # above it all kept, at it the first ones (in block order) up to k; never a -inf one.
+        ranked = tl.sort(priority, descending=True)
+        threshold = tl.max(tl.where(offs == k - 1, ranked, float("-inf")))
+        above = priority > threshold
+        tied = (priority == threshold) & (priority > float("-inf"))
+        return above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= k - tl.sum(above.to(tl.int32))))
+
+    @triton.jit
     def _rerank_choose_kernel(
         cand_ptr, row_pages_ptr, lse_ptr, slots_ptr, pages_out_ptr, slots_out_ptr, sink, recent, k,
         KC: tl.constexpr, KCP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr,
@@ -116,13 +126,7 @@ if triton is not None:
         forced = (pages < sink) | (pages >= n - recent)
         priority = tl.where(forced, float("inf"), priority)
         priority = tl.where(listed, priority, float("-inf"))
-        # The k-th highest priority; above it all kept, at it the first ones up to k.
-        ranked = tl.sort(priority, descending=True)
-        threshold = tl.max(tl.where(offs == k - 1, ranked, float("-inf")))
-        above = priority > threshold
-        tied = (priority == threshold) & (priority > float("-inf"))
-        keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= k - tl.sum(above.to(tl.int32))))
-        keep = keep & listed
+        keep = _best_k(priority, offs, k) & listed  # at equal priorities the lower pages
         position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
         slot = tl.load(slots_ptr + row * KC + offs, mask=listed, other=-1)
         tl.store(pages_out_ptr + row * k + position, pages, mask=keep)
@@ -164,13 +168,7 @@ if triton is not None:
         forced = (cand < sink) | (cand >= n - recent)
         priority = tl.where(forced, float("inf"), score)
         priority = tl.where(ok, priority, float("-inf"))
-        # The k-th highest priority; above it all kept, at it the first ones (in candidate order) up to k.
-        ranked = tl.sort(priority, descending=True)
-        threshold = tl.max(tl.where(offs == k - 1, ranked, float("-inf")))
-        above = priority > threshold
-        tied = (priority == threshold) & (priority > float("-inf"))
-        keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= k - tl.sum(above.to(tl.int32))))
-        keep = keep & ok
+        keep = _best_k(priority, offs, k) & ok  # at equal scores the earlier candidates
         position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(out_ptr + row * k + position, cand, mask=keep)
         offs_k = tl.arange(0, KP)
