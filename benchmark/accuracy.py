@@ -1291,6 +1291,8 @@ def main(argv: list[str] | None = None) -> None:
     sm.add_argument("runs", nargs="+")
     sm.add_argument("--items", required=True)
     sm.add_argument("--out-dir", default=str(REPO / "benchmark" / "results"))
+    sm.add_argument("--name", default="accuracy-{date}.json",
+                    help="the result file's name in --out-dir ({date}: today's); a file of that name is replaced")  # fmt: skip
     sm.add_argument("--attach", action="append", default=[], help="name=path of a probe's JSON to keep in the file")
     ck = sub.add_parser("check", help="exit 1 naming the first bar a summarized result falls short of")
     ck.add_argument("result")
@@ -1336,7 +1338,7 @@ def main(argv: list[str] | None = None) -> None:
             argv,
             result,
             args.out_dir,
-            "accuracy-{date}.json",
+            args.name,
             device=", ".join(devices) or "cpu",
             commit=", ".join(commits) or None,
         )
