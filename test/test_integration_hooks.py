@@ -232,11 +232,12 @@ def test_the_backend_reads_request_slots_from_the_host_mirror():
 
     import torch
 
-    from sparse_sglang.integration.attention_backend import PADDING_REQ_SLOT, SparseAttnBackend
+    from sparse_sglang.integration.attention_backend import SparseAttnBackend
+    from sparse_sglang.mem_cache.gpu_cache import PADDING_SLOT
 
     backend = types.SimpleNamespace(next_req_slots=None)
     SparseAttnBackend.note_req_slots(backend, torch.tensor([7, 3]))
-    gpu = torch.tensor([7, 3, PADDING_REQ_SLOT, PADDING_REQ_SLOT])  # a graph batch of 4: 2 real, 2 padding
+    gpu = torch.tensor([7, 3, PADDING_SLOT, PADDING_SLOT])  # a graph batch of 4: 2 real, 2 padding
     assert SparseAttnBackend._req_slots_cpu(backend, gpu) == [7, 3, 0, 0]
     assert backend.next_req_slots is None  # used once
     assert SparseAttnBackend._req_slots_cpu(backend, torch.tensor([5, 6])) == [5, 6]  # no mirror: the GPU's
@@ -252,8 +253,9 @@ def test_the_prefill_graph_runners_made_up_batches_touch_no_sparse_state():
 
     import torch
 
-    from sparse_sglang.integration.attention_backend import PADDING_REQ_SLOT, SparseAttnBackend
+    from sparse_sglang.integration.attention_backend import SparseAttnBackend
     from sparse_sglang.mem_cache import GPUPageCache
+    from sparse_sglang.mem_cache.gpu_cache import PADDING_SLOT
     from sparse_sglang.runtime import PrefillPlan, SparseRuntime
 
     cache = GPUPageCache(3 * 16, 2, 2, 4, 16, torch.bfloat16, max_requests=4, row_width=4, max_pages=16, total_pages=32)
@@ -287,7 +289,7 @@ def test_the_prefill_graph_runners_made_up_batches_touch_no_sparse_state():
         return types.SimpleNamespace(req_pool_indices=torch.tensor([slot]), extend_prefix_lens_cpu=[prefix_len],
                                      extend_seq_lens_cpu=[8], out_cache_loc=torch.arange(8))  # fmt: skip
 
-    made_up = batch(PADDING_REQ_SLOT, 0)
+    made_up = batch(PADDING_SLOT, 0)
     SparseAttnBackend._begin_extend(backend, made_up)
     SparseAttnBackend.forward_extend(backend, q, k, v, layer, made_up)
     assert (cache.num_open, bound, saved, backend.prefill_plan.runs) == (0, [], [], None)

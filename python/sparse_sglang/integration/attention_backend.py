@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "sparse"
-PADDING_REQ_SLOT = PADDING_SLOT  # SGLang's ReqToTokenPool row 0: the request slot of CUDA-graph padding
 
 
 @relies_on(
@@ -108,7 +107,7 @@ class SparseAttnBackend(FlashInferAttnBackend):
         batch = req_slots.shape[0]
         if mirror is None or len(mirror) > batch:
             return req_slots.tolist()
-        return mirror + [PADDING_REQ_SLOT] * (batch - len(mirror))
+        return mirror + [PADDING_SLOT] * (batch - len(mirror))
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         mode = forward_batch.forward_mode
