@@ -335,7 +335,7 @@ def main(argv=None) -> dict:
     )
     name += f"-coarse{args.coarse_pages}" if args.coarse_pages else ""
     name += f"-rerank{args.rerank_factor}" if args.rerank_factor > 1 else ""
-    name += "-by-sketch" if args.rerank_factor > 1 and args.rerank_by == "sketch" else ""
+    name += f"-by-{args.rerank_by}" if args.rerank_factor > 1 and args.rerank_by != "keys" else ""
     return finish_run(
         "benchmark.decode", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json"
     )

@@ -486,3 +486,58 @@ def test_sketch_rerank_attends_the_candidates_whose_best_token_sketch_scores_hig
             priority = sketch_page_scores(project_query(qg, summaries.key_basis.queries[layer]), rows).squeeze(2)
             expect = select_pages(priority, num_pages, 16, *b.decoder.forced).page_ids
             assert_same_pages_up_to_ties(pages, expect, priority, num_pages, f"step {i} layer {layer}")
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_quantized_rerank_attends_the_candidates_with_the_most_mass_from_their_key_codes(mode):
+    """``--sparse-rerank-by quantized``: with every page a candidate (factor 8: up to 128
+    candidates, a 94-page context), the pages attended are the best 16 by their mass from their
+    keys' 2-bit codes (the oracle's priority over the decoded keys, forced pages first) up to ties,
+    only they are loaded (the rows stay one budget wide), and the output is the reference over them;
+    eagerly and replayed in a CUDA graph with a padding row."""
+    from sparse_sglang.attention import select_pages
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    config = SparseConfig(token_budget=512, host_cache_gb=1.0, rerank_factor=8, rerank_by="quantized")
+    b = bench(config, batch=3, context=3000)
+    assert b.decoder.code_candidates == 128 and b.decoder.candidates == 0 and b.decoder.width == 16
+    codes, group = b.store.summaries.key_codes, SHAPE.num_q_heads // SHAPE.num_kv_heads
+    num_pages, seq = torch.full((3,), b.num_pages, device="cuda"), torch.full((3,), b.seq_len, device="cuda")
+    for i, qs, outs, pages_by_layer, kv in three_request_steps(b, mode, 3, gen):
+        for layer, (k, v) in enumerate(kv):
+            pages = pages_by_layer[layer]
+            assert_attends_16_pages(outs[layer], pages, qs, k, v, seq, f"step {i} layer {layer}")
+            decoded = codes.decode(layer, b.host_pages[:, : b.num_pages].long())  # [Hkv, B, N, P, D]
+            keys = decoded.permute(1, 2, 3, 0, 4).reshape(3, -1, SHAPE.num_kv_heads, SHAPE.head_dim)
+            priority = oracle_priority(qs, keys, group)
+            expect = select_pages(priority, num_pages, 16, *b.decoder.forced).page_ids
+            assert_same_pages_up_to_ties(pages, expect, priority, num_pages, f"step {i} layer {layer}")
+
+
+def test_the_save_kernel_codes_keys_on_the_gpu_as_its_reference_does():
+    """The prefill and decode saves of the timing bench, coded by the Triton kernel on the GPU, read
+    back within a level of the torch reference's codes (GPU division may round a tie the other way)."""
+    from sparse_sglang.mem_cache.kernels import SaveRuns, encode_runs
+    from sparse_sglang.mem_cache.key_codes import PageKeyCodes, frame_step
+    from sparse_sglang.mem_cache.reference import encode_codes_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    heads, dim, page = SHAPE.num_kv_heads, SHAPE.head_dim, 32
+    got = PageKeyCodes(1, heads, 8, page, dim, 2, torch.bfloat16, "cuda")
+    want = PageKeyCodes(1, heads, 8, page, dim, 2, torch.bfloat16, "cpu")
+    k = torch.randn(100, heads, dim, device="cuda", generator=gen).to(torch.bfloat16)
+    slots = torch.arange(page, page + 100, device="cuda")
+    encode_runs(got, 0, k, slots, SaveRuns.for_extend([1], [0], [100], page, "cuda"))
+    encode_codes_reference(want, 0, k.cpu(), slots.cpu())
+    for pos in range(100, 140):
+        k = (torch.randn(1, heads, dim, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+        slot = torch.tensor([page + pos], device="cuda")
+        runs = SaveRuns.for_decode(torch.tensor([1], device="cuda"), torch.tensor([pos + 1], device="cuda"), page)
+        encode_runs(got, 0, k, slot, runs)
+        encode_codes_reference(want, 0, k.cpu(), slot.cpu())
+    used = torch.arange(1, 6)
+    for name in ("lo", "hi"):
+        assert torch.equal(got.layer(0)[name][:, used].cpu(), want.layer(0)[name][:, used])
+    step = frame_step(want.layer(0)["lo"][:, used], want.layer(0)["hi"][:, used], 2).unsqueeze(2)
+    off = (got.decode(0, used.cuda()).cpu() - want.decode(0, used)).abs() / step
+    assert off.max() <= 1.0 + 1e-4 and (off > 0.5).float().mean() < 1e-3

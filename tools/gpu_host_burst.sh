@@ -98,7 +98,7 @@ job_decode_rerank() {  # the default with the exact re-rank of twice the candida
   done
 }
 job_kernels() {  # the Triton kernels against their references (compiled here), then the decode GPU tests
-  python3 -m pytest -q -p no:cacheprovider test/test_mem_cache_kernels.py test/test_page_bounds.py test/test_selectors.py test/test_rerank.py test/test_sketch_rerank.py \
+  python3 -m pytest -q -p no:cacheprovider test/test_mem_cache_kernels.py test/test_page_bounds.py test/test_selectors.py test/test_rerank.py test/test_sketch_rerank.py test/test_key_codes.py test/test_code_rerank.py \
     > /root/o/kernels.log 2>&1
   python3 -m pytest -m gpu -q -s -p no:cacheprovider ${KERNEL_GPU_TESTS:-test/test_sparse_decode_gpu.py test/test_selection_real_kv_gpu.py} \
     >> /root/o/kernels.log 2>&1

@@ -29,7 +29,9 @@ BOUND_FORMATS = ("auto", "exact", "int8")
 # What a page's two key corners are (sparse_sglang.mem_cache.summaries): Quest's channel-wise
 # min and max, or the keys' mean less and plus a spread of standard deviations.
 PAGE_BOUNDS = ("minmax", "meanstd")
-RERANK_BY = ("keys", "sketch")
+RERANK_BY = ("keys", "sketch", "quantized")
+# Bits per channel the quantized re-rank's key codes may have (sparse_sglang.mem_cache.key_codes).
+KEY_CODE_BITS = (2, 4)
 
 # Without --sparse-host-cache-gb the host KV store takes what its requests can use, at most this
 # share of the RAM available at start-up: the rest stays for the OS, the tokenizer and detokenizer
@@ -196,7 +198,11 @@ class SparseConfig:
     )
     rerank_by: str = knob(
         "keys",
-        help=f"What re-ranks the candidates: {' | '.join(RERANK_BY)}. keys = their exact attention mass (loads every candidate's KV); sketch = their best token's key sketch (kept on the GPU for every token, as --sparse-selector sketch keeps them; loads only the pages attended).",
+        help=f"What re-ranks the candidates: {' | '.join(RERANK_BY)}. keys = their exact attention mass (loads every candidate's KV); sketch = their best token's key sketch (kept on the GPU for every token, as --sparse-selector sketch keeps them; loads only the pages attended); quantized = their attention mass from every key kept on the GPU in --sparse-rerank-key-bits per channel between its page's min and max (loads only the pages attended).",
+    )
+    rerank_key_bits: int = knob(
+        2,
+        help=f"Bits per channel of the keys the quantized re-rank reads: {' | '.join(map(str, KEY_CODE_BITS))}.",
     )
     cache_row_ratio: float = knob(
         1.25,
@@ -317,6 +323,9 @@ class SparseConfig:
             raise SparseConfigError("rerank_factor", f"must be >= 1 (1 = off), got {self.rerank_factor}")
         if self.rerank_by not in RERANK_BY:
             raise SparseConfigError("rerank_by", f"must be one of {', '.join(RERANK_BY)}; got {self.rerank_by!r}")
+        if self.rerank_key_bits not in KEY_CODE_BITS:
+            raise SparseConfigError("rerank_key_bits", f"must be one of {', '.join(map(str, KEY_CODE_BITS))}; "
+                                                       f"got {self.rerank_key_bits}")  # fmt: skip
         if self.rerank_by == "sketch" and self.rerank_factor > 1 and self.selector == "sketch":
             raise SparseConfigError("rerank_by", f"the candidates of {mention('selector')} sketch are ranked by "
                                                  "their sketches already: re-rank by keys, or pick another selector")  # fmt: skip
@@ -431,6 +440,17 @@ class SparseConfig:
         """Pages each kv head's key sketches re-rank per decode step (0: none): ``rerank_factor``
         times the budget's with ``rerank_by`` sketch."""
         return self.budget_pages * self.rerank_factor if self.rerank_by == "sketch" and self.rerank_factor > 1 else 0
+
+    @property
+    def code_candidates(self) -> int:
+        """Pages each kv head's key codes re-rank per decode step (0: none): ``rerank_factor``
+        times the budget's with ``rerank_by`` quantized."""
+        return self.budget_pages * self.rerank_factor if self.rerank_by == "quantized" and self.rerank_factor > 1 else 0
+
+    @property
+    def key_code_bits(self) -> int:
+        """Bits per channel of the key codes the GPU keeps (0: none; the quantized re-rank reads them)."""
+        return self.rerank_key_bits if self.code_candidates > 0 else 0
 
     @property
     def keeps_key_sketches(self) -> bool:

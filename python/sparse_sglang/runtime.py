@@ -252,7 +252,7 @@ class SparseRuntime:
 def build_store(config: SparseConfig, shape: StoreShape, device: torch.device | str,
                 key_basis: KeyBasis | None = None, d2h_threads: int | None = None) -> SparseKVStore:  # fmt: skip
     """The store of ``shape`` on ``device`` as ``config`` says: the selector's summaries, the
-    cache's LRU, bound format and coarse pages (``key_basis`` for the sketch selector;
+    cache's LRU, bound format, coarse pages and key codes (``key_basis`` for the sketch selector;
     ``d2h_threads`` FlashD2H scatter threads, None: the store's default)."""
     from sparse_sglang.attention.selectors import kept_summaries
     from sparse_sglang.mem_cache.kv_store import SparseKVStore
@@ -260,7 +260,8 @@ def build_store(config: SparseConfig, shape: StoreShape, device: torch.device | 
     return SparseKVStore(shape, device, **kept_summaries(config.selector), lru_buckets=config.cache_lru_buckets,
                          lru_steps_per_bucket=config.cache_lru_steps_per_bucket, bound_format=config.bound_format,
                          page_bounds=config.page_bounds, bound_spread=config.bound_spread,
-                         coarse_pages=config.coarse_pages, key_basis=key_basis, d2h_threads=d2h_threads)  # fmt: skip
+                         coarse_pages=config.coarse_pages, key_basis=key_basis, key_bits=config.key_code_bits,
+                         d2h_threads=d2h_threads)  # fmt: skip
 
 
 def build_runtime(config: SparseConfig, plan: MemoryPlan, device: torch.device | str,

@@ -10,6 +10,8 @@
   re-rank's priorities, :func:`rerank_priority_reference`, and its choice of the best).
 - :func:`choose_by_sketch_reference`: :func:`~sparse_sglang.attention.rerank.choose_by_sketch`
   (candidates re-ranked by their key sketches).
+- :func:`choose_by_codes_reference`: :func:`~sparse_sglang.attention.rerank.choose_by_codes`
+  (candidates re-ranked by their mass from their low-bit key codes).
 - :func:`retrieve_reference`: :func:`~sparse_sglang.attention.retrieval.retrieve_pages`'s choices
   (hits, LRU victims, table updates) in torch ops over the cache's public methods. The decoder
   also runs it for rows too wide for the kernel's one program
@@ -41,6 +43,7 @@ from sparse_sglang.attention.selection import force_pages, keep_cached
 from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
 from sparse_sglang.mem_cache.bounds import dequantize_bounds
 from sparse_sglang.mem_cache.gpu_cache import CachedRows, GPUPageCache
+from sparse_sglang.mem_cache.key_codes import decode_codes
 from sparse_sglang.mem_cache.key_sketch import project_query, sketch_page_scores
 
 
@@ -287,6 +290,42 @@ def choose_by_sketch_reference(qg: torch.Tensor, query_basis: torch.Tensor, sket
     )
     chosen = chosen.sort(dim=-1).values
     chosen = torch.where(chosen < torch.iinfo(torch.int64).max, chosen, -1)
+    return F.pad(chosen, (0, k - chosen.shape[-1]), value=-1).to(torch.int32)
+
+
+def choose_by_codes_reference(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
+                              host_pages: torch.Tensor, candidates: torch.Tensor, num_pages: torch.Tensor, k: int,
+                              forced: tuple[int, int], sm_scale: float, k_scale: float | None = None,
+                              logits_soft_cap: float | None = None) -> torch.Tensor:  # fmt: skip
+    """:func:`~sparse_sglang.attention.rerank.choose_by_codes` in torch: each row's valid
+    candidates sorted, their keys decoded from their codes
+    (:func:`~sparse_sglang.mem_cache.key_codes.decode_codes`), their log-masses as
+    :func:`candidate_page_lse_reference` takes them, the priorities of
+    :func:`rerank_priority_reference` and ``torch.topk`` (at equal priorities any of them);
+    ``[B, Hkv, k]`` int32 in ascending page order, ``-1`` padded."""
+    batch, heads, group, dim = qg.shape
+    kc = candidates.shape[-1]
+    n = num_pages.view(-1, 1, 1).long()
+    valid = (candidates >= 0) & (candidates < n)
+    none = torch.iinfo(torch.int64).max
+    pages = torch.where(valid, candidates.long(), none).sort(dim=-1).values  # [B, Hkv, Kc]
+    listed = pages != none
+    page = torch.where(listed, pages, 0)
+    host = host_pages.long().gather(1, page.view(batch, -1)).view(batch, heads, kc)
+    head = torch.arange(heads, device=qg.device).view(1, -1, 1)
+    keys = decode_codes(codes["codes"][head, host], codes["lo"][head, host], codes["hi"][head, host], bits)
+    keys = keys * (1.0 if k_scale is None else float(k_scale))  # [B, Hkv, Kc, P, D]
+    logits = torch.einsum("bhgd,bhjpd->bhjgp", qg.float(), keys) * sm_scale
+    if logits_soft_cap:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    lse = torch.logsumexp(logits, dim=-1).masked_fill(~listed.unsqueeze(-1), -math.inf)
+    rows = batch * heads
+    priority = rerank_priority_reference(lse.view(rows, kc, group), page.view(rows, kc),
+                                         listed.view(rows, kc).sum(-1), n.expand(batch, heads, 1).reshape(rows),
+                                         forced).view(batch, heads, kc)  # fmt: skip
+    top = torch.topk(priority, min(k, kc), dim=-1)
+    chosen = torch.where(top.values > -math.inf, pages.gather(-1, top.indices), none).sort(dim=-1).values
+    chosen = torch.where(chosen < none, chosen, -1)
     return F.pad(chosen, (0, k - chosen.shape[-1]), value=-1).to(torch.int32)
 
 

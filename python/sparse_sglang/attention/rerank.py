@@ -1,4 +1,4 @@
-"""Re-ranking candidate pages by their exact attention mass (``--sparse-rerank-factor``).
+"""Re-ranking candidate pages by their attention mass (``--sparse-rerank-factor``).
 
 Summaries score pages from a bound or a sketch of their keys, and on real text that ranking loses
 answers the true mass keeps (docs/decisions/0017-rerank-candidates-by-exact-mass.md). With a
@@ -18,6 +18,11 @@ with the most attention mass, computed from their keys against the step's querie
 Two launches and one small count per layer: the re-rank adds to a step about the read of its
 candidates' keys.
 
+With ``--sparse-rerank-by quantized``, :func:`choose_by_codes` estimates the same mass from the
+candidates' low-bit key codes on the GPU (:mod:`~sparse_sglang.mem_cache.key_codes`) before any is
+loaded, and only the ``K`` chosen are (two launches: the log-sum-exp, then the choice). With
+``sketch``, :func:`choose_by_sketch` scores each candidate by its best token's key sketch.
+
 Contracts
 ---------
 - Candidate rows are laid out densely, ``[rows, Kc]`` with ``rows = B * Hkv``: row ``r``'s first
@@ -26,9 +31,11 @@ Contracts
 - Every output has fixed shapes (CUDA-graph steps replay them); a row with fewer than ``K``
   candidates keeps them all and pads with ``-1``.
 
-The torch references are :func:`~sparse_sglang.attention.reference.candidate_page_lse_reference`
-and :func:`~sparse_sglang.attention.reference.choose_reranked_reference` (beside the other
-kernels' references); the CPU tests run the kernels in Triton's interpreter against them.
+The torch references are :func:`~sparse_sglang.attention.reference.candidate_page_lse_reference`,
+:func:`~sparse_sglang.attention.reference.choose_reranked_reference`,
+:func:`~sparse_sglang.attention.reference.choose_by_codes_reference` and
+:func:`~sparse_sglang.attention.reference.choose_by_sketch_reference` (beside the other kernels'
+references); the CPU tests run the kernels in Triton's interpreter against them.
 """
 
 from __future__ import annotations
@@ -176,6 +183,85 @@ if triton is not None:
         tl.store(out_ptr + row * k + offs_k, -1, mask=pad)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _code_lse_kernel(
+        q_ptr, codes_ptr, lo_ptr, hi_ptr, host_pages_ptr, cand_ptr, num_pages_ptr, out_ptr,
+        num_heads, codes_head_stride, frame_head_stride, host_pages_stride, scale, soft_cap,
+        KC: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+        BITS: tl.constexpr, BC: tl.constexpr, SOFT_CAP: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (row, BC candidates): their BC * P keys decoded from their codes
+        # [BC*P, D] against the row's G queries in one dot, a log-sum-exp per (query head, page).
+        row = tl.program_id(0)
+        first = tl.program_id(1) * BC
+        b = row // num_heads
+        h = row % num_heads
+        n = tl.load(num_pages_ptr + b)
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        PER_BYTE: tl.constexpr = 8 // BITS
+        offs_t = tl.arange(0, BC * P)
+        entry = first + offs_t // P  # the candidate each key row belongs to
+        cand = tl.load(cand_ptr + row * KC + entry, mask=entry < KC, other=-1)
+        ok = (cand >= 0) & (cand < n)
+        host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=ok, other=0).to(tl.int64)
+        offs_d = tl.arange(0, D)
+        frame = h.to(tl.int64) * frame_head_stride + host[:, None] * D + offs_d[None, :]
+        lo = tl.load(lo_ptr + frame, mask=ok[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(hi_ptr + frame, mask=ok[:, None], other=0.0).to(tl.float32)
+        byte = (h.to(tl.int64) * codes_head_stride + host[:, None] * (P * D // PER_BYTE)
+                + (offs_t % P)[:, None] * (D // PER_BYTE) + (offs_d // PER_BYTE)[None, :])  # fmt: skip
+        codes = (tl.load(codes_ptr + byte, mask=ok[:, None], other=0).to(tl.int32)
+                 >> ((offs_d % PER_BYTE) * BITS)[None, :]) & LEVELS  # fmt: skip
+        k = lo + codes.to(tl.float32) * (tl.maximum(hi - lo, 1e-30) / LEVELS)
+        offs_g = tl.arange(0, GP)
+        g_ok = offs_g < G
+        q = tl.load(q_ptr + (row * G + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        logits = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="tf32") * scale  # [GP, BC*P]
+        if SOFT_CAP:
+            logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
+        logits = tl.reshape(logits, (GP, BC, P))
+        top = tl.max(logits, axis=2)  # [GP, BC]
+        lse = top + tl.log(tl.sum(tl.exp(logits - top[:, :, None]), axis=2))
+        offs_c = tl.arange(0, BC)
+        c_ok = tl.max(tl.reshape(ok.to(tl.int32), (BC, P)), axis=1) > 0
+        lse = tl.where(c_ok[None, :], lse, float("-inf"))
+        out = out_ptr + (row * KC + first + offs_c[None, :]) * G + offs_g[:, None]
+        tl.store(out, lse, mask=g_ok[:, None] & (first + offs_c < KC)[None, :])
+
+    @triton.jit
+    def _mass_choose_kernel(
+        cand_ptr, num_pages_ptr, lse_ptr, out_ptr, num_heads, sink, recent, k,
+        KC: tl.constexpr, KCP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr,
+    ):  # fmt: skip
+        # One program per row: candidates in the top-k's order, their priorities
+        # (rerank_priority_reference), the k best kept (ties: the earlier candidates).
+        row = tl.program_id(0)
+        n = tl.load(num_pages_ptr + row // num_heads)
+        offs = tl.arange(0, KCP)
+        cand = tl.load(cand_ptr + row * KC + offs, mask=offs < KC, other=-1)
+        ok = (cand >= 0) & (cand < n)
+        offs_g = tl.arange(0, GP)
+        g_ok = offs_g < G
+        lse = tl.load(lse_ptr + (row * KC + offs[:, None]) * G + offs_g[None, :], mask=ok[:, None] & g_ok[None, :],
+                      other=float("-inf"))  # fmt: skip
+        lse = tl.where((cand != n - 1)[:, None], lse, float("-inf"))  # the newest page: partial, mass unknown
+        total = _logsumexp(lse, 0)  # [GP]
+        some = total > float("-inf")
+        share = tl.where(some[None, :], lse - tl.where(some, total, 0.0)[None, :], float("-inf"))
+        priority = _logsumexp(share, 1)  # [KCP]
+        forced = (cand < sink) | (cand >= n - recent)
+        priority = tl.where(forced, float("inf"), priority)
+        priority = tl.where(ok, priority, float("-inf"))
+        keep = _best_k(priority, offs, k) & ok
+        position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + row * k + position, cand, mask=keep)
+        offs_k = tl.arange(0, KP)
+        pad = (offs_k >= tl.sum(keep.to(tl.int32))) & (offs_k < k)
+        tl.store(out_ptr + row * k + offs_k, -1, mask=pad)
+
+
 def _exact_in_fp32_products(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether ``q . k`` in ``q``'s dtype with fp32 accumulation is exact per product: 16-bit
     queries against keys of the same type or fp8 (whose values both 16-bit types hold)."""
@@ -303,5 +389,64 @@ def choose_by_sketch(qg: torch.Tensor, query_basis: torch.Tensor, sketch: torch.
         out, heads, sketch.shape[1], host_pages.stride(0), int(forced[0]), int(forced[1]), int(k),
         KC=kc, KCP=triton.next_power_of_2(kc), G=group, GP=max(2, triton.next_power_of_2(group)), D=dim, R=rank,
         P=sketch.shape[-1] // rank, KP=triton.next_power_of_2(k),
+    )  # fmt: skip
+    return out
+
+
+def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int, host_pages: torch.Tensor,
+                    candidates: torch.Tensor, num_pages: torch.Tensor, k: int, forced: tuple[int, int],
+                    sm_scale: float, k_scale: float | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:  # fmt: skip
+    """The ``k`` of each row's candidate pages with the most attention mass estimated from their
+    keys' low-bit codes: ``[B, Hkv, k]`` int32 logical pages (any order), ``-1`` padded where a row
+    has fewer valid candidates. Two launches: the candidates' log-sum-exp per query head, from
+    their decoded keys (:func:`candidate_page_lse`'s, with codes for keys), then one program per
+    row ranks them as :func:`choose_reranked` does.
+
+    Parameters
+    ----------
+    qg : torch.Tensor
+        ``[B, Hkv, G, D]`` the step's queries.
+    codes : dict
+        The layer's ``codes``, ``lo``, ``hi`` by host page
+        (:meth:`PageKeyCodes.layer <sparse_sglang.mem_cache.key_codes.PageKeyCodes.layer>`),
+        ``bits`` per channel.
+    host_pages : torch.Tensor
+        ``[B, max_pages]`` int32 host page of each logical page.
+    candidates : torch.Tensor
+        ``[B, Hkv, Kc]`` distinct logical pages (any order; ``-1`` or ``>= num_pages``: none).
+    num_pages : torch.Tensor
+        ``[B]`` int32 pages each request holds.
+    sm_scale, k_scale, logits_soft_cap : float
+        The layer's softmax scale, fp8 keys' per-tensor scale, logit cap.
+
+    The forced pages (``forced = (sink, recent)``) rank first; the newest page's mass is not
+    compared (its tokens past the fill hold stale codes); at equal priorities the earlier
+    candidates are kept.
+    """
+    batch, heads, group, dim = qg.shape
+    kc = candidates.shape[-1]
+    rows = batch * heads
+    out = torch.empty(batch, heads, k, dtype=torch.int32, device=qg.device)
+    if rows == 0 or k == 0:
+        return out
+    if host_pages.stride(1) != 1 or not all(t.stride(-1) == 1 for t in codes.values()):
+        raise ValueError("the codes' rows and host_pages' rows must be dense")
+    page = codes["codes"].shape[-1] * 8 // bits // dim
+    lse = torch.empty(rows, kc, group, dtype=torch.float32, device=qg.device)
+    cands, lengths = candidates.contiguous(), num_pages.contiguous()
+    per_program = max(1, 128 // page)  # candidates per program: about 128 keys in one dot
+    scale = sm_scale * (1.0 if k_scale is None else float(k_scale))
+    gp = max(16, triton.next_power_of_2(group))
+    _code_lse_kernel[(rows, triton.cdiv(kc, per_program))](
+        qg.contiguous(), codes["codes"], codes["lo"], codes["hi"], host_pages, cands, lengths, lse,
+        heads, codes["codes"].stride(0), codes["lo"].stride(0), host_pages.stride(0), scale,
+        float(logits_soft_cap or 0.0), KC=kc, G=group, GP=gp, P=page, D=dim, BITS=bits, BC=per_program,
+        SOFT_CAP=bool(logits_soft_cap),
+    )  # fmt: skip
+    _mass_choose_kernel[(rows,)](
+        cands, lengths, lse, out, heads, int(forced[0]), int(forced[1]), int(k),
+        KC=kc, KCP=triton.next_power_of_2(kc), G=group, GP=triton.next_power_of_2(group),
+        KP=triton.next_power_of_2(k),
     )  # fmt: skip
     return out

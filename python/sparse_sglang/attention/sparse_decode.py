@@ -30,8 +30,9 @@ Per layer:
    With ``rerank_factor`` F > 1 the selection takes ``F x K`` candidates, retrieval loads them
    all, and the ``K`` with the most exact attention mass (their cached keys against the step's
    queries, :mod:`~sparse_sglang.attention.rerank`) are the ones attended; with ``rerank_by``
-   sketch the ``F x K`` candidates are ranked by their tokens' key sketches on the GPU instead
-   and only the ``K`` chosen are loaded;
+   sketch the ``F x K`` candidates are ranked by their tokens' key sketches on the GPU instead,
+   with ``quantized`` by their mass from their keys' low-bit codes on the GPU, and only the ``K``
+   chosen are loaded;
 4. **Attend** with FlashInfer's paged decode: every (request, kv head) is its own sequence of
    one kv head and its group's ``G`` query heads over its ``K`` cache slots (HND layout), the
    newest page last so ``last_page_len`` covers the partial page.
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 
 from sparse_sglang.attention.constants import LayerConstants
 from sparse_sglang.attention.reference import retrieve_reference, score_coarse_reference
-from sparse_sglang.attention.rerank import choose_by_sketch, rerank_candidates
+from sparse_sglang.attention.rerank import choose_by_codes, choose_by_sketch, rerank_candidates
 from sparse_sglang.attention.retrieval import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
@@ -205,6 +206,11 @@ class SparseDecoder:
         self.sketch_candidates = config.sketch_candidates if config.sketch_candidates > self.width else 0
         if self.sketch_candidates and store.summaries.key_basis is None:
             raise ValueError("the sketch re-rank needs a store that keeps key sketches (SparseKVStore(key_basis=...))")
+        # Kc > K re-ranked by their mass from their key codes (--sparse-rerank-by quantized): only
+        # the K chosen are loaded; 0: off.
+        self.code_candidates = config.code_candidates if config.code_candidates > self.width else 0
+        if self.code_candidates and store.summaries.key_codes is None:
+            raise ValueError("the quantized re-rank needs a store that keeps key codes (SparseKVStore(key_bits=...))")
         if use_tensor_cores is None:
             use_tensor_cores = self.group >= 4
         self.workspace, self.use_tensor_cores = workspace, use_tensor_cores
@@ -475,6 +481,9 @@ class SparseDecoder:
         elif self.sketch_candidates and not plan.exact:
             page_ids = self._sketch_rerank(layer, q, plan)
             self._retrieve(layer, page_ids, plan)
+        elif self.code_candidates and not plan.exact:
+            page_ids = self._code_rerank(layer, q, plan, k_scale)
+            self._retrieve(layer, page_ids, plan)
         else:
             page_ids = self.select_raw(layer, q, plan)
             self._retrieve(layer, page_ids, plan)
@@ -519,6 +528,17 @@ class SparseDecoder:
         return choose_by_sketch(qg, summaries.key_basis.queries[layer], summaries.layer(layer)["sketch"],
                                 plan.host_pages[:, : plan.max_pages], candidates, plan.num_pages, self.width,
                                 self.forced)  # fmt: skip
+
+    def _code_rerank(self, layer: int, q: torch.Tensor, plan: DecodePlan, k_scale: float | None) -> torch.Tensor:
+        """``Kc`` candidates from the summaries, the ``K`` with the most attention mass estimated
+        from their key codes (:func:`~sparse_sglang.attention.rerank.choose_by_codes`): ``[B, Hkv, K]``
+        pages, ``-1`` padded."""
+        candidates = self.select_raw(layer, q, plan, self.code_candidates)
+        qg = q.view(plan.batch, self.num_kv_heads, self.group, self.head_dim)
+        codes, c = self.store.summaries.key_codes, self.constants
+        return choose_by_codes(qg, codes.layer(layer), codes.bits, plan.host_pages[:, : plan.max_pages], candidates,
+                               plan.num_pages, self.width, self.forced, c.sm_scale, k_scale,
+                               c.logits_soft_cap)  # fmt: skip
 
     def _retrieve(self, layer: int, page_ids: torch.Tensor, plan: DecodePlan) -> None:
         """Hits and misses of one layer's selection, the misses loaded, FlashInfer's indices

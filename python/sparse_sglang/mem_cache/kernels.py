@@ -5,6 +5,9 @@
   of their pages. Its reference is
   :meth:`PageSummaries.update` + :meth:`GPUPageCache.store` (dozens of torch ops with atomics
   when a page's tokens contend: too slow for a long prefill).
+- :func:`encode_runs`: new keys into their pages' low-bit key codes (the quantized re-rank's;
+  :mod:`~sparse_sglang.mem_cache.key_codes`). Its reference is
+  :func:`~sparse_sglang.mem_cache.reference.encode_codes_reference`.
 - :func:`build_coarse`: the coarse bounds of the super-pages not built yet, every layer at once.
   Its reference is :meth:`PageSummaries.build_coarse`.
 
@@ -198,6 +201,60 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
+    def _encode_runs_kernel(
+        k_ptr, token_slots_ptr, run_start_ptr, run_len_ptr, run_offset_ptr, codes_ptr, lo_ptr, hi_ptr,
+        num_heads, codes_head_stride, frame_head_stride,
+        P: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+    ):  # fmt: skip
+        # One program: one run (<= P tokens of one page) of one kv head; the page's frame widened
+        # by the run's keys, its earlier tokens re-coded from their decoded values (key_codes).
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        start = tl.load(run_start_ptr + r).to(tl.int64)
+        n = tl.load(run_len_ptr + r)
+        offset = tl.load(run_offset_ptr + r)
+        first_slot = tl.load(token_slots_ptr + start)
+        ok = first_slot >= 0  # padding runs (CUDA-graph filler) save nothing
+        page = tl.where(ok, first_slot // P, 0)
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        PER_BYTE: tl.constexpr = 8 // BITS
+        t = tl.arange(0, P)
+        d = tl.arange(0, D)
+        new = ok & (t >= offset) & (t < offset + n)  # page positions the run writes
+        rows = (start + t - offset)[:, None] * (num_heads * D) + h * D + d[None, :]
+        x = tl.load(k_ptr + rows, mask=new[:, None], other=0.0).to(tl.float32)
+
+        f = h.to(tl.int64) * frame_head_stride + page * D + d
+        had = ok & (offset > 0)  # offset 0 starts the page: a previous owner's frame is not read
+        old_lo = tl.load(lo_ptr + f, mask=had, other=0.0).to(tl.float32)
+        old_hi = tl.load(hi_ptr + f, mask=had, other=0.0).to(tl.float32)
+        lo = tl.min(tl.where(new[:, None], x, float("inf")), axis=0)
+        hi = tl.max(tl.where(new[:, None], x, float("-inf")), axis=0)
+        lo = tl.where(had, tl.minimum(lo, old_lo), lo)
+        hi = tl.where(had, tl.maximum(hi, old_hi), hi)
+        # Stored in the keys' type: a min or max is a key, so this changes nothing but the type.
+        lo = lo.to(lo_ptr.dtype.element_ty).to(tl.float32)
+        hi = hi.to(hi_ptr.dtype.element_ty).to(tl.float32)
+
+        base = h.to(tl.int64) * codes_head_stride + page * (P * D // PER_BYTE)
+        byte = base + t[:, None] * (D // PER_BYTE) + (d // PER_BYTE)[None, :]
+        shift = (d % PER_BYTE) * BITS
+        old = ok & (t < offset)
+        old_codes = (tl.load(codes_ptr + byte, mask=old[:, None], other=0).to(tl.int32) >> shift[None, :]) & LEVELS
+        old_step = tl.maximum(old_hi - old_lo, 1e-30) / LEVELS
+        value = tl.where(new[:, None], x, old_lo[None, :] + old_codes.to(tl.float32) * old_step[None, :])
+        step = tl.maximum(hi - lo, 1e-30) / LEVELS
+        codes = tl.floor((value - lo[None, :]) / step[None, :] + 0.5)
+        codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS).to(tl.int32) << shift[None, :]
+        packed = tl.sum(tl.reshape(codes, (P, D // PER_BYTE, PER_BYTE)), axis=2)
+        written = ok & (t < offset + n)
+        b = tl.arange(0, D // PER_BYTE)
+        tl.store(codes_ptr + base + t[:, None] * (D // PER_BYTE) + b[None, :], packed.to(tl.uint8),
+                 mask=written[:, None])  # fmt: skip
+        tl.store(lo_ptr + f, lo.to(lo_ptr.dtype.element_ty), mask=ok & (d < D))
+        tl.store(hi_ptr + f, hi.to(hi_ptr.dtype.element_ty), mask=ok & (d < D))
+
+    @triton.jit
     def _build_coarse_kernel(
         host_pages_ptr, built_ptr, kmin_ptr, kmax_ptr, exp_ptr, ckmin_ptr, ckmax_ptr, cexp_ptr, first_ptr,
         host_pages_stride, num_layers, num_heads, layer_stride, head_stride, exp_layer_stride, exp_head_stride,
@@ -294,4 +351,29 @@ def index_runs(summaries, cache, layer: int, k: torch.Tensor, v: torch.Tensor, t
         P=cache.page_size, D=dim, SEG=pt.segment_pages, WITH_MEAN="mean" in lay, WITH_RADIUS="radius" in lay,
         STORE_CACHE=store_cache, INT8_BOUNDS="bound_exp" in lay, COARSE=summaries.coarse_first is not None,
         MEANSTD=summaries.page_bounds == "meanstd",
+    )  # fmt: skip
+
+
+def encode_runs(codes, layer: int, k: torch.Tensor, token_slots: torch.Tensor, runs: SaveRuns) -> None:
+    """Code one layer's new keys into their pages' key codes (one launch; :mod:`~sparse_sglang.mem_cache.key_codes`).
+
+    Parameters
+    ----------
+    codes : PageKeyCodes
+    layer : int
+    k : torch.Tensor
+        ``[T, Hkv, D]`` contiguous, of the store's dtype.
+    token_slots : torch.Tensor
+        ``[T]`` int64 host token slots (``-1`` = padding: the run saves nothing).
+    runs : SaveRuns
+        The forward's runs (their tokens are ``k``'s rows).
+    """
+    if runs.num_runs == 0:
+        return
+    heads, dim = k.shape[1], k.shape[2]
+    assert k.is_contiguous() and dim & (dim - 1) == 0, "k [T, H, D] contiguous, D a power of two"
+    t = codes.layer(layer)
+    _encode_runs_kernel[(runs.num_runs, heads)](
+        k, token_slots, runs.start, runs.length, runs.page_offset, t["codes"], t["lo"], t["hi"],
+        heads, t["codes"].stride(0), t["lo"].stride(0), P=codes.page_size, D=dim, BITS=codes.bits,
     )  # fmt: skip

@@ -31,9 +31,9 @@ import torch
 
 from sparse_sglang.mem_cache.gpu_cache import GPUPageCache
 from sparse_sglang.mem_cache.host_pool import HostKVPool
-from sparse_sglang.mem_cache.kernels import SaveRuns, index_runs
+from sparse_sglang.mem_cache.kernels import SaveRuns, encode_runs, index_runs
 from sparse_sglang.mem_cache.key_sketch import KeyBasis
-from sparse_sglang.mem_cache.reference import index_runs_reference
+from sparse_sglang.mem_cache.reference import encode_codes_reference, index_runs_reference
 from sparse_sglang.mem_cache.summaries import PageSummaries
 from sparse_sglang.transfer import gather_blocks_reference
 from sparse_sglang.transfer.reference import FlashD2HReference
@@ -82,6 +82,8 @@ class SparseKVStore:
         Also keep coarse bounds of super-pages of this many pages (``--sparse-coarse-pages``; 0 = none).
     key_basis : KeyBasis, optional
         Keep every token's key sketch (the ``sketch`` selector; :class:`PageSummaries`).
+    key_bits : int
+        Keep every key's low-bit code (the quantized re-rank; :class:`PageSummaries`); 0 = none.
     d2h_threads : int, optional
         FlashD2H's scatter threads (default: the transfer module's, for one scheduler per host).
     """
@@ -90,7 +92,8 @@ class SparseKVStore:
                  with_mean: bool = True, fused: bool | None = None, lru_buckets: int = 0,
                  lru_steps_per_bucket: int = 1, bound_format: str = "auto", page_bounds: str = "minmax",
                  bound_spread: float = 1.0, coarse_pages: int = 0,
-                 key_basis: KeyBasis | None = None, d2h_threads: int | None = None):  # fmt: skip
+                 key_basis: KeyBasis | None = None, key_bits: int = 0,
+                 d2h_threads: int | None = None):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
@@ -102,7 +105,7 @@ class SparseKVStore:
                                        self.device, with_radius=with_radius, with_mean=with_mean,
                                        bound_format=bound_format, page_bounds=page_bounds,
                                        bound_spread=bound_spread, coarse_pages=coarse_pages,
-                                       key_basis=key_basis)  # fmt: skip
+                                       key_basis=key_basis, key_bits=key_bits)  # fmt: skip
         self.cache = GPUPageCache(
             s.num_slots, s.num_layers, s.num_kv_heads, s.page_size, s.head_dim, s.dtype,
             max_requests=s.max_requests, row_width=s.row_width, max_pages=s.max_pages,
@@ -121,7 +124,9 @@ class SparseKVStore:
                 self.host.k, self.host.v, self.cache.k, self.cache.v, src, dst
             )
             self.flash_d2h = self.direct_d2h = FlashD2HReference(self.host.k, self.host.v)
-        self.index_runs = index_runs if (on_gpu if fused is None else fused) else index_runs_reference
+        fused = on_gpu if fused is None else fused
+        self.index_runs = index_runs if fused else index_runs_reference
+        self.encode_runs = encode_runs if fused else _encode_codes_reference
         self.runs: SaveRuns | None = None  # the current forward's tokens (bind_runs)
         # The stream the forwards run on (note_forward_stream): SGLang's overlap scheduler runs
         # them on a stream of their own, and what changes the cache between them goes there too.
@@ -156,6 +161,8 @@ class SparseKVStore:
         """The GPU side of a save (SPIN's *Index*): fold keys ``[T, Hkv, D]`` (store dtype,
         contiguous) into the page summaries and write K/V into the cached blocks of their pages."""
         self.index_runs(self.summaries, self.cache, layer, k, v, loc, self.runs)
+        if self.summaries.key_codes is not None:
+            self.encode_runs(self.summaries.key_codes, layer, k, loc, self.runs)
         if self.summaries.sketch is not None:
             self.summaries.update_sketch(layer, k, loc)
 
@@ -215,3 +222,8 @@ class SparseKVStore:
 
     def close(self) -> None:
         self.flash_d2h.close()
+
+
+def _encode_codes_reference(codes, layer: int, k: torch.Tensor, token_slots: torch.Tensor, runs: SaveRuns) -> None:
+    """:func:`encode_runs`'s signature over its reference (which needs no runs)."""
+    encode_codes_reference(codes, layer, k, token_slots)

@@ -17,6 +17,7 @@ from sparse_sglang.config import GIB, HOST_STORE_RAM_SHARE, SparseConfig
 from sparse_sglang.mem_cache.bounds import bound_dtype
 from sparse_sglang.mem_cache.gpu_cache import slot_bytes
 from sparse_sglang.mem_cache.host_pool import RESERVED_PAGES, host_page_bytes, pages_for_budget
+from sparse_sglang.mem_cache.key_codes import code_row_bytes
 from sparse_sglang.mem_cache.key_sketch import SKETCH_DTYPE
 from sparse_sglang.mem_cache.kv_store import StoreShape
 from sparse_sglang.mem_cache.utils import kv_compute_dtype
@@ -123,16 +124,16 @@ def fixed_gpu_bytes(
     with_mean: bool = True,
     bound_format: str = "exact",
     coarse_pages: int = 0,
-    sketch_row_bytes: int = 0,
+    key_row_bytes: int = 0,
     page_bounds: str = "minmax",
 ) -> tuple[int, int, int]:
     """GPU bytes besides the page cache: ``(summaries, prefix staging, page table)`` for a host
-    store of ``host_pages`` pages (summaries of every host page stay resident; with the sketch
-    selector, ``sketch_row_bytes`` per (layer, kv head, page) of key sketches)."""
+    store of ``host_pages`` pages (summaries of every host page stay resident; with key sketches
+    or key codes, ``key_row_bytes`` more per (layer, kv head, page))."""
     bounds = bound_dtype(dtype, bound_format, page_bounds)
     bound_bytes = head_dim * 2 * bounds.itemsize + (1 if bounds == torch.int8 else 0)  # + int8 scale exponent
     float32_bytes = head_dim * ((4 if with_mean else 0) + (4 if with_radius else 0))
-    per_page = float32_bytes + bound_bytes * (2 if coarse_pages else 1) + sketch_row_bytes  # coarse: bounds twice
+    per_page = float32_bytes + bound_bytes * (2 if coarse_pages else 1) + key_row_bytes  # coarse: bounds twice
     summary = num_layers * num_kv_heads * (host_pages + 1) * per_page + num_layers * (host_pages + 1) * 4
     summary += (host_pages + 1) * 4 if coarse_pages else 0  # coarse_first
     attend = kv_compute_dtype(dtype)  # + the copy the prefix is attended from, when it has another dtype
@@ -250,6 +251,13 @@ class _Layout:
     def max_pages(self) -> int:
         return math.ceil(self.context_len / self.config.page_size)
 
+    @property
+    def key_row_bytes(self) -> int:
+        """GPU bytes per (layer, kv head, host page) of key sketches and key codes."""
+        page, bits = self.config.page_size, self.config.key_code_bits
+        codes = code_row_bytes(page, self.head_dim, bits, self.dtype) if bits else 0
+        return page * self.sketch_rank * SKETCH_DTYPE.itemsize + codes
+
     def plan(self, host_pages: int, host_store_reason: str) -> MemoryPlan:
         config, page, max_pages = self.config, self.config.page_size, self.max_pages
         num_layers, num_kv_heads, head_dim, dtype = self.num_layers, self.num_kv_heads, self.head_dim, self.dtype
@@ -266,8 +274,7 @@ class _Layout:
                                                                     dtype, staging_tokens, self.with_radius,
                                                                     self.with_mean, config.bound_format,
                                                                     config.coarse_pages,
-                                                                    page * self.sketch_rank * SKETCH_DTYPE.itemsize,
-                                                                    config.page_bounds)  # fmt: skip
+                                                                    self.key_row_bytes, config.page_bounds)  # fmt: skip
         if config.gpu_cache_gb is not None:
             cache_bytes = int(config.gpu_cache_gb * GIB)
         else:

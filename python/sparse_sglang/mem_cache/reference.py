@@ -84,3 +84,34 @@ def shrink_rows_reference(cache, widths: dict[int, int]) -> None:
         cache.rows[req, :, :, width:] = -1
         cache._free.push(drop.reshape(-1))
         cache._width[req] = cache._filled[req] = width
+
+
+def encode_codes_reference(codes, layer: int, k: torch.Tensor, token_slots: torch.Tensor) -> None:
+    """What :func:`~sparse_sglang.mem_cache.kernels.encode_runs` does, page by page in Python: the
+    tokens ``[T, Hkv, D]`` at host slots ``token_slots`` (``-1``: padding) of each page, in
+    position order, widen its frame (a token at offset 0 starts it anew), the page's earlier tokens
+    are re-coded from their decoded values and the new ones coded
+    (:mod:`~sparse_sglang.mem_cache.key_codes`)."""
+    from sparse_sglang.mem_cache.key_codes import decode_codes, encode, pack_codes, unpack_codes
+
+    t = codes.layer(layer)
+    size, bits = codes.page_size, codes.bits
+    slots = token_slots.long().tolist()
+    for page in dict.fromkeys(s // size for s in slots if s >= 0):
+        mine = [i for i, s in enumerate(slots) if s >= 0 and s // size == page]
+        offsets = [slots[i] % size for i in mine]
+        first = min(offsets)
+        x = k[mine].float().transpose(0, 1)  # [H, n, D]
+        lo, hi = x.amin(1), x.amax(1)
+        keys = torch.zeros(x.shape[0], size, x.shape[2])
+        if first > 0:
+            old_lo, old_hi = t["lo"][:, page].float(), t["hi"][:, page].float()
+            lo, hi = torch.minimum(lo, old_lo), torch.maximum(hi, old_hi)
+            keys[:, :first] = decode_codes(t["codes"][:, page], t["lo"][:, page], t["hi"][:, page], bits)[:, :first]
+        keys[:, offsets] = x
+        lo, hi = lo.to(t["lo"].dtype), hi.to(t["hi"].dtype)
+        filled = first + len(mine)
+        values = unpack_codes(t["codes"][:, page], bits, x.shape[2])
+        values[:, :filled] = encode(keys[:, :filled], lo, hi, bits)
+        t["codes"][:, page] = pack_codes(values, bits)
+        t["lo"][:, page], t["hi"][:, page] = lo, hi

@@ -60,6 +60,7 @@ from sparse_sglang.mem_cache.bounds import (
     quantize_corners,
     resolve_bound_format,
 )
+from sparse_sglang.mem_cache.key_codes import PageKeyCodes
 from sparse_sglang.mem_cache.key_sketch import SKETCH_DTYPE, KeyBasis, project_keys
 
 
@@ -99,6 +100,10 @@ class PageSummaries:
         Also keep every token's key sketch under this basis (the ``sketch`` selector;
         :mod:`~sparse_sglang.mem_cache.key_sketch`), written by :meth:`update_sketch`; kept
         (on the device) as :attr:`key_basis` for the decoder's query projection.
+    key_bits : int
+        ``> 0``: also keep every key coded in this many bits per channel between its page's
+        channel min and max (the quantized re-rank; :class:`~sparse_sglang.mem_cache.key_codes.PageKeyCodes`),
+        written by the save path's :func:`~sparse_sglang.mem_cache.kernels.encode_runs`.
 
     Attributes
     ----------
@@ -123,6 +128,8 @@ class PageSummaries:
         ``[num_layers, num_kv_heads, num_pages, page_size * rank]`` bf16 key sketches (with
         ``key_basis``), token ``o`` of a page at ``[o * rank, (o + 1) * rank)``; tokens a page
         does not hold yet read 0.
+    key_codes : PageKeyCodes or None
+        With ``key_bits``: every key's low-bit code and its page's frame.
     """
 
     def __init__(
@@ -142,6 +149,7 @@ class PageSummaries:
         bound_spread: float = 1.0,
         coarse_pages: int = 0,
         key_basis: KeyBasis | None = None,
+        key_bits: int = 0,
     ):
         # One extra page at index num_pages: padding tokens fold into it, so updates need no masks.
         shape = (num_layers, num_kv_heads, num_pages + 1, head_dim)
@@ -185,6 +193,10 @@ class PageSummaries:
             rank = key_basis.rank
             self._sketch = torch.zeros(*shape[:-1], page_size * rank, dtype=SKETCH_DTYPE, device=device)
         self.sketch = None if self._sketch is None else self._sketch[:, :, :num_pages]
+        self.key_codes = None
+        if key_bits:
+            self.key_codes = PageKeyCodes(num_layers, num_kv_heads, num_pages, page_size, head_dim, key_bits,
+                                          kv_dtype, device)  # fmt: skip
         # all_layers(), built once: the tensors never move, and index_runs asks on every save.
         self._all_layers = {"kmin": self._kmin, "kmax": self._kmax, "count": self._count}
         if self._exp is not None:
@@ -230,7 +242,8 @@ class PageSummaries:
         parts = (self._kmin, self._kmax, self._exp, self._mean, self._count, self._radius, self._sketch)
         if self._coarse is not None:
             parts += (*self._coarse.values(), self._coarse_first)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        codes = 0 if self.key_codes is None else self.key_codes.nbytes
+        return codes + sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def update(self, layer: int, k: torch.Tensor, token_slots: torch.Tensor) -> None:
         """Fold new keys of one layer into the summaries of their pages.
