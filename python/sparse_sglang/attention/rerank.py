@@ -190,45 +190,53 @@ if triton is not None:
         q_ptr, codes_ptr, lo_ptr, hi_ptr, host_pages_ptr, cand_ptr, num_pages_ptr, out_ptr,
         num_heads, codes_head_stride, frame_head_stride, host_pages_stride, scale, soft_cap,
         KC: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-        BITS: tl.constexpr, BC: tl.constexpr, SOFT_CAP: tl.constexpr,
+        BITS: tl.constexpr, BC: tl.constexpr, SOFT_CAP: tl.constexpr, DOT: tl.constexpr,
     ):  # fmt: skip
-        # One program per (row, BC candidates): their BC * P keys decoded from their codes
-        # [BC*P, D] against the row's G queries in one dot, a log-sum-exp per (query head, page).
+        # One program per (row, BC candidates), one candidate at a time: with its frame lo + c *
+        # step, q . k_t = q . lo + (q * step) . c_t, so the codes enter one small dot as they are
+        # (exact small integers in bf16) and the frame scales the query, not the keys.
         row = tl.program_id(0)
-        first = tl.program_id(1) * BC
         b = row // num_heads
         h = row % num_heads
         n = tl.load(num_pages_ptr + b)
         LEVELS: tl.constexpr = (1 << BITS) - 1
         PER_BYTE: tl.constexpr = 8 // BITS
-        offs_t = tl.arange(0, BC * P)
-        entry = first + offs_t // P  # the candidate each key row belongs to
-        cand = tl.load(cand_ptr + row * KC + entry, mask=entry < KC, other=-1)
-        ok = (cand >= 0) & (cand < n)
-        host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=ok, other=0).to(tl.int64)
+        WIDTH: tl.constexpr = D // PER_BYTE  # bytes per token
         offs_d = tl.arange(0, D)
-        frame = h.to(tl.int64) * frame_head_stride + host[:, None] * D + offs_d[None, :]
-        lo = tl.load(lo_ptr + frame, mask=ok[:, None], other=0.0).to(tl.float32)
-        hi = tl.load(hi_ptr + frame, mask=ok[:, None], other=0.0).to(tl.float32)
-        byte = (h.to(tl.int64) * codes_head_stride + host[:, None] * (P * D // PER_BYTE)
-                + (offs_t % P)[:, None] * (D // PER_BYTE) + (offs_d // PER_BYTE)[None, :])  # fmt: skip
-        codes = (tl.load(codes_ptr + byte, mask=ok[:, None], other=0).to(tl.int32)
-                 >> ((offs_d % PER_BYTE) * BITS)[None, :]) & LEVELS  # fmt: skip
-        k = lo + codes.to(tl.float32) * (tl.maximum(hi - lo, 1e-30) / LEVELS)
         offs_g = tl.arange(0, GP)
         g_ok = offs_g < G
         q = tl.load(q_ptr + (row * G + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        logits = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="tf32") * scale  # [GP, BC*P]
-        if SOFT_CAP:
-            logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
-        logits = tl.reshape(logits, (GP, BC, P))
-        top = tl.max(logits, axis=2)  # [GP, BC]
-        lse = top + tl.log(tl.sum(tl.exp(logits - top[:, :, None]), axis=2))
-        offs_c = tl.arange(0, BC)
-        c_ok = tl.max(tl.reshape(ok.to(tl.int32), (BC, P)), axis=1) > 0
-        lse = tl.where(c_ok[None, :], lse, float("-inf"))
-        out = out_ptr + (row * KC + first + offs_c[None, :]) * G + offs_g[:, None]
-        tl.store(out, lse, mask=g_ok[:, None] & (first + offs_c < KC)[None, :])
+        q = q.to(tl.float32) * scale
+        offs_t = tl.arange(0, P)
+        offs_w = tl.arange(0, WIDTH)
+        shifts = tl.arange(0, PER_BYTE) * BITS
+        for j in tl.static_range(BC):
+            entry = tl.program_id(1) * BC + j
+            cand = tl.load(cand_ptr + row * KC + entry, mask=entry < KC, other=-1)
+            ok = (cand >= 0) & (cand < n)
+            host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=ok, other=0).to(tl.int64)
+            frame = h.to(tl.int64) * frame_head_stride + host * D + offs_d
+            lo = tl.load(lo_ptr + frame, mask=ok, other=0.0).to(tl.float32)
+            hi = tl.load(hi_ptr + frame, mask=ok, other=0.0).to(tl.float32)
+            page = h.to(tl.int64) * codes_head_stride + host * (P * WIDTH)
+            packed = tl.load(codes_ptr + page + offs_t[:, None] * WIDTH + offs_w[None, :], mask=ok, other=0)
+            codes = (packed.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & LEVELS  # [P, WIDTH, PER_BYTE]
+            codes = tl.reshape(codes, (P, D)).to(tl.float32)  # channel c = byte c // PER_BYTE, slot c % PER_BYTE
+            q_step = q * (tl.maximum(hi - lo, 1e-30) / LEVELS)[None, :]
+            if DOT:  # the scaled query as a sum of two bf16 parts: products about fp32's precision
+                c16 = tl.trans(codes.to(tl.bfloat16))
+                q_high = q_step.to(tl.bfloat16)
+                q_low = (q_step - q_high.to(tl.float32)).to(tl.bfloat16)
+                logits = tl.dot(q_high, c16) + tl.dot(q_low, c16)  # [GP, P]
+            else:
+                logits = tl.sum(q_step[:, None, :] * codes[None, :, :], axis=2)
+            logits += tl.sum(q * lo[None, :], axis=1)[:, None]
+            if SOFT_CAP:
+                logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
+            top = tl.max(logits, axis=1)
+            lse = top + tl.log(tl.sum(tl.exp(logits - top[:, None]), axis=1))
+            lse = tl.where(ok, lse, float("-inf"))
+            tl.store(out_ptr + (row * KC + entry) * G + offs_g, lse, mask=g_ok & (entry < KC))
 
     @triton.jit
     def _mass_choose_kernel(
@@ -435,14 +443,15 @@ def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
     page = codes["codes"].shape[-1] * 8 // bits // dim
     lse = torch.empty(rows, kc, group, dtype=torch.float32, device=qg.device)
     cands, lengths = candidates.contiguous(), num_pages.contiguous()
-    per_program = max(1, 128 // page)  # candidates per program: about 128 keys in one dot
+    per_program = 4  # candidates per program, one after another
     scale = sm_scale * (1.0 if k_scale is None else float(k_scale))
-    gp = max(16, triton.next_power_of_2(group))
+    dot = page >= 16 and dim >= 16  # the tensor-core dot's smallest tile; smaller pages sum products
+    gp = max(16, triton.next_power_of_2(group)) if dot else triton.next_power_of_2(group)
     _code_lse_kernel[(rows, triton.cdiv(kc, per_program))](
         qg.contiguous(), codes["codes"], codes["lo"], codes["hi"], host_pages, cands, lengths, lse,
         heads, codes["codes"].stride(0), codes["lo"].stride(0), host_pages.stride(0), scale,
         float(logits_soft_cap or 0.0), KC=kc, G=group, GP=gp, P=page, D=dim, BITS=bits, BC=per_program,
-        SOFT_CAP=bool(logits_soft_cap),
+        SOFT_CAP=bool(logits_soft_cap), DOT=dot,
     )  # fmt: skip
     _mass_choose_kernel[(rows,)](
         cands, lengths, lse, out, heads, int(forced[0]), int(forced[1]), int(k),
