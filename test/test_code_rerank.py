@@ -32,7 +32,7 @@ def _random_codes(bits: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 def _case(bits=2, batch=2, kc=12, pages=20, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    qg = torch.randn(batch, H, G, D, generator=gen).to(torch.bfloat16)
+    qg = torch.randn(batch, H, G, D, generator=gen)  # float32: products summed in float32 (bf16: the GPU test)
     host_pages = torch.stack([torch.randperm(HOST, generator=gen)[:pages] for _ in range(batch)]).int()
     num_pages = torch.tensor([pages, 9][:batch], dtype=torch.int32)
     candidates = (
@@ -86,9 +86,9 @@ def test_forced_pages_are_kept_whatever_they_score():
 def _save_keys(keys: torch.Tensor, bits: int) -> PageKeyCodes:
     """Host pages ``0..N-1`` coded from ``keys`` ``[N * P, H, D]``, each page saved whole."""
     pages = keys.shape[0] // P
-    codes = PageKeyCodes(1, H, pages, P, D, bits, keys.dtype)
-    runs = SaveRuns.for_extend([1], [0], [keys.shape[0]], P, "cpu")
-    encode_runs(codes, 0, keys.contiguous(), torch.arange(keys.shape[0]), runs)
+    codes = PageKeyCodes(1, H, pages, P, D, bits, keys.dtype, DEVICE)
+    runs = SaveRuns.for_extend([1], [0], [keys.shape[0]], P, DEVICE)
+    encode_runs(codes, 0, keys.contiguous().to(DEVICE), torch.arange(keys.shape[0], device=DEVICE), runs)
     return codes
 
 
@@ -101,7 +101,7 @@ def test_the_page_whose_one_token_the_query_wants_outranks_a_page_that_matches_i
     keys[2 * P : 3 * P, :, 0] = 0.5  # every token of page 2 half aligned
     keys[4 * P + 5, :, 0] = 1.0  # one token of page 4 aligned
     codes = _save_keys(keys.to(torch.bfloat16), 2)
-    qg = torch.zeros(1, H, G, D, dtype=torch.bfloat16)
+    qg = torch.zeros(1, H, G, D)
     qg[..., 0] = 1.0
     candidates = torch.tensor([[[1, 2, 3, 4]] * H], dtype=torch.int32)
     got = _run(qg, codes.layer(0), 2, torch.arange(pages, dtype=torch.int32).view(1, -1), candidates,
@@ -120,11 +120,12 @@ def test_on_keys_the_codes_hold_exactly_it_chooses_what_the_exact_rerank_chooses
     levels[:, 0], levels[:, 1] = 0, 3  # the page's min and max are levels 0 and 3
     keys = (lo + levels * step).view(pages * P, H, D)
     codes = _save_keys(keys, 2)  # float32 keys and frames
-    qg = torch.randn(1, H, G, D, generator=gen).to(torch.bfloat16)
+    qg = torch.randn(1, H, G, D, generator=gen)
     candidates = torch.randperm(pages - 1, generator=gen)[:kc].view(1, 1, kc).repeat(1, H, 1).int()
     host_pages = torch.arange(pages, dtype=torch.int32).view(1, -1)
     num_pages = torch.tensor([pages], dtype=torch.int32)
     got = _run(qg, codes.layer(0), 2, host_pages, candidates, num_pages, k=k, forced=(0, 1), sm_scale=0.3)
+    keys = keys.cpu()
     # The exact re-rank over the same candidates, their keys as the cache would hold them.
     rows = H
     sorted_pages = candidates.view(rows, kc).sort(dim=-1).values

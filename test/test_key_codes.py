@@ -4,6 +4,8 @@ torch reference; what the codes read back is held to KIVI's per-page quantizatio
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from sparse_sglang.mem_cache.key_codes import PageKeyCodes, code_row_bytes, fram
 from sparse_sglang.mem_cache.reference import encode_codes_reference
 
 P, D, H = 8, 16, 2
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel compiled there, else interpreted
 PAGES = [3, 4, 5]  # the request's host pages
 
 
@@ -20,7 +23,7 @@ def _slots(positions) -> torch.Tensor:
 
 
 def _codes(bits: int, dtype=torch.bfloat16) -> PageKeyCodes:
-    return PageKeyCodes(1, H, 10, P, D, bits, dtype)
+    return PageKeyCodes(1, H, 10, P, D, bits, dtype, DEVICE)
 
 
 def _fill(save, bits: int, prefill: int, decode: int, seed: int = 0, dtype=torch.bfloat16) -> PageKeyCodes:
@@ -37,7 +40,8 @@ def _fill(save, bits: int, prefill: int, decode: int, seed: int = 0, dtype=torch
 
 
 def _kernel(codes, k, slots, runs):
-    encode_runs(codes, 0, k.contiguous(), slots, runs)
+    runs = SaveRuns(*(t.to(DEVICE) for t in dataclasses.astuple(runs)))
+    encode_runs(codes, 0, k.contiguous().to(DEVICE), slots.to(DEVICE), runs)
 
 
 def _reference(codes, k, slots, runs):
@@ -50,7 +54,7 @@ def test_the_save_kernel_matches_its_reference(bits, dtype):
     got, want = _fill(_kernel, bits, 13, 7, dtype=dtype), _fill(_reference, bits, 13, 7, dtype=dtype)
     filled = [PAGES[0], PAGES[1], PAGES[2]]
     for name in ("codes", "lo", "hi"):
-        a, b = got.layer(0)[name][:, filled], want.layer(0)[name][:, filled]
+        a, b = got.layer(0)[name][:, filled].cpu(), want.layer(0)[name][:, filled].cpu()
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
 
 
@@ -64,9 +68,9 @@ def test_a_page_saved_whole_reads_back_as_its_keys_rounded_between_its_min_and_m
     lo, hi = keys.amin(2), keys.amax(2)
     step = (hi - lo) / (2**bits - 1)
     want = ((keys - lo.unsqueeze(2)) / step.unsqueeze(2)).round() * step.unsqueeze(2) + lo.unsqueeze(2)
-    got = codes.decode(0, torch.tensor(PAGES[:2]))
-    assert torch.equal(codes.layer(0)["lo"][:, PAGES[:2]].float(), lo)
-    assert torch.equal(codes.layer(0)["hi"][:, PAGES[:2]].float(), hi)
+    got = codes.decode(0, torch.tensor(PAGES[:2], device=DEVICE)).cpu()
+    assert torch.equal(codes.layer(0)["lo"][:, PAGES[:2]].float().cpu(), lo)
+    assert torch.equal(codes.layer(0)["hi"][:, PAGES[:2]].float().cpu(), hi)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert ((got - keys).abs() <= step.unsqueeze(2) / 2 + 1e-5).all()
 
@@ -81,9 +85,11 @@ def test_a_page_filled_token_by_token_keeps_every_key_within_a_few_levels():
         _kernel(codes, keys[pos : pos + 1], _slots([pos]),
                 SaveRuns.for_decode(torch.tensor([1]), torch.tensor([pos + 1]), P))  # fmt: skip
     k = keys.float().transpose(0, 1)  # [H, P, D]
-    lo, hi = codes.layer(0)["lo"][:, PAGES[0]].float(), codes.layer(0)["hi"][:, PAGES[0]].float()
+    lo, hi = codes.layer(0)["lo"][:, PAGES[0]].float().cpu(), codes.layer(0)["hi"][:, PAGES[0]].float().cpu()
     assert torch.equal(lo, k.amin(1)) and torch.equal(hi, k.amax(1))
-    error = (codes.decode(0, torch.tensor(PAGES[0])) - k).abs() / frame_step(lo, hi, 2).unsqueeze(1)
+    error = (codes.decode(0, torch.tensor(PAGES[0], device=DEVICE)).cpu() - k).abs() / frame_step(lo, hi, 2).unsqueeze(
+        1
+    )
     assert error.max() <= 2.0  # levels; a page saved whole: <= 0.5
     assert error.mean() < 0.5
 
@@ -94,8 +100,8 @@ def test_a_page_started_anew_forgets_its_previous_owner():
     k = torch.full((P, H, D), 0.5, dtype=torch.bfloat16)
     k[1] = 0.75
     _kernel(codes, k, _slots(range(P)), SaveRuns.for_extend([1], [0], [P], P, "cpu"))
-    assert (codes.layer(0)["lo"][:, PAGES[0]].float() == 0.5).all()
-    assert (codes.layer(0)["hi"][:, PAGES[0]].float() == 0.75).all()
+    assert (codes.layer(0)["lo"][:, PAGES[0]].float() == 0.5).all().item()
+    assert (codes.layer(0)["hi"][:, PAGES[0]].float() == 0.75).all().item()
 
 
 def test_padding_runs_write_nothing():

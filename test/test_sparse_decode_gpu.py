@@ -492,7 +492,8 @@ def test_sketch_rerank_attends_the_candidates_whose_best_token_sketch_scores_hig
 def test_quantized_rerank_attends_the_candidates_with_the_most_mass_from_their_key_codes(mode):
     """``--sparse-rerank-by quantized``: with every page a candidate (factor 8: up to 128
     candidates, a 94-page context), the pages attended are the best 16 by their mass from their
-    keys' 2-bit codes (the oracle's priority over the decoded keys, forced pages first) up to ties,
+    keys' 2-bit codes (the oracle's priority over the decoded keys, forced pages first) up to pages
+    within bf16 rounding of each other,
     only they are loaded (the rows stay one budget wide), and the output is the reference over them;
     eagerly and replayed in a CUDA graph with a padding row."""
     from sparse_sglang.attention import select_pages
@@ -511,7 +512,13 @@ def test_quantized_rerank_attends_the_candidates_with_the_most_mass_from_their_k
             keys = decoded.permute(1, 2, 3, 0, 4).reshape(3, -1, SHAPE.num_kv_heads, SHAPE.head_dim)
             priority = oracle_priority(qs, keys, group)
             expect = select_pages(priority, num_pages, 16, *b.decoder.forced).page_ids
-            assert_same_pages_up_to_ties(pages, expect, priority, num_pages, f"step {i} layer {layer}")
+            for r in range(3):
+                for h in range(SHAPE.num_kv_heads):
+                    got = {p for p in pages[r, h].tolist() if p >= 0}
+                    want = {p for p in expect[r, h].tolist() if p >= 0}
+                    if got != want:  # keys decoded to bf16 in the kernel: pages within rounding of each other
+                        swapped = [float(priority[r, h, p]) for p in got ^ want]
+                        assert max(swapped) - min(swapped) < 1e-2, f"step {i} layer {layer} row {r} head {h}"
 
 
 def test_the_save_kernel_codes_keys_on_the_gpu_as_its_reference_does():

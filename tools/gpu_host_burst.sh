@@ -82,8 +82,8 @@ job_decode() {  # the decode step, 8B shape: today's default selector and the sk
   done
 }
 job_decode_bounds() {  # the default page bounds' decode step against quest's min/max, each cell side by side
-  local kv
-  for kv in bf16 fp8_e4m3; do
+  local kv  # $DECODE_KVS: the KV dtypes timed (default both)
+  for kv in ${DECODE_KVS:-bf16 fp8_e4m3}; do
     python3 -m benchmark.decode --cells "${DECODE_CELLS:-131072x32,32768x8}" --versus-minmax --kv-dtype "$kv" \
       --miss-fracs 0.1 --out-dir /root/o ${DECODE_ARGS:-}
   done

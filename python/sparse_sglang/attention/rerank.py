@@ -192,51 +192,51 @@ if triton is not None:
         KC: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
         BITS: tl.constexpr, BC: tl.constexpr, SOFT_CAP: tl.constexpr, DOT: tl.constexpr,
     ):  # fmt: skip
-        # One program per (row, BC candidates), one candidate at a time: with its frame lo + c *
-        # step, q . k_t = q . lo + (q * step) . c_t, so the codes enter one small dot as they are
-        # (exact small integers in bf16) and the frame scales the query, not the keys.
+        # One program per (row, BC candidates): their pages, frames and packed codes read at once
+        # (three dependent loads: candidate, host page, then the rest), the keys decoded to the
+        # queries' type [BC*P, D] and one dot against the row's G queries; a log-sum-exp per
+        # (query head, page).
         row = tl.program_id(0)
+        first = tl.program_id(1) * BC
         b = row // num_heads
         h = row % num_heads
         n = tl.load(num_pages_ptr + b)
         LEVELS: tl.constexpr = (1 << BITS) - 1
         PER_BYTE: tl.constexpr = 8 // BITS
         WIDTH: tl.constexpr = D // PER_BYTE  # bytes per token
+        offs_c = tl.arange(0, BC)
+        cand = tl.load(cand_ptr + row * KC + first + offs_c, mask=first + offs_c < KC, other=-1)
+        ok = (cand >= 0) & (cand < n)
+        host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=ok, other=0).to(tl.int64)
         offs_d = tl.arange(0, D)
+        frame = h.to(tl.int64) * frame_head_stride + host[:, None] * D + offs_d[None, :]
+        lo = tl.load(lo_ptr + frame, mask=ok[:, None], other=0.0).to(tl.float32)  # [BC, D]
+        step = tl.load(hi_ptr + frame, mask=ok[:, None], other=0.0).to(tl.float32) - lo
+        step = tl.maximum(step, 1e-30) / LEVELS
+        offs_t = tl.arange(0, P)
+        offs_w = tl.arange(0, WIDTH)
+        page = h.to(tl.int64) * codes_head_stride + host * (P * WIDTH)
+        at = page[:, None, None] + offs_t[None, :, None] * WIDTH + offs_w[None, None, :]  # [BC, P, WIDTH]
+        packed = tl.load(codes_ptr + at, mask=ok[:, None, None], other=0).to(tl.int32)
+        shifts = tl.arange(0, PER_BYTE) * BITS
+        codes = (packed[:, :, :, None] >> shifts[None, None, None, :]) & LEVELS  # [BC, P, WIDTH, PER_BYTE]
+        codes = tl.reshape(codes, (BC, P, D)).to(tl.float32)  # channel c: byte c // PER_BYTE, slot c % PER_BYTE
+        k = tl.reshape(lo[:, None, :] + codes * step[:, None, :], (BC * P, D))
         offs_g = tl.arange(0, GP)
         g_ok = offs_g < G
         q = tl.load(q_ptr + (row * G + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        q = q.to(tl.float32) * scale
-        offs_t = tl.arange(0, P)
-        offs_w = tl.arange(0, WIDTH)
-        shifts = tl.arange(0, PER_BYTE) * BITS
-        for j in tl.static_range(BC):
-            entry = tl.program_id(1) * BC + j
-            cand = tl.load(cand_ptr + row * KC + entry, mask=entry < KC, other=-1)
-            ok = (cand >= 0) & (cand < n)
-            host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=ok, other=0).to(tl.int64)
-            frame = h.to(tl.int64) * frame_head_stride + host * D + offs_d
-            lo = tl.load(lo_ptr + frame, mask=ok, other=0.0).to(tl.float32)
-            hi = tl.load(hi_ptr + frame, mask=ok, other=0.0).to(tl.float32)
-            page = h.to(tl.int64) * codes_head_stride + host * (P * WIDTH)
-            packed = tl.load(codes_ptr + page + offs_t[:, None] * WIDTH + offs_w[None, :], mask=ok, other=0)
-            codes = (packed.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & LEVELS  # [P, WIDTH, PER_BYTE]
-            codes = tl.reshape(codes, (P, D)).to(tl.float32)  # channel c = byte c // PER_BYTE, slot c % PER_BYTE
-            q_step = q * (tl.maximum(hi - lo, 1e-30) / LEVELS)[None, :]
-            if DOT:  # the scaled query as a sum of two bf16 parts: products about fp32's precision
-                c16 = tl.trans(codes.to(tl.bfloat16))
-                q_high = q_step.to(tl.bfloat16)
-                q_low = (q_step - q_high.to(tl.float32)).to(tl.bfloat16)
-                logits = tl.dot(q_high, c16) + tl.dot(q_low, c16)  # [GP, P]
-            else:
-                logits = tl.sum(q_step[:, None, :] * codes[None, :, :], axis=2)
-            logits += tl.sum(q * lo[None, :], axis=1)[:, None]
-            if SOFT_CAP:
-                logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
-            top = tl.max(logits, axis=1)
-            lse = top + tl.log(tl.sum(tl.exp(logits - top[:, None]), axis=1))
-            lse = tl.where(ok, lse, float("-inf"))
-            tl.store(out_ptr + (row * KC + entry) * G + offs_g, lse, mask=g_ok & (entry < KC))
+        if DOT:  # keys decoded to the queries' 16-bit type: as precise as the stored keys
+            logits = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # [GP, BC*P]
+        else:
+            logits = tl.sum(q.to(tl.float32)[:, None, :] * k[None, :, :], axis=2) * scale
+        if SOFT_CAP:
+            logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
+        logits = tl.reshape(logits, (GP, BC, P))
+        top = tl.max(logits, axis=2)  # [GP, BC]
+        lse = top + tl.log(tl.sum(tl.exp(logits - top[:, :, None]), axis=2))
+        lse = tl.where(ok[None, :], lse, float("-inf"))
+        out = out_ptr + (row * KC + first + offs_c[None, :]) * G + offs_g[:, None]
+        tl.store(out, lse, mask=g_ok[:, None] & (first + offs_c < KC)[None, :])
 
     @triton.jit
     def _mass_choose_kernel(
@@ -443,15 +443,17 @@ def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
     page = codes["codes"].shape[-1] * 8 // bits // dim
     lse = torch.empty(rows, kc, group, dtype=torch.float32, device=qg.device)
     cands, lengths = candidates.contiguous(), num_pages.contiguous()
-    per_program = 4  # candidates per program, one after another
+    per_program = max(1, 64 // page)  # candidates per program: about 64 keys in one dot
     scale = sm_scale * (1.0 if k_scale is None else float(k_scale))
-    dot = page >= 16 and dim >= 16  # the tensor-core dot's smallest tile; smaller pages sum products
+    # 16-bit queries: the tensor-core dot (its smallest tile: 16 rows of queries, 16 keys);
+    # otherwise the products summed in float32.
+    dot = qg.dtype in (torch.bfloat16, torch.float16) and dim >= 16 and per_program * page >= 16
     gp = max(16, triton.next_power_of_2(group)) if dot else triton.next_power_of_2(group)
     _code_lse_kernel[(rows, triton.cdiv(kc, per_program))](
         qg.contiguous(), codes["codes"], codes["lo"], codes["hi"], host_pages, cands, lengths, lse,
         heads, codes["codes"].stride(0), codes["lo"].stride(0), host_pages.stride(0), scale,
         float(logits_soft_cap or 0.0), KC=kc, G=group, GP=gp, P=page, D=dim, BITS=bits, BC=per_program,
-        SOFT_CAP=bool(logits_soft_cap), DOT=dot,
+        SOFT_CAP=bool(logits_soft_cap), DOT=dot, num_warps=8,
     )  # fmt: skip
     _mass_choose_kernel[(rows,)](
         cands, lengths, lse, out, heads, int(forced[0]), int(forced[1]), int(k),

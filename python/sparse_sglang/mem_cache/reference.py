@@ -103,7 +103,7 @@ def encode_codes_reference(codes, layer: int, k: torch.Tensor, token_slots: torc
         first = min(offsets)
         x = k[mine].float().transpose(0, 1)  # [H, n, D]
         lo, hi = x.amin(1), x.amax(1)
-        keys = torch.zeros(x.shape[0], size, x.shape[2])
+        keys = torch.zeros(x.shape[0], size, x.shape[2], device=x.device)
         if first > 0:
             old_lo, old_hi = t["lo"][:, page].float(), t["hi"][:, page].float()
             lo, hi = torch.minimum(lo, old_lo), torch.maximum(hi, old_hi)

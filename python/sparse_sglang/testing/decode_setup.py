@@ -114,6 +114,12 @@ class DecodeBench:
                 summ.mean[layer].copy_(summ.center(layer))
             if summ.sketch is not None:
                 summ.sketch[layer].normal_(generator=generator)
+            if summ.key_codes is not None:  # random keys: the quantized re-rank's masses differ page by page
+                codes = summ.key_codes.layer(layer)
+                codes["codes"].random_(0, 256, generator=generator)
+                lo = torch.randn(codes["lo"].shape, device="cuda", generator=generator)
+                codes["lo"].copy_(lo)
+                codes["hi"].copy_(lo + torch.rand(lo.shape, device="cuda", generator=generator))
 
     def evict(self, layer: int, page_ids: torch.Tensor, fraction: float, generator: torch.Generator) -> int:
         """Unmap ``fraction`` of the selected pages ``[B, Hkv, K]`` of ``layer`` (the next step misses
