@@ -192,10 +192,11 @@ if triton is not None:
         KC: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
         BITS: tl.constexpr, BC: tl.constexpr, SOFT_CAP: tl.constexpr, DOT: tl.constexpr,
     ):  # fmt: skip
-        # One program per (row, BC candidates): their pages, frames and packed codes read at once
-        # (three dependent loads: candidate, host page, then the rest), the keys decoded to the
-        # queries' type [BC*P, D] and one dot against the row's G queries; a log-sum-exp per
-        # (query head, page).
+        # One program per (row, BC candidates), one candidate at a time. With the frame,
+        # q . k_t = q . lo + (q * step) . c_t: the codes enter the dot as they are (small integers,
+        # exact in bf16) and the frame scales the query. A token's byte w holds channels w, w + W,
+        # ... (key_codes), so shift i gives channels [i W, (i + 1) W) whole: one dot per shift,
+        # with no reshuffling of the codes.
         row = tl.program_id(0)
         first = tl.program_id(1) * BC
         b = row // num_heads
@@ -203,40 +204,44 @@ if triton is not None:
         n = tl.load(num_pages_ptr + b)
         LEVELS: tl.constexpr = (1 << BITS) - 1
         PER_BYTE: tl.constexpr = 8 // BITS
-        WIDTH: tl.constexpr = D // PER_BYTE  # bytes per token
+        W: tl.constexpr = D // PER_BYTE  # bytes per token
         offs_c = tl.arange(0, BC)
-        cand = tl.load(cand_ptr + row * KC + first + offs_c, mask=first + offs_c < KC, other=-1)
-        ok = (cand >= 0) & (cand < n)
-        host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=ok, other=0).to(tl.int64)
-        offs_d = tl.arange(0, D)
-        frame = h.to(tl.int64) * frame_head_stride + host[:, None] * D + offs_d[None, :]
-        lo = tl.load(lo_ptr + frame, mask=ok[:, None], other=0.0).to(tl.float32)  # [BC, D]
-        step = tl.load(hi_ptr + frame, mask=ok[:, None], other=0.0).to(tl.float32) - lo
-        step = tl.maximum(step, 1e-30) / LEVELS
-        offs_t = tl.arange(0, P)
-        offs_w = tl.arange(0, WIDTH)
-        page = h.to(tl.int64) * codes_head_stride + host * (P * WIDTH)
-        at = page[:, None, None] + offs_t[None, :, None] * WIDTH + offs_w[None, None, :]  # [BC, P, WIDTH]
-        packed = tl.load(codes_ptr + at, mask=ok[:, None, None], other=0).to(tl.int32)
-        shifts = tl.arange(0, PER_BYTE) * BITS
-        codes = (packed[:, :, :, None] >> shifts[None, None, None, :]) & LEVELS  # [BC, P, WIDTH, PER_BYTE]
-        codes = tl.reshape(codes, (BC, P, D)).to(tl.float32)  # channel c: byte c // PER_BYTE, slot c % PER_BYTE
-        k = tl.reshape(lo[:, None, :] + codes * step[:, None, :], (BC * P, D))
+        cands = tl.load(cand_ptr + row * KC + first + offs_c, mask=first + offs_c < KC, other=-1)
+        oks = (cands >= 0) & (cands < n)
+        hosts = tl.load(host_pages_ptr + b * host_pages_stride + cands, mask=oks, other=0).to(tl.int64)
         offs_g = tl.arange(0, GP)
         g_ok = offs_g < G
-        q = tl.load(q_ptr + (row * G + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        if DOT:  # keys decoded to the queries' 16-bit type: as precise as the stored keys
-            logits = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # [GP, BC*P]
-        else:
-            logits = tl.sum(q.to(tl.float32)[:, None, :] * k[None, :, :], axis=2) * scale
-        if SOFT_CAP:
-            logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
-        logits = tl.reshape(logits, (GP, BC, P))
-        top = tl.max(logits, axis=2)  # [GP, BC]
-        lse = top + tl.log(tl.sum(tl.exp(logits - top[:, :, None]), axis=2))
-        lse = tl.where(ok[None, :], lse, float("-inf"))
-        out = out_ptr + (row * KC + first + offs_c[None, :]) * G + offs_g[:, None]
-        tl.store(out, lse, mask=g_ok[:, None] & (first + offs_c < KC)[None, :])
+        offs_t = tl.arange(0, P)
+        offs_w = tl.arange(0, W)
+        q_rows = (row * G + offs_g[:, None]) * D + offs_w[None, :]
+        for j in tl.static_range(BC):
+            ok = tl.max(tl.where(offs_c == j, oks.to(tl.int32), 0)) > 0
+            host = tl.sum(tl.where(offs_c == j, hosts, 0))
+            frame = h.to(tl.int64) * frame_head_stride + host * D + offs_w
+            page = h.to(tl.int64) * codes_head_stride + host * (P * W)
+            packed = tl.load(codes_ptr + page + offs_t[:, None] * W + offs_w[None, :], mask=ok, other=0).to(tl.int32)
+            scores = tl.zeros((GP, P), dtype=tl.float32)
+            base = tl.zeros((GP,), dtype=tl.float32)
+            for i in tl.static_range(PER_BYTE):
+                q = tl.load(q_ptr + q_rows + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale
+                lo = tl.load(lo_ptr + frame + i * W, mask=ok, other=0.0).to(tl.float32)
+                hi = tl.load(hi_ptr + frame + i * W, mask=ok, other=0.0).to(tl.float32)
+                q_step = q * (tl.maximum(hi - lo, 1e-30) / LEVELS)[None, :]  # [GP, W]
+                codes = (packed >> (i * BITS)) & LEVELS  # [P, W]: channels i W + w
+                if DOT:  # the scaled query as two bf16 parts: products about fp32's precision
+                    c16 = tl.trans(codes.to(tl.bfloat16))
+                    q_high = q_step.to(tl.bfloat16)
+                    q_low = (q_step - q_high.to(tl.float32)).to(tl.bfloat16)
+                    scores += tl.dot(q_high, c16) + tl.dot(q_low, c16)
+                else:
+                    scores += tl.sum(q_step[:, None, :] * codes.to(tl.float32)[None, :, :], axis=2)
+                base += tl.sum(q * lo[None, :], axis=1)
+            logits = scores + base[:, None]  # [GP, P]
+            if SOFT_CAP:
+                logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
+            top = tl.max(logits, axis=1)
+            lse = tl.where(ok, top + tl.log(tl.sum(tl.exp(logits - top[:, None]), axis=1)), float("-inf"))
+            tl.store(out_ptr + (row * KC + first + j) * G + offs_g, lse, mask=g_ok & (first + j < KC))
 
     @triton.jit
     def _mass_choose_kernel(
@@ -443,17 +448,17 @@ def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
     page = codes["codes"].shape[-1] * 8 // bits // dim
     lse = torch.empty(rows, kc, group, dtype=torch.float32, device=qg.device)
     cands, lengths = candidates.contiguous(), num_pages.contiguous()
-    per_program = max(1, 64 // page)  # candidates per program: about 64 keys in one dot
+    per_program = 4  # candidates per program, one after another
     scale = sm_scale * (1.0 if k_scale is None else float(k_scale))
-    # 16-bit queries: the tensor-core dot (its smallest tile: 16 rows of queries, 16 keys);
-    # otherwise the products summed in float32.
-    dot = qg.dtype in (torch.bfloat16, torch.float16) and dim >= 16 and per_program * page >= 16
+    # 16-bit queries: tensor-core dots (their smallest tile: 16 rows, 16 keys, 16 channels);
+    # float32 ones, the products summed in float32.
+    dot = qg.dtype in (torch.bfloat16, torch.float16) and page >= 16 and dim * bits // 8 >= 16
     gp = max(16, triton.next_power_of_2(group)) if dot else triton.next_power_of_2(group)
     _code_lse_kernel[(rows, triton.cdiv(kc, per_program))](
         qg.contiguous(), codes["codes"], codes["lo"], codes["hi"], host_pages, cands, lengths, lse,
         heads, codes["codes"].stride(0), codes["lo"].stride(0), host_pages.stride(0), scale,
         float(logits_soft_cap or 0.0), KC=kc, G=group, GP=gp, P=page, D=dim, BITS=bits, BC=per_program,
-        SOFT_CAP=bool(logits_soft_cap), DOT=dot, num_warps=8,
+        SOFT_CAP=bool(logits_soft_cap), DOT=dot,
     )  # fmt: skip
     _mass_choose_kernel[(rows,)](
         cands, lengths, lse, out, heads, int(forced[0]), int(forced[1]), int(k),

@@ -236,9 +236,10 @@ if triton is not None:
         lo = lo.to(lo_ptr.dtype.element_ty).to(tl.float32)
         hi = hi.to(hi_ptr.dtype.element_ty).to(tl.float32)
 
-        base = h.to(tl.int64) * codes_head_stride + page * (P * D // PER_BYTE)
-        byte = base + t[:, None] * (D // PER_BYTE) + (d // PER_BYTE)[None, :]
-        shift = (d % PER_BYTE) * BITS
+        W: tl.constexpr = D // PER_BYTE  # bytes per token: byte w holds channels w, w + W, ... (key_codes)
+        base = h.to(tl.int64) * codes_head_stride + page * (P * W)
+        byte = base + t[:, None] * W + (d % W)[None, :]
+        shift = (d // W) * BITS
         old = ok & (t < offset)
         old_codes = (tl.load(codes_ptr + byte, mask=old[:, None], other=0).to(tl.int32) >> shift[None, :]) & LEVELS
         old_step = tl.maximum(old_hi - old_lo, 1e-30) / LEVELS
@@ -246,11 +247,10 @@ if triton is not None:
         step = tl.maximum(hi - lo, 1e-30) / LEVELS
         codes = tl.floor((value - lo[None, :]) / step[None, :] + 0.5)
         codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS).to(tl.int32) << shift[None, :]
-        packed = tl.sum(tl.reshape(codes, (P, D // PER_BYTE, PER_BYTE)), axis=2)
+        packed = tl.sum(tl.reshape(codes, (P, PER_BYTE, W)), axis=1)
         written = ok & (t < offset + n)
-        b = tl.arange(0, D // PER_BYTE)
-        tl.store(codes_ptr + base + t[:, None] * (D // PER_BYTE) + b[None, :], packed.to(tl.uint8),
-                 mask=written[:, None])  # fmt: skip
+        w = tl.arange(0, W)
+        tl.store(codes_ptr + base + t[:, None] * W + w[None, :], packed.to(tl.uint8), mask=written[:, None])
         tl.store(lo_ptr + f, lo.to(lo_ptr.dtype.element_ty), mask=ok & (d < D))
         tl.store(hi_ptr + f, hi.to(hi_ptr.dtype.element_ty), mask=ok & (d < D))
 

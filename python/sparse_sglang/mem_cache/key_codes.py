@@ -10,9 +10,9 @@ or a mean they keep each token: the one token a query wants stands out of its pa
 Contracts
 ---------
 - :class:`PageKeyCodes` holds, per (layer, kv head, host page), ``codes``
-  ``[num_layers, num_kv_heads, num_pages + 1, page_size * head_dim * bits / 8]`` uint8 (token
-  ``o``'s channel ``c`` in byte ``o * head_dim * bits / 8 + c // (8 / bits)``, at bit
-  ``(c % (8 / bits)) * bits``) and the frame ``lo``/``hi`` ``[..., num_pages + 1, head_dim]`` in
+  ``[num_layers, num_kv_heads, num_pages + 1, page_size * head_dim * bits / 8]`` uint8: with
+  ``W = head_dim * bits / 8`` bytes per token, token ``o``'s channel ``c`` in byte ``o * W + c % W``
+  at bit ``(c // W) * bits`` (a shift reads a block of ``W`` consecutive channels whole), and the frame ``lo``/``hi`` ``[..., num_pages + 1, head_dim]`` in
   the keys' own type (a min or max *is* a key, so the frame is exact for bf16, fp16 and fp8 alike;
   fp8 keys are coded as stored, without their per-tensor scale).
 - A page's codes are those of its keys against its frame once the page is whole. While it fills,
@@ -84,18 +84,18 @@ class PageKeyCodes:
 
 def unpack_codes(codes: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     """``[..., page_size * head_dim * bits / 8]`` uint8 to ``[..., page_size, head_dim]`` int64 codes."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, device=codes.device) * bits
-    values = (codes.long().unsqueeze(-1) >> shifts) & code_levels(bits)
-    return values.reshape(*codes.shape[:-1], -1, head_dim)
+    width = head_dim * bits // 8
+    shifts = torch.arange(8 // bits, device=codes.device).view(-1, 1) * bits
+    tokens = codes.long().reshape(*codes.shape[:-1], -1, 1, width)  # [..., P, 1, W]
+    return ((tokens >> shifts) & code_levels(bits)).reshape(*codes.shape[:-1], -1, head_dim)
 
 
 def pack_codes(values: torch.Tensor, bits: int) -> torch.Tensor:
     """``[..., page_size, head_dim]`` integer codes to ``[..., page_size * head_dim * bits / 8]`` uint8."""
     per_byte = 8 // bits
-    shifts = torch.arange(per_byte, device=values.device) * bits
-    grouped = values.long().reshape(*values.shape[:-2], -1, per_byte)
-    return (grouped << shifts).sum(-1).to(torch.uint8)
+    shifts = torch.arange(per_byte, device=values.device).view(-1, 1) * bits
+    blocks = values.long().reshape(*values.shape[:-1], per_byte, -1)  # [..., P, PER_BYTE, W]
+    return (blocks << shifts).sum(-2).reshape(*values.shape[:-2], -1).to(torch.uint8)
 
 
 def frame_step(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
