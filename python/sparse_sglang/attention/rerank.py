@@ -97,6 +97,19 @@ if triton is not None:
         return tl.where(finite, shift + tl.log(tl.where(finite, total, 1.0)), float("-inf"))
 
     @triton.jit
+    def _mass_priority(lse, pages, listed, n, sink, recent):
+        # rerank_priority_reference: each candidate's mass [KCP, GP] as a share of its head's total
+        # over the candidates, summed over the group; the newest page (partial: its mass is not
+        # known) left out of the totals; the forced pages first; -inf where not listed.
+        lse = tl.where((pages != n - 1)[:, None], lse, float("-inf"))
+        total = _logsumexp(lse, 0)  # [GP], -inf for a head with no compared candidate
+        some = total > float("-inf")
+        share = tl.where(some[None, :], lse - tl.where(some, total, 0.0)[None, :], float("-inf"))
+        priority = _logsumexp(share, 1)  # [KCP]
+        priority = tl.where((pages < sink) | (pages >= n - recent), float("inf"), priority)
+        return tl.where(listed, priority, float("-inf"))
+
+    @triton.jit
     def _best_k(priority, offs, k):
         # Which of a block's entries are its k highest: the k-th highest priority found by a sort;
         # above it all kept, at it the first ones (in block order) up to k; never a -inf one.
@@ -125,14 +138,7 @@ if triton is not None:
         g_ok = offs_g < G
         lse = tl.load(lse_ptr + (row * KC + offs[:, None]) * G + offs_g[None, :], mask=listed[:, None] & g_ok[None, :],
                       other=float("-inf"))  # fmt: skip
-        lse = tl.where((pages != n - 1)[:, None], lse, float("-inf"))  # the newest page: read whole, mass unknown
-        total = _logsumexp(lse, 0)  # [GP], -inf for a head with no compared candidate
-        some = total > float("-inf")
-        share = tl.where(some[None, :], lse - tl.where(some, total, 0.0)[None, :], float("-inf"))
-        priority = _logsumexp(share, 1)  # [KCP]
-        forced = (pages < sink) | (pages >= n - recent)
-        priority = tl.where(forced, float("inf"), priority)
-        priority = tl.where(listed, priority, float("-inf"))
+        priority = _mass_priority(lse, pages, listed, n, sink, recent)
         keep = _best_k(priority, offs, k) & listed  # at equal priorities the lower pages
         position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
         slot = tl.load(slots_ptr + row * KC + offs, mask=listed, other=-1)
@@ -259,14 +265,7 @@ if triton is not None:
         g_ok = offs_g < G
         lse = tl.load(lse_ptr + (row * KC + offs[:, None]) * G + offs_g[None, :], mask=ok[:, None] & g_ok[None, :],
                       other=float("-inf"))  # fmt: skip
-        lse = tl.where((cand != n - 1)[:, None], lse, float("-inf"))  # the newest page: partial, mass unknown
-        total = _logsumexp(lse, 0)  # [GP]
-        some = total > float("-inf")
-        share = tl.where(some[None, :], lse - tl.where(some, total, 0.0)[None, :], float("-inf"))
-        priority = _logsumexp(share, 1)  # [KCP]
-        forced = (cand < sink) | (cand >= n - recent)
-        priority = tl.where(forced, float("inf"), priority)
-        priority = tl.where(ok, priority, float("-inf"))
+        priority = _mass_priority(lse, cand, ok, n, sink, recent)
         keep = _best_k(priority, offs, k) & ok
         position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(out_ptr + row * k + position, cand, mask=keep)

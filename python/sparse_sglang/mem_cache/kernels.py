@@ -108,6 +108,17 @@ if triton is not None:
     from sparse_sglang.mem_cache.bounds import pow2, quantize_nearest, quantize_outward
 
     @triton.jit
+    def _run_page(r, run_start_ptr, run_len_ptr, run_offset_ptr, token_slots_ptr, P: tl.constexpr):
+        # Run r: its first token's row, its length, its page offset, whether it saves anything
+        # (padding runs, CUDA-graph filler, save nothing) and its host page.
+        start = tl.load(run_start_ptr + r).to(tl.int64)
+        n = tl.load(run_len_ptr + r)
+        offset = tl.load(run_offset_ptr + r)
+        first_slot = tl.load(token_slots_ptr + start)
+        ok = first_slot >= 0
+        return start, n, offset, ok, tl.where(ok, first_slot // P, 0)
+
+    @triton.jit
     def _index_runs_kernel(
         k_ptr, v_ptr, token_slots_ptr,
         run_start_ptr, run_len_ptr, run_req_ptr, run_page_ptr, run_offset_ptr,
@@ -120,12 +131,7 @@ if triton is not None:
         # One program: one run (<= P tokens of one page) of one kv head.
         r = tl.program_id(0)
         h = tl.program_id(1)
-        start = tl.load(run_start_ptr + r).to(tl.int64)
-        n = tl.load(run_len_ptr + r)
-        offset = tl.load(run_offset_ptr + r)
-        first_slot = tl.load(token_slots_ptr + start)
-        ok = first_slot >= 0  # padding runs (CUDA-graph filler) save nothing
-        page = tl.where(ok, first_slot // P, 0)
+        start, n, offset, ok, page = _run_page(r, run_start_ptr, run_len_ptr, run_offset_ptr, token_slots_ptr, P)
         t = tl.arange(0, P)
         d = tl.arange(0, D)
         tok = ok & (t < n)
@@ -210,12 +216,7 @@ if triton is not None:
         # by the run's keys, its earlier tokens re-coded from their decoded values (key_codes).
         r = tl.program_id(0)
         h = tl.program_id(1)
-        start = tl.load(run_start_ptr + r).to(tl.int64)
-        n = tl.load(run_len_ptr + r)
-        offset = tl.load(run_offset_ptr + r)
-        first_slot = tl.load(token_slots_ptr + start)
-        ok = first_slot >= 0  # padding runs (CUDA-graph filler) save nothing
-        page = tl.where(ok, first_slot // P, 0)
+        start, n, offset, ok, page = _run_page(r, run_start_ptr, run_len_ptr, run_offset_ptr, token_slots_ptr, P)
         LEVELS: tl.constexpr = (1 << BITS) - 1
         PER_BYTE: tl.constexpr = 8 // BITS
         t = tl.arange(0, P)
