@@ -71,20 +71,23 @@ class RerankDecoder(QuestStepDecoder):
 
     bits: int = 0  # > 0: the mass from keys kept in that many bits per channel, scaled per page (KIVI)
     channels: int = 0  # > 0: only that many channels of a page coded (its widest), the rest at the page's mean
+    fixed: bool = False  # the same channels on every page of a kv head: the widest-spread ones over the prompt
 
     def rank(self, layer, scores, q, key, seq_len, scaling):
         n = scores.shape[-1]
         candidates = scores.topk(min(n, int(self.factor * (self.policy.budget // quality.PAGE_SIZE))), dim=-1).indices
-        keys = quantized_keys(key, self.bits, self.channels) if self.bits else key
+        keys = quantized_keys(key, self.bits, self.channels, self.fixed) if self.bits else key
         mass = quality.oracle_page_mass(q, keys, seq_len, scaling)
         return torch.full_like(mass, -math.inf).scatter_(-1, candidates, mass.gather(-1, candidates))
 
 
-def quantized_keys(key: torch.Tensor, bits: int, channels: int = 0) -> torch.Tensor:
+def quantized_keys(key: torch.Tensor, bits: int, channels: int = 0, fixed: bool = False) -> torch.Tensor:
     """``key`` ``[1, Hkv, T, D]`` rounded to ``2**bits`` levels per (page, channel) between the
     page's channel min and max (KIVI's per-channel key quantization, a page as its group). With
     ``channels`` C > 0 only the C channels of each page with the widest range are kept so; the
-    others read as the page's channel mean (C indices a page: C * P * bits / 8 bytes of codes)."""
+    others read as the page's channel mean (C indices a page: C * P * bits / 8 bytes of codes);
+    ``fixed``: the same C channels on every page of a kv head, those whose keys spread most over
+    the whole prompt (no indices per page)."""
     _, heads, tokens, dim = key.shape
     pad = -tokens % quality.PAGE_SIZE
     k = torch.nn.functional.pad(key[0].float(), (0, 0, 0, pad), mode="replicate").view(
@@ -94,7 +97,11 @@ def quantized_keys(key: torch.Tensor, bits: int, channels: int = 0) -> torch.Ten
     step = (hi - lo).clamp_min(1e-6) / (2**bits - 1)
     coded = ((k - lo) / step).round() * step + lo
     if channels:
-        widest = (hi - lo).topk(channels, dim=-1).indices  # [H, N, 1, C]
+        if fixed:
+            spread = k.flatten(1, 2).std(dim=1)  # [H, D]
+            widest = spread.topk(channels, dim=-1).indices.view(heads, 1, 1, channels).expand(-1, k.shape[1], 1, -1)
+        else:
+            widest = (hi - lo).topk(channels, dim=-1).indices  # [H, N, 1, C]
         kept = torch.zeros_like(hi, dtype=torch.bool).scatter_(-1, widest, True)
         coded = torch.where(kept, coded, k.mean(2, keepdim=True))
     return coded.view(1, heads, -1, dim)[:, :, :tokens]
@@ -470,7 +477,7 @@ def main() -> None:
         **{f"ms-rerank{f}": quality.Policy(budget=args.budget) for f in (1.25, 1.5, 2, 3)},
         **{f"ms-rerank2-every{n}": quality.Policy(budget=args.budget) for n in (2, 4, 8)},
         **{f"ms-rerank2-int{b}": quality.Policy(budget=args.budget) for b in (1, 2, 3, 4)},
-        **{f"ms-rerank2-int2-c{c}": quality.Policy(budget=args.budget) for c in (8, 16, 32)},
+        **{f"ms-rerank2-int2-c{c}{g}": quality.Policy(budget=args.budget) for c in (8, 16, 32) for g in ("", "g")},
         **{f"ms-band{a}x{b}": quality.Policy(budget=args.budget) for a, b in ((0.5, 1.0), (0.75, 0.5), (0.5, 0.5))},
         **{f"sketch{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
         "sketch16-max": quality.Policy(budget=args.budget),  # the per-request basis, scored as the server scores
@@ -521,7 +528,7 @@ def main() -> None:
                 bits, _, channels = bits.partition("-c")
                 hook.__class__ = ReusedRerankDecoder if every else RerankDecoder
                 hook.factor, hook.every, hook.bits = float(factor), int(every or 1), int(bits or 0)
-                hook.channels = int(channels or 0)
+                hook.channels, hook.fixed = int(channels.removesuffix("g") or 0), channels.endswith("g")
             if name.startswith("ms-band"):
                 hook.__class__ = BandRerankDecoder
                 hook.keep, hook.band = (float(x) for x in name.removeprefix("ms-band").split("x"))
