@@ -411,9 +411,10 @@ def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
                     logits_soft_cap: float | None = None) -> torch.Tensor:  # fmt: skip
     """The ``k`` of each row's candidate pages with the most attention mass estimated from their
     keys' low-bit codes: ``[B, Hkv, k]`` int32 logical pages (any order), ``-1`` padded where a row
-    has fewer valid candidates. Two launches: the candidates' log-sum-exp per query head, from
-    their decoded keys (:func:`candidate_page_lse`'s, with codes for keys), then one program per
-    row ranks them as :func:`choose_reranked` does.
+    has fewer valid candidates. Two launches: the candidates' log-sum-exp per query head over
+    their keys as the codes give them back (``lo + code * step`` per channel; what
+    :func:`candidate_page_lse` computes from the keys themselves), then one program per row ranks
+    them as :func:`choose_reranked` does.
 
     Parameters
     ----------
