@@ -435,17 +435,20 @@ class SparseConfig:
         ``rerank_factor`` times that (the budget's pages with the most exact mass are attended)."""
         return self.budget_pages * (self.rerank_factor if self.rerank_by == "keys" else 1)
 
+    def reranked_by(self, what: str) -> int:
+        """Pages each kv head's candidates number per decode step when ``what`` re-ranks them:
+        ``rerank_factor`` times the budget's, or 0 when re-ranking is off or by something else."""
+        return self.budget_pages * self.rerank_factor if self.rerank_by == what and self.rerank_factor > 1 else 0
+
     @property
     def sketch_candidates(self) -> int:
-        """Pages each kv head's key sketches re-rank per decode step (0: none): ``rerank_factor``
-        times the budget's with ``rerank_by`` sketch."""
-        return self.budget_pages * self.rerank_factor if self.rerank_by == "sketch" and self.rerank_factor > 1 else 0
+        """Pages each kv head's key sketches re-rank per decode step (0: none)."""
+        return self.reranked_by("sketch")
 
     @property
     def code_candidates(self) -> int:
-        """Pages each kv head's key codes re-rank per decode step (0: none): ``rerank_factor``
-        times the budget's with ``rerank_by`` quantized."""
-        return self.budget_pages * self.rerank_factor if self.rerank_by == "quantized" and self.rerank_factor > 1 else 0
+        """Pages each kv head's key codes re-rank per decode step (0: none)."""
+        return self.reranked_by("quantized")
 
     @property
     def key_code_bits(self) -> int:

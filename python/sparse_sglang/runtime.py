@@ -182,15 +182,15 @@ class SparseRuntime:
         # down through its parts once and returns to none it has left.
         interval = self.config.reselect_interval
         reselect = None if interval == 1 else cache.due_for_selection(req_slots, seq_lens_cpu, interval)
-        num_pages = store.shape.max_pages if graph else math.ceil(max(lengths) / page)
-        host_pages = host_page_table(req_to_token, req_slots, num_pages, page)
+        longest = math.ceil(max(lengths) / page)  # pages of the longest request
+        host_pages = host_page_table(req_to_token, req_slots, store.shape.max_pages if graph else longest, page)
         plan = self.decoder.plan(req_slots, seq_lens_cpu, host_pages, graph=graph, seq_lens=seq_lens,
                                  reselect=reselect)  # fmt: skip
         if self.tracker is not None:  # counts up to the last step; this step's selection is recorded next forward
-            self.tracker.publish([slot for slot, _, _ in real], math.ceil(max(lengths) / page))
+            self.tracker.publish([slot for slot, _, _ in real], longest)
             self.tracked_slots = req_slots.clone()
         if not graph:
-            store.bind_runs(SaveRuns.for_decode(req_slots, seq_lens, page))
+            self.bind_decode_runs(req_slots, seq_lens)
         return plan
 
     def bind_decode_runs(self, req_slots: torch.Tensor, seq_lens: torch.Tensor) -> None:

@@ -126,7 +126,7 @@ class SparseKVStore:
             self.flash_d2h = self.direct_d2h = FlashD2HReference(self.host.k, self.host.v)
         fused = on_gpu if fused is None else fused
         self.index_runs = index_runs if fused else index_runs_reference
-        self.encode_runs = encode_runs if fused else _encode_codes_reference
+        self.encode_runs = encode_runs if fused else encode_codes_reference
         self.runs: SaveRuns | None = None  # the current forward's tokens (bind_runs)
         # The stream the forwards run on (note_forward_stream): SGLang's overlap scheduler runs
         # them on a stream of their own, and what changes the cache between them goes there too.
@@ -222,8 +222,3 @@ class SparseKVStore:
 
     def close(self) -> None:
         self.flash_d2h.close()
-
-
-def _encode_codes_reference(codes, layer: int, k: torch.Tensor, token_slots: torch.Tensor, runs: SaveRuns) -> None:
-    """:func:`encode_runs`'s signature over its reference (which needs no runs)."""
-    encode_codes_reference(codes, layer, k, token_slots)

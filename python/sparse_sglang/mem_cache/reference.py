@@ -86,9 +86,10 @@ def shrink_rows_reference(cache, widths: dict[int, int]) -> None:
         cache._width[req] = cache._filled[req] = width
 
 
-def encode_codes_reference(codes, layer: int, k: torch.Tensor, token_slots: torch.Tensor) -> None:
-    """What :func:`~sparse_sglang.mem_cache.kernels.encode_runs` does, page by page in Python: the
-    tokens ``[T, Hkv, D]`` at host slots ``token_slots`` (``-1``: padding) of each page, in
+def encode_codes_reference(codes, layer: int, k: torch.Tensor, token_slots: torch.Tensor, runs=None) -> None:
+    """What :func:`~sparse_sglang.mem_cache.kernels.encode_runs` does (its signature; the runs are
+    not needed), page by page in Python: the tokens ``[T, Hkv, D]`` at host slots ``token_slots``
+    (``-1``: padding) of each page, in
     position order, widen its frame (a token at offset 0 starts it anew), the page's earlier tokens
     are re-coded from their decoded values and the new ones coded
     (:mod:`~sparse_sglang.mem_cache.key_codes`)."""
