@@ -45,7 +45,7 @@ def _kernel(codes, k, slots, runs):
 
 
 def _reference(codes, k, slots, runs):
-    encode_codes_reference(codes, 0, k, slots)
+    encode_codes_reference(codes, 0, k.to(DEVICE), slots.to(DEVICE))
 
 
 @pytest.mark.parametrize("bits", [2, 4])
