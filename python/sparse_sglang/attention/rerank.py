@@ -198,11 +198,10 @@ if triton is not None:
         KC: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
         BITS: tl.constexpr, BC: tl.constexpr, SOFT_CAP: tl.constexpr, DOT: tl.constexpr,
     ):  # fmt: skip
-        # One program per (row, BC candidates), one candidate at a time. With the frame,
-        # q . k_t = q . lo + (q * step) . c_t: the codes enter the dot as they are (small integers,
-        # exact in bf16) and the frame scales the query. A token's byte w holds channels w, w + W,
-        # ... (key_codes), so shift i gives channels [i W, (i + 1) W) whole: one dot per shift,
-        # with no reshuffling of the codes.
+        # One program per (row, BC candidates), the BC candidates' BC * P keys at once: per shift,
+        # one tile of decoded keys (lo + code * step, float32) and one dot with the query. A
+        # token's byte w holds channels w, w + W, ... (key_codes), so shift i gives channels
+        # [i W, (i + 1) W) whole, with no reshuffling of the codes.
         row = tl.program_id(0)
         first = tl.program_id(1) * BC
         b = row // num_heads
@@ -211,43 +210,40 @@ if triton is not None:
         LEVELS: tl.constexpr = (1 << BITS) - 1
         PER_BYTE: tl.constexpr = 8 // BITS
         W: tl.constexpr = D // PER_BYTE  # bytes per token
-        offs_c = tl.arange(0, BC)
-        cands = tl.load(cand_ptr + row * KC + first + offs_c, mask=first + offs_c < KC, other=-1)
-        oks = (cands >= 0) & (cands < n)
-        hosts = tl.load(host_pages_ptr + b * host_pages_stride + cands, mask=oks, other=0).to(tl.int64)
+        offs_r = tl.arange(0, BC * P)  # key r: token r % P of candidate first + r // P
+        at = first + offs_r // P
+        cand = tl.load(cand_ptr + row * KC + at, mask=at < KC, other=-1)
+        ok = (cand >= 0) & (cand < n)
+        host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=ok, other=0).to(tl.int64)
+        offs_w = tl.arange(0, W)
+        frame = (h.to(tl.int64) * frame_head_stride + host * D)[:, None] + offs_w[None, :]  # [BC P, W]
+        page = h.to(tl.int64) * codes_head_stride + host * (P * W) + (offs_r % P) * W
+        packed = tl.load(codes_ptr + page[:, None] + offs_w[None, :], mask=ok[:, None], other=0).to(tl.int32)
         offs_g = tl.arange(0, GP)
         g_ok = offs_g < G
-        offs_t = tl.arange(0, P)
-        offs_w = tl.arange(0, W)
         q_rows = (row * G + offs_g[:, None]) * D + offs_w[None, :]
-        for j in tl.static_range(BC):
-            ok = tl.max(tl.where(offs_c == j, oks.to(tl.int32), 0)) > 0
-            host = tl.sum(tl.where(offs_c == j, hosts, 0))
-            frame = h.to(tl.int64) * frame_head_stride + host * D + offs_w
-            page = h.to(tl.int64) * codes_head_stride + host * (P * W)
-            packed = tl.load(codes_ptr + page + offs_t[:, None] * W + offs_w[None, :], mask=ok, other=0).to(tl.int32)
-            scores = tl.zeros((GP, P), dtype=tl.float32)
-            base = tl.zeros((GP,), dtype=tl.float32)
-            for i in tl.static_range(PER_BYTE):
-                q = tl.load(q_ptr + q_rows + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale
-                lo = tl.load(lo_ptr + frame + i * W, mask=ok, other=0.0).to(tl.float32)
-                hi = tl.load(hi_ptr + frame + i * W, mask=ok, other=0.0).to(tl.float32)
-                q_step = q * (tl.maximum(hi - lo, 1e-30) / LEVELS)[None, :]  # [GP, W]
-                codes = (packed >> (i * BITS)) & LEVELS  # [P, W]: channels i W + w
-                if DOT:  # the scaled query as two bf16 parts: products about fp32's precision
-                    c16 = tl.trans(codes.to(tl.bfloat16))
-                    q_high = q_step.to(tl.bfloat16)
-                    q_low = (q_step - q_high.to(tl.float32)).to(tl.bfloat16)
-                    scores += tl.dot(q_high, c16) + tl.dot(q_low, c16)
-                else:
-                    scores += tl.sum(q_step[:, None, :] * codes.to(tl.float32)[None, :, :], axis=2)
-                base += tl.sum(q * lo[None, :], axis=1)
-            logits = scores + base[:, None]  # [GP, P]
-            if SOFT_CAP:
-                logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
-            top = tl.max(logits, axis=1)
-            lse = tl.where(ok, top + tl.log(tl.sum(tl.exp(logits - top[:, None]), axis=1)), float("-inf"))
-            tl.store(out_ptr + (row * KC + first + j) * G + offs_g, lse, mask=g_ok & (first + j < KC))
+        logits = tl.zeros((GP, BC * P), dtype=tl.float32)
+        for i in tl.static_range(PER_BYTE):
+            q = tl.load(q_ptr + q_rows + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale  # [GP, W]
+            lo = tl.load(lo_ptr + frame + i * W, mask=ok[:, None], other=0.0).to(tl.float32)
+            hi = tl.load(hi_ptr + frame + i * W, mask=ok[:, None], other=0.0).to(tl.float32)
+            codes = ((packed >> (i * BITS)) & LEVELS).to(tl.float32)
+            keys = lo + codes * (tl.maximum(hi - lo, 1e-30) / LEVELS)  # [BC P, W]: channels i W + w
+            if DOT:  # three tf32 products: about float32's precision
+                logits += tl.dot(q, tl.trans(keys), input_precision="tf32x3")
+            else:
+                logits += tl.sum(q[:, None, :] * keys[None, :, :], axis=2)
+        if SOFT_CAP:
+            logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
+        per_page = tl.reshape(logits, (GP, BC, P))
+        top = tl.max(per_page, axis=2)  # [GP, BC]
+        lse = top + tl.log(tl.sum(tl.exp(per_page - top[:, :, None]), axis=2))
+        offs_c = tl.arange(0, BC)
+        c_at = first + offs_c
+        c_ok = tl.max(tl.reshape(ok.to(tl.int32), (BC, P)), axis=1) > 0
+        lse = tl.where(c_ok[None, :], lse, float("-inf"))
+        tl.store(out_ptr + (row * KC + c_at[None, :]) * G + offs_g[:, None], lse,
+                 mask=g_ok[:, None] & (c_at < KC)[None, :])  # fmt: skip
 
     @triton.jit
     def _mass_choose_kernel(
@@ -448,11 +444,11 @@ def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
     page = codes["codes"].shape[-1] * 8 // bits // dim
     lse = torch.empty(rows, kc, group, dtype=torch.float32, device=qg.device)
     cands, lengths = candidates.contiguous(), num_pages.contiguous()
-    per_program = 4  # candidates per program, one after another
+    per_program = max(1, min(triton.next_power_of_2(kc), 128 // page))  # candidates per program: 128 keys in one dot
     scale = sm_scale * (1.0 if k_scale is None else float(k_scale))
-    # 16-bit queries: tensor-core dots (their smallest tile: 16 rows, 16 keys, 16 channels);
-    # float32 ones, the products summed in float32.
-    dot = qg.dtype in (torch.bfloat16, torch.float16) and page >= 16 and dim * bits // 8 >= 16
+    # Tensor-core dots where the tiles reach their smallest (16 query rows, 16 keys, 16
+    # channels); products summed one by one on smaller ones.
+    dot = dim * bits // 8 >= 16 and per_program * page >= 16
     gp = max(16, triton.next_power_of_2(group)) if dot else triton.next_power_of_2(group)
     _code_lse_kernel[(rows, triton.cdiv(kc, per_program))](
         qg.contiguous(), codes["codes"], codes["lo"], codes["hi"], host_pages, cands, lengths, lse,
