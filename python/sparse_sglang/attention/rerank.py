@@ -77,15 +77,25 @@ if triton is not None:
             logits = tl.dot(q, tl.trans(k.to(q.dtype))) * scale  # [GP, BC*P]
         else:
             logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        offs_c = tl.arange(0, BC)
+        _store_page_lse(logits, first + offs_c < count, out_ptr, row, first, soft_cap,
+                        KC, G, GP, P, BC, SOFT_CAP)  # fmt: skip
+
+    @triton.jit
+    def _store_page_lse(logits, valid, out_ptr, row, first, soft_cap, KC: tl.constexpr, G: tl.constexpr,
+                        GP: tl.constexpr, P: tl.constexpr, BC: tl.constexpr, SOFT_CAP: tl.constexpr):  # fmt: skip
+        # logits [GP, BC * P] (candidate c's keys at c P ...) -> each candidate's log-sum-exp per
+        # query head at out[row, first + c, g]; -inf where not ``valid`` [BC]
         if SOFT_CAP:
             logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
         logits = tl.reshape(logits, (GP, BC, P))
         top = tl.max(logits, axis=2)  # [GP, BC]
         lse = top + tl.log(tl.sum(tl.exp(logits - top[:, :, None]), axis=2))
+        lse = tl.where(valid[None, :], lse, float("-inf"))
         offs_c = tl.arange(0, BC)
-        lse = tl.where((first + offs_c < count)[None, :], lse, float("-inf"))
+        offs_g = tl.arange(0, GP)
         out = out_ptr + (row * KC + first + offs_c[None, :]) * G + offs_g[:, None]
-        tl.store(out, lse, mask=g_ok[:, None] & (first + offs_c < KC)[None, :])
+        tl.store(out, lse, mask=(offs_g < G)[:, None] & (first + offs_c < KC)[None, :])
 
     @triton.jit
     def _logsumexp(x, axis: tl.constexpr):
@@ -233,17 +243,8 @@ if triton is not None:
                 logits += tl.dot(q, tl.trans(keys), input_precision="tf32x3")
             else:
                 logits += tl.sum(q[:, None, :] * keys[None, :, :], axis=2)
-        if SOFT_CAP:
-            logits = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * logits / soft_cap)) - 1.0)  # cap * tanh(x / cap)
-        per_page = tl.reshape(logits, (GP, BC, P))
-        top = tl.max(per_page, axis=2)  # [GP, BC]
-        lse = top + tl.log(tl.sum(tl.exp(per_page - top[:, :, None]), axis=2))
-        offs_c = tl.arange(0, BC)
-        c_at = first + offs_c
-        c_ok = tl.max(tl.reshape(ok.to(tl.int32), (BC, P)), axis=1) > 0
-        lse = tl.where(c_ok[None, :], lse, float("-inf"))
-        tl.store(out_ptr + (row * KC + c_at[None, :]) * G + offs_g[:, None], lse,
-                 mask=g_ok[:, None] & (c_at < KC)[None, :])  # fmt: skip
+        valid = tl.max(tl.reshape(ok.to(tl.int32), (BC, P)), axis=1) > 0  # [BC]
+        _store_page_lse(logits, valid, out_ptr, row, first, soft_cap, KC, G, GP, P, BC, SOFT_CAP)
 
     @triton.jit
     def _mass_choose_kernel(
