@@ -257,7 +257,8 @@ def test_the_decoder_loads_its_candidates_and_points_flashinfer_at_the_pages_it_
 
     decoder.select_raw = recording
     store.cache.next_step()
-    plan = decoder.plan(req_slots, torch.tensor([tokens] * batch), host_pages)
+    seq_lens = torch.tensor([tokens] * batch)
+    plan = decoder.plan(req_slots, seq_lens, host_pages, seq_lens=seq_lens)
     q = torch.randn(batch, heads * group, dim, generator=gen)
     chosen = decoder._rerank(0, q, plan, None)
     logits = torch.einsum("bhgd,bthd->bhgt", q.view(batch, heads, group, dim), k.float()) * dim**-0.5

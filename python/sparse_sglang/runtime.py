@@ -164,8 +164,6 @@ class SparseRuntime:
             request planned over the store's ``max_pages``, and the save runs are bound inside the
             graph (:meth:`bind_decode_runs`).
         """
-        from sparse_sglang.attention.sparse_decode import host_page_table
-
         self._begin_forward()
         store, cache, page = self.store, self.store.cache, self.store.shape.page_size
         lengths = seq_lens_cpu.tolist()
@@ -178,19 +176,19 @@ class SparseRuntime:
             cache.resize_request(slot, pages)
             if (length - 1) % page == 0:  # this token starts a page
                 cache.write_allocate(slot, pages - 1, 1)
-        # The cache's answers first, then the decoder's plan, then the store's runs: a step goes
-        # down through its parts once and returns to none it has left.
-        interval = self.config.reselect_interval
-        reselect = None if interval == 1 else cache.due_for_selection(req_slots, seq_lens_cpu, interval)
+        # The step's host page table and the cache's answers first, then the decoder's plan, then
+        # the store's runs: a step goes down through its parts once and returns to none it has left.
         longest = math.ceil(max(lengths) / page)  # pages of the longest request
         host_pages = host_page_table(req_to_token, req_slots, store.shape.max_pages if graph else longest, page)
+        interval = self.config.reselect_interval
+        reselect = None if interval == 1 else cache.due_for_selection(req_slots, seq_lens_cpu, interval)
         plan = self.decoder.plan(req_slots, seq_lens_cpu, host_pages, graph=graph, seq_lens=seq_lens,
                                  reselect=reselect)  # fmt: skip
         if self.tracker is not None:  # counts up to the last step; this step's selection is recorded next forward
             self.tracker.publish([slot for slot, _, _ in real], longest)
             self.tracked_slots = req_slots.clone()
-        if not graph:
-            self.bind_decode_runs(req_slots, seq_lens)
+        if not graph:  # (a graph step binds them inside the graph: bind_decode_runs)
+            store.bind_runs(SaveRuns.for_decode(req_slots, seq_lens, page))
         return plan
 
     def bind_decode_runs(self, req_slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -268,3 +266,12 @@ def build_runtime(config: SparseConfig, plan: MemoryPlan, device: torch.device |
                   key_basis: KeyBasis | None = None, d2h_threads: int | None = None) -> SparseRuntime:  # fmt: skip
     """The runtime with its store, laid out by ``plan`` (:func:`build_store`)."""
     return SparseRuntime(config, plan, build_store(config, plan.shape, device, key_basis, d2h_threads))
+
+
+def host_page_table(
+    req_to_token: torch.Tensor, req_slots: torch.Tensor, num_pages: int, page_size: int
+) -> torch.Tensor:
+    """``[B, num_pages]`` int32 host page id of each logical page of each request, read from
+    SGLang's ``req_to_token`` rows (token location ``page * page_size + offset``)."""
+    cols = torch.arange(num_pages, device=req_to_token.device) * page_size
+    return (req_to_token[req_slots.long().unsqueeze(1), cols.unsqueeze(0)] // page_size).to(torch.int32)

@@ -117,10 +117,12 @@ class DecodePlan:
     # fmt: on
 
 
-def _copied(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``buffer`` (a static buffer's view) after copying ``values`` into it in place."""
-    buffer.copy_(values)
-    return buffer
+def _indptr(per_request: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B * heads + 1]`` int32 offsets of rows holding ``per_request`` ``[B]`` entries per
+    kv head, on ``per_request``'s device."""
+    indptr = torch.zeros(per_request.numel() * heads + 1, dtype=torch.int32, device=per_request.device)
+    torch.cumsum(per_request.repeat_interleave(heads), 0, out=indptr[1:])
+    return indptr
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +216,7 @@ class SparseDecoder:
         if use_tensor_cores is None:
             use_tensor_cores = self.group >= 4
         self.workspace, self.use_tensor_cores = workspace, use_tensor_cores
+        self.q_data_type = kv_compute_dtype(shape.dtype)  # the dtype FlashInfer attends in
         self.eager_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "HND", use_tensor_cores=use_tensor_cores
         )
@@ -292,26 +295,24 @@ class SparseDecoder:
             )  # fmt: skip
         return self.graph_wrappers[batch]
 
-    def plan(self, req_slots: torch.Tensor, seq_lens_cpu: torch.Tensor, host_pages: torch.Tensor,
-             graph: bool = False, seq_lens: torch.Tensor | None = None,
-             reselect: torch.Tensor | None = None) -> DecodePlan:  # fmt: skip
+    def plan(self, req_slots: torch.Tensor, seq_lens_cpu: torch.Tensor, host_pages: torch.Tensor, *,
+             seq_lens: torch.Tensor, graph: bool = False, reselect: torch.Tensor | None = None) -> DecodePlan:  # fmt: skip
         """Plan one decode step: FlashInfer's plan, the step's tensors, the coarse bounds it needs.
 
         Parameters
         ----------
         req_slots : torch.Tensor
             ``[B]`` request slots (GPU).
-        seq_lens_cpu : torch.Tensor
-            ``[B]`` tokens of each request, the one decoded now included (CPU).
+        seq_lens_cpu, seq_lens : torch.Tensor
+            ``[B]`` tokens of each request, the one decoded now included, on the host (FlashInfer's
+            plan reads it) and on the device (the step's device tensors are computed there: no
+            copy from the host, which for pageable memory may wait for the forward before, which
+            the overlap scheduler runs while this plans).
         host_pages : torch.Tensor
             ``[B, N]`` host page id of each logical page (GPU), ``N >= max pages``.
         graph : bool
             A step of a CUDA graph (captured or replayed; see :meth:`init_cuda_graph`): the plan's
             tensors are views of the static :class:`GraphBuffers`, rewritten in place.
-        seq_lens : torch.Tensor, optional
-            ``seq_lens_cpu`` on the device, when the caller has it: the page counts are then
-            computed there, with no copy from the host (a host-to-device copy of pageable memory may
-            wait for the forward before, which the overlap scheduler runs while this plans).
         reselect : torch.Tensor, optional
             ``[B]`` bool, which requests select from all their pages (``--sparse-reselect-interval``
             > 1: :meth:`GPUPageCache.due_for_selection`, which the step's owner asks); None: all.
@@ -324,10 +325,7 @@ class SparseDecoder:
         batch, heads, width, page = req_slots.shape[0], self.num_kv_heads, self.width, self.page_size
         device = req_slots.device
         num_pages_cpu = (seq_lens_cpu + page - 1) // page
-        if seq_lens is not None:
-            num_pages_dev = ((seq_lens + page - 1) // page).to(torch.int32)
-        else:
-            num_pages_dev = host_to_device(num_pages_cpu, device, torch.int32)
+        num_pages_dev = ((seq_lens + page - 1) // page).to(torch.int32)
         selected_cpu = num_pages_cpu.clamp(max=width).to(torch.int32)  # pages per (request, head)
         per_row = selected_cpu.repeat_interleave(heads)
         indptr = torch.zeros(batch * heads + 1, dtype=torch.int32)
@@ -338,33 +336,35 @@ class SparseDecoder:
         wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
         wrapper.plan(
             indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
-            q_data_type=kv_compute_dtype(self.store.shape.dtype),
+            q_data_type=self.q_data_type,
             kv_data_type=self.store.shape.dtype,
             sm_scale=self.constants.sm_scale, logits_soft_cap=self.constants.logits_soft_cap,
         )  # fmt: skip
+        g = self.graph if graph else None
         if graph:  # into the static buffers the captured kernels read (the same at capture and every replay)
-            g, columns = self.graph, self.graph.host_pages.shape[1]
             g.host_pages[:batch, : host_pages.shape[1]].copy_(host_pages)
+            max_pages, exact = g.host_pages.shape[1], False
+        else:
+            max_pages = int(num_pages_cpu.max())
+            exact = self.config.exact_shortcut and max_pages <= width
+        coarse = self._plan_coarse(batch, max_pages, num_pages_dev, num_pages_cpu, g, host_pages, exact)
+        if graph:
             return DecodePlan(
-                batch=batch, req_slots=req_slots, num_pages=_copied(g.num_pages[:batch], num_pages_dev),
-                row_pages=_copied(g.row_pages[: batch * heads], num_pages_dev.repeat_interleave(heads)),
-                host_pages=g.host_pages[:batch], max_pages=columns,
+                batch=batch, req_slots=req_slots, num_pages=g.num_pages[:batch].copy_(num_pages_dev),
+                row_pages=g.row_pages[: batch * heads].copy_(num_pages_dev.repeat_interleave(heads)),
+                host_pages=g.host_pages[:batch], max_pages=max_pages,
                 indptr=g.indptr[: batch * heads + 1],  # the graph wrapper's: its plan filled it
                 wrapper=wrapper, exact=False, all_pages=None, dest=dest,
-                reselect=None if reselect is None else _copied(g.reselect[:batch], reselect),
-                **self._plan_coarse(batch, columns, num_pages_dev, num_pages_cpu, g),
+                reselect=None if reselect is None else g.reselect[:batch].copy_(reselect), **coarse,
             )  # fmt: skip
-        max_pages = int(num_pages_cpu.max())
-        exact = self.config.exact_shortcut and max_pages <= width
         all_pages = None
         if exact:
             # Every page is selected: no scoring (pages >= n are padding).
             pages = torch.arange(width, device=device).view(1, 1, width)
             all_pages = torch.where(pages < num_pages_dev.view(-1, 1, 1), pages, -1).expand(batch, heads, width)
-        coarse = self._plan_coarse(batch, max_pages, num_pages_dev, num_pages_cpu, None, host_pages, exact)
         return DecodePlan(batch=batch, req_slots=req_slots, num_pages=num_pages_dev,
                           row_pages=num_pages_dev.repeat_interleave(heads), host_pages=host_pages,
-                          max_pages=max_pages, indptr=host_to_device(indptr, device, torch.int32), wrapper=wrapper,
+                          max_pages=max_pages, indptr=_indptr(num_pages_dev.clamp(max=width), heads), wrapper=wrapper,
                           exact=exact, all_pages=all_pages, reselect=reselect, dest=dest, **coarse)  # fmt: skip
 
     def _plan_indices(
@@ -388,8 +388,8 @@ class SparseDecoder:
         max_built = int(coarse_built(num_pages_cpu, self.coarse, recent).max())  # on the host: sizes a grid
         pays = self.config.coarse_pays(batch, max_pages, self.width)
         if g is not None:  # a CUDA graph's path is fixed per batch size, for the longest context
-            built = _copied(g.built[:batch], built)
-            built_rows = _copied(g.built_rows[: batch * heads], built.repeat_interleave(heads))
+            built = g.built[:batch].copy_(built)
+            built_rows = g.built_rows[: batch * heads].copy_(built.repeat_interleave(heads))
             host_pages, use_coarse = g.host_pages[:batch], pays
         else:
             built_rows = built.repeat_interleave(heads)
@@ -636,12 +636,3 @@ def make_decoder(store: SparseKVStore, config: SparseConfig, num_q_heads: int, w
         fused = store.device.type == "cuda" and fits_fused_retrieve(width, store.shape.row_width)
     decoder = SparseDecoder if fused else TorchPathDecoder
     return decoder(store, config, num_q_heads, workspace, max_batch, **options)
-
-
-def host_page_table(
-    req_to_token: torch.Tensor, req_slots: torch.Tensor, num_pages: int, page_size: int
-) -> torch.Tensor:
-    """``[B, num_pages]`` int32 host page id of each logical page of each request, read from
-    SGLang's ``req_to_token`` rows (token location ``page * page_size + offset``)."""
-    cols = torch.arange(num_pages, device=req_to_token.device) * page_size
-    return (req_to_token[req_slots.long().view(-1, 1), cols.view(1, -1)] // page_size).to(torch.int32)

@@ -84,7 +84,8 @@ class DecodeBench:
         cache, interval = self.store.cache, self.decoder.interval
         cache.next_step()
         reselect = None if interval == 1 else cache.due_for_selection(req_slots, seq_lens, interval)
-        return self.decoder.plan(req_slots, seq_lens, host_pages, graph=graph, reselect=reselect)
+        return self.decoder.plan(req_slots, seq_lens, host_pages, seq_lens=seq_lens.to(req_slots.device), graph=graph,
+                                 reselect=reselect)  # fmt: skip
 
     def token_slots(self) -> torch.Tensor:
         """``[batch, seq_len]`` host token slots of every token of every request."""
