@@ -32,7 +32,7 @@ def _random_codes(bits: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 def _case(bits=2, batch=2, kc=12, pages=20, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    qg = torch.randn(batch, H, G, D, generator=gen)  # float32: products summed in float32 (bf16: the GPU test)
+    qg = torch.randn(batch, H, G, D, generator=gen)
     host_pages = torch.stack([torch.randperm(HOST, generator=gen)[:pages] for _ in range(batch)]).int()
     num_pages = torch.tensor([pages, 9][:batch], dtype=torch.int32)
     candidates = (
@@ -50,8 +50,10 @@ def _run(qg, codes, bits, *rest, **kwargs):
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("k", [4, 7, 12, 16])  # above the 3 forced pages: no ties among them
-def test_the_kernels_match_their_reference(bits, k):
-    case = _case(bits)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])  # the kernel scores in float32 either way
+def test_the_kernels_match_their_reference(bits, k, q_dtype):
+    qg, *rest = _case(bits)
+    case = (qg.to(q_dtype), *rest)
     got = _run(*case, k=k, forced=(1, 2), sm_scale=0.2)
     want = choose_by_codes_reference(*case, k=k, forced=(1, 2), sm_scale=0.2)
     assert got.shape == want.shape == (2, H, k)
