@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover
 
 
 if triton is not None:
+    from sparse_sglang.mem_cache.key_codes import frame_step_tl
 
     @triton.jit
     def _candidate_lse_kernel(
@@ -238,7 +239,7 @@ if triton is not None:
             lo = tl.load(lo_ptr + frame + i * W, mask=ok[:, None], other=0.0).to(tl.float32)
             hi = tl.load(hi_ptr + frame + i * W, mask=ok[:, None], other=0.0).to(tl.float32)
             codes = ((packed >> (i * BITS)) & LEVELS).to(tl.float32)
-            keys = lo + codes * (tl.maximum(hi - lo, 1e-30) / LEVELS)  # [BC P, W]: channels i W + w
+            keys = lo + codes * frame_step_tl(lo, hi, LEVELS)  # [BC P, W]: channels i W + w
             if DOT:  # three tf32 products: about float32's precision
                 logits += tl.dot(q, tl.trans(keys), input_precision="tf32x3")
             else:

@@ -106,6 +106,7 @@ class SaveRuns:
 
 if triton is not None:
     from sparse_sglang.mem_cache.bounds import pow2, quantize_nearest, quantize_outward
+    from sparse_sglang.mem_cache.key_codes import frame_step_tl
 
     @triton.jit
     def _run_page(r, run_start_ptr, run_len_ptr, run_offset_ptr, token_slots_ptr, P: tl.constexpr):
@@ -243,9 +244,9 @@ if triton is not None:
         shift = (d // W) * BITS
         old = ok & (t < offset)
         old_codes = (tl.load(codes_ptr + byte, mask=old[:, None], other=0).to(tl.int32) >> shift[None, :]) & LEVELS
-        old_step = tl.maximum(old_hi - old_lo, 1e-30) / LEVELS
+        old_step = frame_step_tl(old_lo, old_hi, LEVELS)
         value = tl.where(new[:, None], x, old_lo[None, :] + old_codes.to(tl.float32) * old_step[None, :])
-        step = tl.maximum(hi - lo, 1e-30) / LEVELS
+        step = frame_step_tl(lo, hi, LEVELS)
         codes = tl.floor((value - lo[None, :]) / step[None, :] + 0.5)
         codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS).to(tl.int32) << shift[None, :]
         packed = tl.sum(tl.reshape(codes, (P, PER_BYTE, W)), axis=1)

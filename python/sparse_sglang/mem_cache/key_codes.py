@@ -33,6 +33,15 @@ import torch
 
 from sparse_sglang.config import KEY_CODE_BITS
 
+try:  # Triton comes with CUDA builds of torch (and runs on the CPU in its interpreter).
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+# A flat channel's frame (hi == lo) still gets a positive step: its codes are all 0 and decode to lo.
+FLAT_FRAME_WIDTH = 1e-30
+
 
 def code_row_bytes(page_size: int, head_dim: int, bits: int, kv_dtype: torch.dtype) -> int:
     """GPU bytes of one (layer, kv head, page): the codes and the frame."""
@@ -100,7 +109,7 @@ def pack_codes(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 def frame_step(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
     """The width of one level, float32: a flat channel (``hi == lo``) gets a tiny positive step."""
-    return (hi.float() - lo.float()).clamp_min(1e-30) / code_levels(bits)
+    return (hi.float() - lo.float()).clamp_min(FLAT_FRAME_WIDTH) / code_levels(bits)
 
 
 def encode(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
@@ -115,3 +124,12 @@ def decode_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: 
     their frames ``[..., head_dim]``."""
     values = unpack_codes(codes, bits, lo.shape[-1]).float()
     return lo.float().unsqueeze(-2) + values * frame_step(lo, hi, bits).unsqueeze(-2)
+
+
+if triton is not None:
+    FLAT_FRAME_WIDTH_TL = tl.constexpr(FLAT_FRAME_WIDTH)
+
+    @triton.jit
+    def frame_step_tl(lo, hi, LEVELS: tl.constexpr):
+        """:func:`frame_step` in a kernel: float32 ``lo``/``hi``, ``LEVELS = 2**bits - 1``."""
+        return tl.maximum(hi - lo, FLAT_FRAME_WIDTH_TL) / LEVELS
