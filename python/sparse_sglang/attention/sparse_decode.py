@@ -476,16 +476,10 @@ class SparseDecoder:
             ``[B, Hq, D]``.
         """
         self.constants.check(sm_scale, logits_soft_cap, "sparse decoder")
-        if self.candidates and not plan.exact:
+        if self.candidates and not plan.exact:  # the exact re-rank loads its candidates first
             page_ids = self._rerank(layer, q, plan, k_scale)
-        elif self.sketch_candidates and not plan.exact:
-            page_ids = self._sketch_rerank(layer, q, plan)
-            self._retrieve(layer, page_ids, plan)
-        elif self.code_candidates and not plan.exact:
-            page_ids = self._code_rerank(layer, q, plan, k_scale)
-            self._retrieve(layer, page_ids, plan)
         else:
-            page_ids = self.select_raw(layer, q, plan)
+            page_ids = self._choose(layer, q, plan, k_scale)
             self._retrieve(layer, page_ids, plan)
         if self.selection_log is not None:  # -1 for none (the top-k's picks past a request's end)
             self.selection_log[: plan.batch, layer] = torch.where(
@@ -517,6 +511,16 @@ class SparseDecoder:
         )
         self.indices.scatter_(0, at.view(-1), chosen_slots.view(-1).to(torch.int32))
         return chosen_pages.view(plan.batch, self.num_kv_heads, self.width)
+
+    def _choose(self, layer: int, q: torch.Tensor, plan: DecodePlan, k_scale: float | None) -> torch.Tensor:
+        """The ``[B, Hkv, K]`` pages one layer attends, chosen from what the GPU holds before any
+        page is loaded: the summaries' top ``K``, or their ``Kc`` candidates re-ranked by key
+        sketches or key codes."""
+        if plan.exact or not (self.sketch_candidates or self.code_candidates):
+            return self.select_raw(layer, q, plan)
+        if self.sketch_candidates:
+            return self._sketch_rerank(layer, q, plan)
+        return self._code_rerank(layer, q, plan, k_scale)
 
     def _sketch_rerank(self, layer: int, q: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """``Kc`` candidates from the summaries, the ``K`` whose best token's key sketch scores
