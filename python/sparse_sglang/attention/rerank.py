@@ -405,8 +405,8 @@ def choose_by_sketch(qg: torch.Tensor, query_basis: torch.Tensor, sketch: torch.
 
 def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int, host_pages: torch.Tensor,
                     candidates: torch.Tensor, num_pages: torch.Tensor, k: int, forced: tuple[int, int],
-                    sm_scale: float, k_scale: float | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:  # fmt: skip
+                    sm_scale: float, k_scale: float | None = None, logits_soft_cap: float | None = None, *,
+                    keys_per_program: int = 128, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """The ``k`` of each row's candidate pages with the most attention mass estimated from their
     keys' low-bit codes: ``[B, Hkv, k]`` int32 logical pages (any order), ``-1`` padded where a row
     has fewer valid candidates. Two launches: the candidates' log-sum-exp per query head over
@@ -430,6 +430,9 @@ def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
         ``[B]`` int32 pages each request holds.
     sm_scale, k_scale, logits_soft_cap : float
         The layer's softmax scale, fp8 keys' per-tensor scale, logit cap.
+    keys_per_program, num_warps : int
+        The first launch's tile: keys (whole candidate pages) one program decodes and dots at
+        once, and its warps. The choice does not depend on them.
 
     The forced pages (``forced = (sink, recent)``) rank first; the newest page's mass is not
     compared (its tokens past the fill hold stale codes); at equal priorities the earlier
@@ -446,7 +449,7 @@ def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
     page = codes["codes"].shape[-1] * 8 // bits // dim
     lse = torch.empty(rows, kc, group, dtype=torch.float32, device=qg.device)
     cands, lengths = candidates.contiguous(), num_pages.contiguous()
-    per_program = max(1, min(triton.next_power_of_2(kc), 128 // page))  # candidates per program: 128 keys in one dot
+    per_program = min(triton.next_power_of_2(kc), triton.next_power_of_2(max(1, keys_per_program // page)))
     scale = sm_scale * (1.0 if k_scale is None else float(k_scale))
     # Tensor-core dots where the tiles reach their smallest (16 query rows, 16 keys, 16
     # channels); products summed one by one on smaller ones.
@@ -456,7 +459,7 @@ def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
         qg.contiguous(), codes["codes"], codes["lo"], codes["hi"], host_pages, cands, lengths, lse,
         heads, codes["codes"].stride(0), codes["lo"].stride(0), host_pages.stride(0), scale,
         float(logits_soft_cap or 0.0), KC=kc, G=group, GP=gp, P=page, D=dim, BITS=bits, BC=per_program,
-        SOFT_CAP=bool(logits_soft_cap), DOT=dot,
+        SOFT_CAP=bool(logits_soft_cap), DOT=dot, num_warps=num_warps,
     )  # fmt: skip
     _mass_choose_kernel[(rows,)](
         cands, lengths, lse, out, heads, int(forced[0]), int(forced[1]), int(k),
