@@ -500,7 +500,7 @@ def test_quantized_rerank_attends_the_candidates_with_the_most_mass_from_their_k
     """``--sparse-rerank-by quantized``: with every page a candidate (factor 8: up to 128
     candidates, a 94-page context), the pages attended are the best 16 by their mass from their
     keys' 2-bit codes (the oracle's priority over the decoded keys, forced pages first) up to pages
-    within bf16 rounding of each other,
+    within the kernel's rounding of each other,
     only they are loaded (the rows stay one budget wide), and the output is the reference over them;
     eagerly and replayed in a CUDA graph with a padding row."""
     from sparse_sglang.attention import select_pages
@@ -519,7 +519,7 @@ def test_quantized_rerank_attends_the_candidates_with_the_most_mass_from_their_k
             keys = decoded.permute(1, 2, 3, 0, 4).reshape(3, -1, SHAPE.num_kv_heads, SHAPE.head_dim)
             priority = oracle_priority(qs, keys, group)
             expect = select_pages(priority, num_pages, 16, *b.decoder.forced).page_ids
-            # the kernel's dot is bf16 (two parts per query): pages within its rounding may swap
+            # the kernel's dot is three tf32 products: pages within its rounding may swap
             assert_same_pages_within(pages, expect, priority, 1e-2, f"step {i} layer {layer}")
 
 

@@ -14,6 +14,7 @@ import torch
 
 from sparse_sglang.attention.rerank import choose_by_codes
 from sparse_sglang.mem_cache.key_codes import PageKeyCodes
+from sparse_sglang.testing.decode_setup import fill_codes_randomly
 from sparse_sglang.testing.provenance import run_header, save_result
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE = 8, 4, 128, 32
@@ -24,10 +25,7 @@ def codes_case(context: int, batch: int, candidates: int, bits: int, kv_dtype: t
     kv head) row's ``candidates`` distinct pages."""
     pages = context // PAGE
     table = PageKeyCodes(1, KV_HEADS, batch * pages + 1, PAGE, HEAD_DIM, bits, kv_dtype, "cuda").layer(0)
-    table["codes"].copy_(torch.randint(0, 256, table["codes"].shape, generator=gen, device="cuda").to(torch.uint8))
-    lo = torch.randn(table["lo"].shape, generator=gen, device="cuda")
-    table["lo"].copy_(lo)
-    table["hi"].copy_(lo + torch.rand(lo.shape, generator=gen, device="cuda") * 2)
+    fill_codes_randomly(table, gen)
     host_pages = (1 + torch.arange(batch * pages, device="cuda", dtype=torch.int32)).view(batch, pages)
     order = torch.rand(batch * KV_HEADS, pages, generator=gen, device="cuda").argsort(dim=-1)
     cands = order[:, :candidates].to(torch.int32).view(batch, KV_HEADS, candidates)

@@ -117,11 +117,10 @@ class DecodePlan:
     # fmt: on
 
 
-def _indptr(per_request: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[B * heads + 1]`` int32 offsets of rows holding ``per_request`` ``[B]`` entries per
-    kv head, on ``per_request``'s device."""
-    indptr = torch.zeros(per_request.numel() * heads + 1, dtype=torch.int32, device=per_request.device)
-    torch.cumsum(per_request.repeat_interleave(heads), 0, out=indptr[1:])
+def _indptr(per_row: torch.Tensor) -> torch.Tensor:
+    """``[R + 1]`` int32 offsets of ``R`` rows holding ``per_row`` entries each, on its device."""
+    indptr = torch.zeros(per_row.numel() + 1, dtype=torch.int32, device=per_row.device)
+    torch.cumsum(per_row, 0, out=indptr[1:])
     return indptr
 
 
@@ -362,10 +361,11 @@ class SparseDecoder:
             # Every page is selected: no scoring (pages >= n are padding).
             pages = torch.arange(width, device=device).view(1, 1, width)
             all_pages = torch.where(pages < num_pages_dev.view(-1, 1, 1), pages, -1).expand(batch, heads, width)
-        return DecodePlan(batch=batch, req_slots=req_slots, num_pages=num_pages_dev,
-                          row_pages=num_pages_dev.repeat_interleave(heads), host_pages=host_pages,
-                          max_pages=max_pages, indptr=_indptr(num_pages_dev.clamp(max=width), heads), wrapper=wrapper,
-                          exact=exact, all_pages=all_pages, reselect=reselect, dest=dest, **coarse)  # fmt: skip
+        row_pages = num_pages_dev.repeat_interleave(heads)
+        return DecodePlan(batch=batch, req_slots=req_slots, num_pages=num_pages_dev, row_pages=row_pages,
+                          host_pages=host_pages, max_pages=max_pages, indptr=_indptr(row_pages.clamp(max=width)),
+                          wrapper=wrapper, exact=exact, all_pages=all_pages, reselect=reselect, dest=dest,
+                          **coarse)  # fmt: skip
 
     def _plan_indices(
         self, indptr: torch.Tensor, selected_cpu: torch.Tensor, device: torch.device

@@ -49,6 +49,15 @@ def make_store(shape: Llama8BShape, config: SparseConfig, max_batch: int, max_co
     return build_store(config, s, "cuda", key_basis)
 
 
+def fill_codes_randomly(codes: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> None:
+    """Random key codes and frames for one layer's table (``PageKeyCodes.layer``), each frame's
+    ``hi`` above its ``lo``."""
+    codes["codes"].random_(0, 256, generator=generator)
+    lo = torch.randn(codes["lo"].shape, device=codes["lo"].device, generator=generator)
+    codes["lo"].copy_(lo)
+    codes["hi"].copy_(lo + torch.rand(lo.shape, device=lo.device, generator=generator))
+
+
 class DecodeBench:
     """``batch`` requests (slots ``1..batch``) of ``context`` tokens plus the one decoded now."""
 
@@ -116,11 +125,7 @@ class DecodeBench:
             if summ.sketch is not None:
                 summ.sketch[layer].normal_(generator=generator)
             if summ.key_codes is not None:  # random keys: the quantized re-rank's masses differ page by page
-                codes = summ.key_codes.layer(layer)
-                codes["codes"].random_(0, 256, generator=generator)
-                lo = torch.randn(codes["lo"].shape, device="cuda", generator=generator)
-                codes["lo"].copy_(lo)
-                codes["hi"].copy_(lo + torch.rand(lo.shape, device="cuda", generator=generator))
+                fill_codes_randomly(summ.key_codes.layer(layer), generator)
 
     def evict(self, layer: int, page_ids: torch.Tensor, fraction: float, generator: torch.Generator) -> int:
         """Unmap ``fraction`` of the selected pages ``[B, Hkv, K]`` of ``layer`` (the next step misses
