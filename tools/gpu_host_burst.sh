@@ -16,7 +16,7 @@
 # its sparse servers; $GRID_VARIANTS: several sets of them side by side; $GRID_CONFIGS: accuracy.py
 # grid --configs, more configurations in the same grid), decode_bounds (the default page bounds'
 # decode step against min/max, bf16 and fp8), decode_rerank (the same with --sparse-rerank-factor 2), kernels (the Triton kernel tests and the decode GPU
-# tests), answers (decode_bounds, then kernels beside grid), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
+# tests), tiles (the quantized re-rank's launches by tile), answers (decode_bounds, then kernels beside grid), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
 # flags), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
 # its GPU test), startup (warm-up starts, then vanilla and sparse cold starts, a 92 GiB host store),
@@ -103,6 +103,10 @@ job_kernels() {  # the Triton kernels against their references (compiled here), 
   python3 -m pytest -m gpu -q -s -p no:cacheprovider ${KERNEL_GPU_TESTS:-test/test_sparse_decode_gpu.py test/test_selection_real_kv_gpu.py} \
     >> /root/o/kernels.log 2>&1
   tail -n 5 /root/o/kernels.log
+}
+job_tiles() {  # the quantized re-rank's launches by tile (benchmark.probes.code_rerank_tiles), the GPU alone
+  python3 -m benchmark.probes.code_rerank_tiles --out /root/o/code-rerank-tiles.json > /root/o/tiles.log 2>&1
+  tail -n 20 /root/o/tiles.log
 }
 job_answers() {  # the decode step timed alone on the job's GPU, then the kernel tests beside the accuracy grid
   job_decode_bounds
