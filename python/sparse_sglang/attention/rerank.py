@@ -221,30 +221,34 @@ if triton is not None:
         LEVELS: tl.constexpr = (1 << BITS) - 1
         PER_BYTE: tl.constexpr = 8 // BITS
         W: tl.constexpr = D // PER_BYTE  # bytes per token
-        offs_r = tl.arange(0, BC * P)  # key r: token r % P of candidate first + r // P
-        at = first + offs_r // P
+        offs_c = tl.arange(0, BC)
+        at = first + offs_c
         cand = tl.load(cand_ptr + row * KC + at, mask=at < KC, other=-1)
-        ok = (cand >= 0) & (cand < n)
-        host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=ok, other=0).to(tl.int64)
+        valid = (cand >= 0) & (cand < n)  # [BC]
+        host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=valid, other=0).to(tl.int64)
         offs_w = tl.arange(0, W)
-        frame = (h.to(tl.int64) * frame_head_stride + host * D)[:, None] + offs_w[None, :]  # [BC P, W]
-        page = h.to(tl.int64) * codes_head_stride + host * (P * W) + (offs_r % P) * W
-        packed = tl.load(codes_ptr + page[:, None] + offs_w[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        offs_t = tl.arange(0, P)
+        # a candidate's frame once per channel, its P tokens' codes beside it
+        frame = (h.to(tl.int64) * frame_head_stride + host * D)[:, None] + offs_w[None, :]  # [BC, W]
+        page = h.to(tl.int64) * codes_head_stride + host * (P * W)
+        token = tl.reshape(page[:, None] + offs_t[None, :] * W, (BC * P,))  # key r: token r % P of candidate r // P
+        ok = tl.reshape(tl.broadcast_to(valid[:, None], (BC, P)), (BC * P,))
+        packed = tl.load(codes_ptr + token[:, None] + offs_w[None, :], mask=ok[:, None], other=0).to(tl.int32)
         offs_g = tl.arange(0, GP)
         g_ok = offs_g < G
         q_rows = (row * G + offs_g[:, None]) * D + offs_w[None, :]
         logits = tl.zeros((GP, BC * P), dtype=tl.float32)
         for i in tl.static_range(PER_BYTE):
             q = tl.load(q_ptr + q_rows + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale  # [GP, W]
-            lo = tl.load(lo_ptr + frame + i * W, mask=ok[:, None], other=0.0).to(tl.float32)
-            hi = tl.load(hi_ptr + frame + i * W, mask=ok[:, None], other=0.0).to(tl.float32)
-            codes = ((packed >> (i * BITS)) & LEVELS).to(tl.float32)
-            keys = lo + codes * frame_step_tl(lo, hi, LEVELS)  # [BC P, W]: channels i W + w
+            lo = tl.load(lo_ptr + frame + i * W, mask=valid[:, None], other=0.0).to(tl.float32)  # [BC, W]
+            hi = tl.load(hi_ptr + frame + i * W, mask=valid[:, None], other=0.0).to(tl.float32)
+            step = frame_step_tl(lo, hi, LEVELS)
+            codes = tl.reshape(((packed >> (i * BITS)) & LEVELS).to(tl.float32), (BC, P, W))
+            keys = tl.reshape(lo[:, None, :] + codes * step[:, None, :], (BC * P, W))  # channels i W + w
             if DOT:  # three tf32 products: about float32's precision
                 logits += tl.dot(q, tl.trans(keys), input_precision="tf32x3")
             else:
                 logits += tl.sum(q[:, None, :] * keys[None, :, :], axis=2)
-        valid = tl.max(tl.reshape(ok.to(tl.int32), (BC, P)), axis=1) > 0  # [BC]
         _store_page_lse(logits, valid, out_ptr, row, first, soft_cap, KC, G, GP, P, BC, SOFT_CAP)
 
     @triton.jit

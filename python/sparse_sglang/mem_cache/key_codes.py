@@ -130,6 +130,14 @@ if triton is not None:
     FLAT_FRAME_WIDTH_TL = tl.constexpr(FLAT_FRAME_WIDTH)
 
     @triton.jit
-    def frame_step_tl(lo, hi, LEVELS: tl.constexpr):
-        """:func:`frame_step` in a kernel: float32 ``lo``/``hi``, ``LEVELS = 2**bits - 1``."""
-        return tl.maximum(hi - lo, FLAT_FRAME_WIDTH_TL) / LEVELS
+    def frame_step_tl(lo, hi, LEVELS: tl.constexpr, ROUNDED: tl.constexpr = False):
+        """:func:`frame_step` in a kernel: float32 ``lo``/``hi``, ``LEVELS = 2**bits - 1``.
+        ``ROUNDED``: divided correctly rounded, as torch divides (Triton's ``/`` divides
+        approximately on a GPU): the save kernel's codes must be the reference's; a key decoded
+        for a dot need not be."""
+        width = tl.maximum(hi - lo, FLAT_FRAME_WIDTH_TL)
+        if ROUNDED:
+            step = tl.math.div_rn(width, tl.full(width.shape, LEVELS, tl.float32))
+        else:
+            step = width / LEVELS
+        return step
