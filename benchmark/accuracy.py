@@ -479,6 +479,18 @@ def load_items(path: Path) -> tuple[dict, list[Item]]:
     return body["meta"], [Item(**i) for i in body["items"]]
 
 
+def items_answered(
+    items: list[Item], runs: Path, length: int, family: str = "", limit: int | None = None
+) -> list[Item]:
+    """The ``items`` of ``length`` tokens, of a family starting with ``family``, that a serve output
+    ``runs`` (``generate``'s JSON) answers fully right, in its order, at most ``limit``: what the
+    probes ask a sparse policy to keep."""
+    by_id = {i.id: i for i in items}
+    outputs = json.loads(Path(runs).read_text())["outputs"]
+    right = [by_id[o["id"]] for o in outputs if o.get("score") == 1 and o["id"] in by_id]
+    return [i for i in right if i.length == length and i.family.startswith(family)][:limit]
+
+
 def items_digest(items: list[Item]) -> str:
     h = hashlib.sha256()
     for item in items:

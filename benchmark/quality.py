@@ -451,6 +451,17 @@ def decode(
     return out
 
 
+def greedy_answer(model, hook, ids: list[int], new_tokens: int, stop: int | None = None) -> list[int]:
+    """The prompt ``ids`` prefilled, then ``new_tokens`` greedy ones generated (``stop`` ends them,
+    itself included), every attention call through ``hook``: the generated ids."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    logits = run_with(hook, model, input_ids=torch.tensor([ids], device=model.device), past_key_values=cache,
+                      use_cache=True, logits_to_keep=1).logits  # fmt: skip
+    return decode(model, hook, cache, [], new_tokens, int(logits[0, -1].argmax()), stop)
+
+
 # Q3 protocols: what the dense prefill covers. "question": all of the prompt but its question, whose
 # tokens then decode with the policy like the answer (stricter than any server step). "prompt":
 # the whole prompt, whose greedy token is the answer's first, then the rest decodes with the

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 from pathlib import Path
 
@@ -439,9 +438,7 @@ def main() -> None:
     args = p.parse_args()
     _, items = accuracy.load_items(Path(args.items))
     by_id = {i.id: i for i in items}
-    dense_run = {o["id"]: o for o in json.loads(Path(args.runs).read_text())["outputs"]}
-    chosen = [by_id[i] for i, o in dense_run.items() if o.get("score") == 1 and i in by_id and by_id[i].length == args.length
-              and by_id[i].family.startswith(args.family)][: args.limit]  # fmt: skip
+    chosen = accuracy.items_answered(items, Path(args.runs), args.length, args.family, args.limit)
     if args.ids:
         chosen = [by_id[i] for i in args.ids.split(",")]
     tokenizer, model = quality.load_model()

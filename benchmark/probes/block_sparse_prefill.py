@@ -16,8 +16,6 @@ also reports each policy's density: the share of the causal (query, key) pairs a
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 from pathlib import Path
 
 import torch
@@ -116,18 +114,13 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     _, items = accuracy.load_items(Path(args.items))
-    by_id = {i.id: i for i in items}
-    dense_run = {o["id"]: o for o in json.loads(Path(args.runs).read_text())["outputs"]}
-    chosen = [by_id[i] for i, o in dense_run.items() if o.get("score") == 1 and i in by_id
-              and by_id[i].length == args.length and by_id[i].family.startswith(args.family)][: args.limit]  # fmt: skip
+    chosen = accuracy.items_answered(items, Path(args.runs), args.length, args.family, args.limit)
     tokenizer, model = quality.load_model()
     policies = {f"bsp{b}-{r}-tail{t}": (int(b), r, int(t)) for b in args.budgets.split(",")
                 for r in args.reduces.split(",") for t in args.dense_tails.split(",")}  # fmt: skip
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows, density = [], {name: [0, 0] for name in policies}
     for item in chosen:
-        from transformers import DynamicCache
-
         ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
         row = {"id": item.id}
         for name, spec in [("dense", None)] + list(policies.items()):
@@ -137,11 +130,7 @@ def main() -> None:
                 hook = BlockSparsePrefill(
                     quality.PAGE_SIZE, args.query_block, spec[0], args.sink, args.window, *spec[1:]
                 )
-            cache = DynamicCache(config=model.config)
-            logits = quality.run_with(hook, model, input_ids=torch.tensor([ids]), past_key_values=cache,
-                                      use_cache=True, logits_to_keep=1).logits  # fmt: skip
-            first = int(logits[0, -1].argmax())
-            out = quality.decode(model, hook, copy.deepcopy(cache), [], min(item.max_new_tokens, 24), first, stop)
+            out = quality.greedy_answer(model, hook, ids, min(item.max_new_tokens, 24), stop)
             row[name] = accuracy.score(item, tokenizer.decode(out, skip_special_tokens=True))
             if spec is not None:
                 density[name][0] += hook.attended

@@ -77,14 +77,9 @@ def main() -> None:
     k = args.budget // quality.PAGE_SIZE
     rows = []
     for item in chosen:
-        from transformers import DynamicCache
-
         hook = ChurnHook(k, int(args.factor * k))
         ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
-        cache = DynamicCache(config=model.config)
-        logits = quality.run_with(hook, model, input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
-                                  logits_to_keep=1).logits  # fmt: skip
-        quality.decode(model, hook, cache, [], args.new_tokens, int(logits[0, -1].argmax()))
+        quality.greedy_answer(model, hook, ids, args.new_tokens)
         rows_heads = model.config.num_hidden_layers * model.config.num_key_value_heads * max(hook.steps, 1)
         row = {"id": item.id, "tokens": len(ids), "steps": hook.steps,
                "new_candidates_per_row_step": round(hook.new_candidates / rows_heads, 3),

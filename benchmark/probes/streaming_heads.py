@@ -17,8 +17,6 @@ CPU reference, float32 (``benchmark/quality.py``'s model); items the dense run a
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import math
 from pathlib import Path
 
@@ -109,10 +107,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     _, items = accuracy.load_items(Path(args.items))
-    by_id = {i.id: i for i in items}
-    dense_run = {o["id"]: o for o in json.loads(Path(args.runs).read_text())["outputs"]}
-    chosen = [by_id[i] for i, o in dense_run.items() if o.get("score") == 1 and i in by_id
-              and by_id[i].length == args.length and by_id[i].family.startswith(args.family)][: args.limit]  # fmt: skip
+    chosen = accuracy.items_answered(items, Path(args.runs), args.length, args.family, args.limit)
     tokenizer, model = quality.load_model()
     far = distant_mass(model, tokenizer, calibration_texts()[0], args.calibration_tokens, args.probe_queries,
                        args.sink, args.window)  # fmt: skip
@@ -124,14 +119,8 @@ def main() -> None:
         ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
         row = {"id": item.id}
         for name, streaming in [("dense", None)] + list(policies.items()):
-            from transformers import DynamicCache
-
             hook = quality.dense if streaming is None else StreamingHook(streaming, args.sink, args.window)
-            cache = DynamicCache(config=model.config)
-            logits = quality.run_with(hook, model, input_ids=torch.tensor([ids]), past_key_values=cache,
-                                      use_cache=True, logits_to_keep=1).logits  # fmt: skip
-            first = int(logits[0, -1].argmax())
-            out = quality.decode(model, hook, copy.deepcopy(cache), [], min(item.max_new_tokens, 24), first, stop)
+            out = quality.greedy_answer(model, hook, ids, min(item.max_new_tokens, 24), stop)
             row[name] = accuracy.score(item, tokenizer.decode(out, skip_special_tokens=True))
         rows.append(row)
         print(row, flush=True)
