@@ -491,6 +491,16 @@ def items_answered(
     return [i for i in right if i.length == length and i.family.startswith(family)][:limit]
 
 
+def add_answered_args(parser, length: int, limit: int) -> None:
+    """The arguments :func:`items_answered` takes, for a probe: ``--items``, ``--runs``,
+    ``--length``, ``--family``, ``--limit``."""
+    parser.add_argument("--items", required=True)
+    parser.add_argument("--runs", required=True, help="a dense serve output: its right answers pick the items")
+    parser.add_argument("--length", type=int, default=length)
+    parser.add_argument("--family", default="niah", help="items whose family starts with this")
+    parser.add_argument("--limit", type=int, default=limit)
+
+
 def items_digest(items: list[Item]) -> str:
     h = hashlib.sha256()
     for item in items:

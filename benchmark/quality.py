@@ -451,6 +451,19 @@ def decode(
     return out
 
 
+def page_moments(key: torch.Tensor, page: int = PAGE_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[Hkv, N, D]`` per-page key mean and population variance of ``key`` ``[Hkv, T, D]``, from
+    the keys exactly (the last page's missing tokens left out): what the mean/std corners store."""
+    heads, tokens, dim = key.shape
+    pad = -tokens % page
+    k = torch.nn.functional.pad(key.float(), (0, 0, 0, pad)).view(heads, -1, page, dim)
+    valid = torch.nn.functional.pad(torch.ones(tokens, device=key.device), (0, pad)).view(1, -1, page, 1)
+    count = valid.sum(2).clamp_min(1)
+    mean = (k * valid).sum(2) / count
+    var = (((k - mean.unsqueeze(2)) * valid) ** 2).sum(2) / count
+    return mean, var
+
+
 def greedy_answer(model, hook, ids: list[int], new_tokens: int, stop: int | None = None) -> list[int]:
     """The prompt ``ids`` prefilled, then ``new_tokens`` greedy ones generated (``stop`` ends them,
     itself included), every attention call through ``hook``: the generated ids."""

@@ -255,17 +255,12 @@ class PageStatDecoder(QuestStepDecoder):
 
     def rank(self, layer, scores, q, key, seq_len, scaling):
         heads, tokens, dim = key.shape[1], key.shape[2], key.shape[3]
-        k = key[0].float()
-        pad = -tokens % quality.PAGE_SIZE
-        valid = torch.ones(heads, tokens + pad, 1)
-        valid[:, tokens:] = 0
-        k = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(heads, -1, quality.PAGE_SIZE, dim)
-        valid = valid.view(heads, -1, quality.PAGE_SIZE, 1)
         qg = q.float().view(1, heads, -1, dim)
         if self.stat.startswith("sub"):
             sub = int(self.stat.removeprefix("sub"))
-            ks = k.view(heads, -1, sub, dim)
-            vs = valid.view(heads, -1, sub, 1).bool()
+            pad = -tokens % quality.PAGE_SIZE
+            ks = torch.nn.functional.pad(key[0].float(), (0, 0, 0, pad)).view(heads, -1, sub, dim)
+            vs = (torch.arange(tokens + pad) < tokens).view(1, -1, sub, 1).expand(heads, -1, -1, -1)
             kmin = ks.masked_fill(~vs, math.inf).amin(2).unsqueeze(0)
             kmax = ks.masked_fill(~vs, -math.inf).amax(2).unsqueeze(0)
             empty = ~vs.any(2).squeeze(-1)
@@ -273,9 +268,7 @@ class PageStatDecoder(QuestStepDecoder):
             s = quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
             s = s.masked_fill(empty.unsqueeze(0), -math.inf)
             return s.view(1, heads, -1, quality.PAGE_SIZE // sub).amax(-1)
-        count = valid.sum(2).clamp_min(1)
-        mean = (k * valid).sum(2) / count
-        var = (((k - mean.unsqueeze(2)) * valid) ** 2).sum(2) / count
+        mean, var = quality.page_moments(key[0])
         if self.stat == "gauss":
             s = scaling * qg @ mean.unsqueeze(0).transpose(-1, -2)
             s = s + 0.5 * scaling**2 * (qg**2) @ var.unsqueeze(0).transpose(-1, -2)
@@ -421,12 +414,8 @@ def window_queries(model, ids) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--items", required=True)
-    p.add_argument("--runs", required=True, help="a dense serve output: its right answers pick the items")
+    accuracy.add_answered_args(p, length=2048, limit=15)
     p.add_argument("--budget", type=int, default=512)
-    p.add_argument("--length", type=int, default=2048)
-    p.add_argument("--limit", type=int, default=15)
-    p.add_argument("--family", default="niah", help="items whose family starts with this")
     p.add_argument("--out", required=True)
     p.add_argument("--policies", default="", help="comma-separated subset of the policies")
     p.add_argument(

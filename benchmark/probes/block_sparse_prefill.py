@@ -25,19 +25,6 @@ from benchmark import accuracy, quality
 from sparse_sglang.testing.provenance import run_header, save_result
 
 
-def page_corners(key: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[Hkv, N, D]`` per-page key mean and population std of ``key`` ``[Hkv, T, D]`` (the last
-    page's missing tokens left out)."""
-    heads, tokens, dim = key.shape
-    pad = -tokens % page
-    k = F.pad(key.float(), (0, 0, 0, pad)).view(heads, -1, page, dim)
-    valid = F.pad(torch.ones(tokens), (0, pad)).view(1, -1, page, 1)
-    count = valid.sum(2).clamp_min(1)
-    mean = (k * valid).sum(2) / count
-    var = (((k - mean.unsqueeze(2)) * valid) ** 2).sum(2) / count
-    return mean, var.sqrt()
-
-
 def allowed_keys(query: torch.Tensor, key: torch.Tensor, page: int, block: int, budget: int, sink: int, window: int,
                  reduce: str, dense_tail: int = 0) -> torch.Tensor:  # fmt: skip
     """``[Hkv, T, T]`` bool: which keys each prompt position attends, per kv head. Causal; every
@@ -47,7 +34,8 @@ def allowed_keys(query: torch.Tensor, key: torch.Tensor, page: int, block: int, 
     heads, tokens = key.shape[1], key.shape[2]
     group = query.shape[1] // heads
     q = query[0].float().view(heads, group, tokens, -1)
-    mean, std = page_corners(key[0], page)  # [Hkv, N, D]
+    mean, var = quality.page_moments(key[0], page)  # [Hkv, N, D]
+    std = var.sqrt()
     scores = q.sum(1) @ mean.transpose(-1, -2) + q.abs().sum(1) @ std.transpose(-1, -2)  # [Hkv, T, N]
     blocks = -(-tokens // block)
     padded = F.pad(scores, (0, 0, 0, blocks * block - tokens), value=float("-inf")).view(heads, blocks, block, -1)
@@ -100,11 +88,7 @@ class BlockSparsePrefill:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--items", required=True)
-    p.add_argument("--runs", required=True, help="a dense serve output: its right answers pick the items")
-    p.add_argument("--length", type=int, default=4096)
-    p.add_argument("--family", default="niah", help="items whose family starts with this")
-    p.add_argument("--limit", type=int, default=40)
+    accuracy.add_answered_args(p, length=4096, limit=40)
     p.add_argument("--budgets", default="1024", help="tokens of pages each query block attends beyond sink and window")
     p.add_argument("--reduces", default="max", help="max, mean: a block's score of a page")
     p.add_argument("--dense-tails", default="0", help="prompt positions at the end that attend densely")

@@ -18,7 +18,6 @@ import argparse
 from pathlib import Path
 
 from benchmark import accuracy, quality
-from benchmark.probes.block_sparse_prefill import page_corners
 from sparse_sglang.testing.provenance import run_header, save_result
 
 
@@ -57,7 +56,8 @@ class ChurnHook:
             return out
         heads, layer = key.shape[1], module.layer_idx
         q = query[0, :, 0].float().view(heads, -1, query.shape[-1])  # [Hkv, G, D]
-        mean, std = page_corners(key[0], quality.PAGE_SIZE)  # [Hkv, N, D]
+        mean, var = quality.page_moments(key[0])  # [Hkv, N, D]
+        std = var.sqrt()
         scores = q.sum(1, keepdim=True) @ mean.transpose(-1, -2) + q.abs().sum(1, keepdim=True) @ std.transpose(-1, -2)
         order = scores[:, 0].argsort(dim=-1, descending=True).tolist()  # [Hkv][N]
         first = (layer, 0, "candidates", self.row_factors[0]) not in self.rows

@@ -1,6 +1,7 @@
 """The quantized re-rank's two launches (``choose_by_codes``) alone, by tile: keys one program
 decodes and dots at once, and its warps, at the decode benchmark's cells (Llama-3-8B shape,
-budget 2,048 tokens, 2x candidates, random codes). Picks the tile the decode step uses
+budget 2,048 tokens, 2x candidates, random codes), timed as that benchmark times a step (a CUDA
+graph's replays, L2 flushed, the median). Picks the tile the decode step uses
 (docs/decisions, the quantized re-rank).
 
     python -m benchmark.probes.code_rerank_tiles --out code-rerank-tiles.json
@@ -12,6 +13,7 @@ import argparse
 
 import torch
 
+from benchmark.decode import time_graph
 from sparse_sglang.attention.rerank import choose_by_codes
 from sparse_sglang.mem_cache.key_codes import PageKeyCodes
 from sparse_sglang.testing.decode_setup import fill_codes_randomly
@@ -32,18 +34,6 @@ def codes_case(context: int, batch: int, candidates: int, bits: int, kv_dtype: t
     qg = torch.randn(batch, KV_HEADS, GROUP, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
     num_pages = torch.full((batch,), pages, dtype=torch.int32, device="cuda")
     return qg, table, host_pages, cands, num_pages
-
-
-def time_us(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
 
 
 def main(argv=None) -> dict:
@@ -75,7 +65,7 @@ def main(argv=None) -> dict:
                 got = choose().sort(dim=-1).values
                 want = got if want is None else want
                 row = {"context": context, "batch": batch, "keys_per_program": keys, "num_warps": warps,
-                       "us": round(time_us(choose, args.iters), 1), "same_choice": bool(torch.equal(got, want))}  # fmt: skip
+                       "us": round(1000 * time_graph(choose, args.iters), 1), "same_choice": bool(torch.equal(got, want))}  # fmt: skip
                 rows.append(row)
                 print(row, flush=True)
     best = {}

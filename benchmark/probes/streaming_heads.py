@@ -94,11 +94,7 @@ def main() -> None:
     from sparse_sglang.calibrate import calibration_texts
 
     p = argparse.ArgumentParser()
-    p.add_argument("--items", required=True)
-    p.add_argument("--runs", required=True, help="a dense serve output: its right answers pick the items")
-    p.add_argument("--length", type=int, default=2048)
-    p.add_argument("--family", default="niah", help="items whose family starts with this")
-    p.add_argument("--limit", type=int, default=40)
+    accuracy.add_answered_args(p, length=2048, limit=40)
     p.add_argument("--fractions", default="0.25,0.5", help="shares of kv heads made streaming")
     p.add_argument("--sink", type=int, default=64)
     p.add_argument("--window", type=int, default=256)
