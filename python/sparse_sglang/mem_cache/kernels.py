@@ -244,11 +244,12 @@ if triton is not None:
         shift = (d // W) * BITS
         old = ok & (t < offset)
         old_codes = (tl.load(codes_ptr + byte, mask=old[:, None], other=0).to(tl.int32) >> shift[None, :]) & LEVELS
-        # Correctly rounded, unfused arithmetic (enable_fp_fusion=False at the launch), as torch's:
-        # keys on a rounding boundary (common with fp8 keys) get the reference's code, not its neighbour.
-        old_step = frame_step_tl(old_lo, old_hi, LEVELS, ROUNDED=True)
+        # Torch's arithmetic exactly (frame_step's product, a correctly rounded division, nothing fused:
+        # enable_fp_fusion=False at the launch): keys on a rounding boundary (common with fp8 keys)
+        # get the reference's code, not its neighbour.
+        old_step = frame_step_tl(old_lo, old_hi, LEVELS)
         value = tl.where(new[:, None], x, old_lo[None, :] + old_codes.to(tl.float32) * old_step[None, :])
-        step = frame_step_tl(lo, hi, LEVELS, ROUNDED=True)
+        step = frame_step_tl(lo, hi, LEVELS)
         codes = tl.floor(tl.math.div_rn(value - lo[None, :], step[None, :]) + 0.5)
         codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS).to(tl.int32) << shift[None, :]
         packed = tl.sum(tl.reshape(codes, (P, PER_BYTE, W)), axis=1)

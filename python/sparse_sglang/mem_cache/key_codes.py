@@ -108,8 +108,11 @@ def pack_codes(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def frame_step(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
-    """The width of one level, float32: a flat channel (``hi == lo``) gets a tiny positive step."""
-    return (hi.float() - lo.float()).clamp_min(FLAT_FRAME_WIDTH) / code_levels(bits)
+    """The width of one level, float32: a flat channel (``hi == lo``) gets a tiny positive step.
+    The width times the float32 reciprocal of the level count, one rounding: what torch computes on
+    either device (on a GPU it turns a division by a scalar into this product) and what
+    :func:`frame_step_tl` computes, so kernels and references agree on keys at rounding boundaries."""
+    return (hi.float() - lo.float()).clamp_min(FLAT_FRAME_WIDTH) * (1.0 / code_levels(bits))
 
 
 def encode(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
@@ -130,14 +133,7 @@ if triton is not None:
     FLAT_FRAME_WIDTH_TL = tl.constexpr(FLAT_FRAME_WIDTH)
 
     @triton.jit
-    def frame_step_tl(lo, hi, LEVELS: tl.constexpr, ROUNDED: tl.constexpr = False):
-        """:func:`frame_step` in a kernel: float32 ``lo``/``hi``, ``LEVELS = 2**bits - 1``.
-        ``ROUNDED``: divided correctly rounded, as torch divides (Triton's ``/`` divides
-        approximately on a GPU): the save kernel's codes must be the reference's; a key decoded
-        for a dot need not be."""
-        width = tl.maximum(hi - lo, FLAT_FRAME_WIDTH_TL)
-        if ROUNDED:
-            step = tl.math.div_rn(width, tl.full(width.shape, LEVELS, tl.float32))
-        else:
-            step = width / LEVELS
-        return step
+    def frame_step_tl(lo, hi, LEVELS: tl.constexpr):
+        """:func:`frame_step` in a kernel, float32 ``lo``/``hi``, ``LEVELS = 2**bits - 1``: the same
+        product, so a code the save kernel writes is its reference's (launched unfused)."""
+        return tl.maximum(hi - lo, FLAT_FRAME_WIDTH_TL) * (1.0 / LEVELS)
