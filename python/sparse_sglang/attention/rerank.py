@@ -209,10 +209,12 @@ if triton is not None:
         KC: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
         BITS: tl.constexpr, BC: tl.constexpr, SOFT_CAP: tl.constexpr, DOT: tl.constexpr,
     ):  # fmt: skip
-        # One program per (row, BC candidates), the BC candidates' BC * P keys at once: per shift,
-        # one tile of decoded keys (lo + code * step, float32) and one dot with the query. A
-        # token's byte w holds channels w, w + W, ... (key_codes), so shift i gives channels
-        # [i W, (i + 1) W) whole, with no reshuffling of the codes.
+        # One program per (row, BC candidates), one candidate at a time. With the frame,
+        # q . k_t = q . lo + (q * step) . c_t: the codes enter the dot as they are (small integers,
+        # exact in bf16) and the frame scales the query. A token's byte w holds channels w, w + W,
+        # ... (key_codes), so shift i gives channels [i W, (i + 1) W) whole: one dot per shift,
+        # with no reshuffling of the codes. (Decoding the BC candidates' keys into one float32 tile
+        # and one dot per shift timed slower: decision 27.)
         row = tl.program_id(0)
         first = tl.program_id(1) * BC
         b = row // num_heads
@@ -222,34 +224,39 @@ if triton is not None:
         PER_BYTE: tl.constexpr = 8 // BITS
         W: tl.constexpr = D // PER_BYTE  # bytes per token
         offs_c = tl.arange(0, BC)
-        at = first + offs_c
-        cand = tl.load(cand_ptr + row * KC + at, mask=at < KC, other=-1)
-        valid = (cand >= 0) & (cand < n)  # [BC]
-        host = tl.load(host_pages_ptr + b * host_pages_stride + cand, mask=valid, other=0).to(tl.int64)
-        offs_w = tl.arange(0, W)
-        offs_t = tl.arange(0, P)
-        # a candidate's frame once per channel, its P tokens' codes beside it
-        frame = (h.to(tl.int64) * frame_head_stride + host * D)[:, None] + offs_w[None, :]  # [BC, W]
-        page = h.to(tl.int64) * codes_head_stride + host * (P * W)
-        token = tl.reshape(page[:, None] + offs_t[None, :] * W, (BC * P,))  # key r: token r % P of candidate r // P
-        ok = tl.reshape(tl.broadcast_to(valid[:, None], (BC, P)), (BC * P,))
-        packed = tl.load(codes_ptr + token[:, None] + offs_w[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        cands = tl.load(cand_ptr + row * KC + first + offs_c, mask=first + offs_c < KC, other=-1)
+        oks = (cands >= 0) & (cands < n)
+        hosts = tl.load(host_pages_ptr + b * host_pages_stride + cands, mask=oks, other=0).to(tl.int64)
         offs_g = tl.arange(0, GP)
         g_ok = offs_g < G
+        offs_t = tl.arange(0, P)
+        offs_w = tl.arange(0, W)
         q_rows = (row * G + offs_g[:, None]) * D + offs_w[None, :]
-        logits = tl.zeros((GP, BC * P), dtype=tl.float32)
-        for i in tl.static_range(PER_BYTE):
-            q = tl.load(q_ptr + q_rows + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale  # [GP, W]
-            lo = tl.load(lo_ptr + frame + i * W, mask=valid[:, None], other=0.0).to(tl.float32)  # [BC, W]
-            hi = tl.load(hi_ptr + frame + i * W, mask=valid[:, None], other=0.0).to(tl.float32)
-            step = frame_step_tl(lo, hi, LEVELS)
-            codes = tl.reshape(((packed >> (i * BITS)) & LEVELS).to(tl.float32), (BC, P, W))
-            keys = tl.reshape(lo[:, None, :] + codes * step[:, None, :], (BC * P, W))  # channels i W + w
-            if DOT:  # three tf32 products: about float32's precision
-                logits += tl.dot(q, tl.trans(keys), input_precision="tf32x3")
-            else:
-                logits += tl.sum(q[:, None, :] * keys[None, :, :], axis=2)
-        _store_page_lse(logits, valid, out_ptr, row, first, soft_cap, KC, G, GP, P, BC, SOFT_CAP)
+        for j in tl.static_range(BC):
+            ok = tl.max(tl.where(offs_c == j, oks.to(tl.int32), 0)) > 0
+            host = tl.sum(tl.where(offs_c == j, hosts, 0))
+            frame = h.to(tl.int64) * frame_head_stride + host * D + offs_w
+            page = h.to(tl.int64) * codes_head_stride + host * (P * W)
+            packed = tl.load(codes_ptr + page + offs_t[:, None] * W + offs_w[None, :], mask=ok, other=0).to(tl.int32)
+            scores = tl.zeros((GP, P), dtype=tl.float32)
+            base = tl.zeros((GP,), dtype=tl.float32)
+            for i in tl.static_range(PER_BYTE):
+                q = tl.load(q_ptr + q_rows + i * W, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale
+                lo = tl.load(lo_ptr + frame + i * W, mask=ok, other=0.0).to(tl.float32)
+                hi = tl.load(hi_ptr + frame + i * W, mask=ok, other=0.0).to(tl.float32)
+                q_step = q * frame_step_tl(lo, hi, LEVELS)[None, :]  # [GP, W]
+                codes = (packed >> (i * BITS)) & LEVELS  # [P, W]: channels i W + w
+                if DOT:  # the scaled query as two bf16 parts: products about fp32's precision
+                    c16 = tl.trans(codes.to(tl.bfloat16))
+                    q_high = q_step.to(tl.bfloat16)
+                    q_low = (q_step - q_high.to(tl.float32)).to(tl.bfloat16)
+                    scores += tl.dot(q_high, c16) + tl.dot(q_low, c16)
+                else:
+                    scores += tl.sum(q_step[:, None, :] * codes.to(tl.float32)[None, :, :], axis=2)
+                base += tl.sum(q * lo[None, :], axis=1)
+            valid = (tl.zeros((1,), dtype=tl.int32) + ok.to(tl.int32)) > 0
+            _store_page_lse(scores + base[:, None], valid, out_ptr, row, first + j, soft_cap,
+                            KC, G, GP, P, 1, SOFT_CAP)  # fmt: skip
 
     @triton.jit
     def _mass_choose_kernel(
@@ -435,8 +442,8 @@ def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
     sm_scale, k_scale, logits_soft_cap : float
         The layer's softmax scale, fp8 keys' per-tensor scale, logit cap.
     keys_per_program, num_warps : int
-        The first launch's tile: keys (whole candidate pages) one program decodes and dots at
-        once, and its warps. The choice does not depend on them.
+        The first launch's tile: keys (whole candidate pages, one page after another) one
+        program scores, and its warps. The choice does not depend on them.
 
     The forced pages (``forced = (sink, recent)``) rank first; the newest page's mass is not
     compared (its tokens past the fill hold stale codes); at equal priorities the earlier
@@ -455,9 +462,9 @@ def choose_by_codes(qg: torch.Tensor, codes: dict[str, torch.Tensor], bits: int,
     cands, lengths = candidates.contiguous(), num_pages.contiguous()
     per_program = min(triton.next_power_of_2(kc), triton.next_power_of_2(max(1, keys_per_program // page)))
     scale = sm_scale * (1.0 if k_scale is None else float(k_scale))
-    # Tensor-core dots where the tiles reach their smallest (16 query rows, 16 keys, 16
-    # channels); products summed one by one on smaller ones.
-    dot = dim * bits // 8 >= 16 and per_program * page >= 16
+    # 16-bit queries: tensor-core dots (their smallest tile: 16 rows, 16 keys, 16 channels);
+    # float32 ones, the products summed in float32.
+    dot = qg.dtype in (torch.bfloat16, torch.float16) and page >= 16 and dim * bits // 8 >= 16
     gp = max(16, triton.next_power_of_2(group)) if dot else triton.next_power_of_2(group)
     _code_lse_kernel[(rows, triton.cdiv(kc, per_program))](
         qg.contiguous(), codes["codes"], codes["lo"], codes["hi"], host_pages, cands, lengths, lse,
