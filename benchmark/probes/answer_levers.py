@@ -48,12 +48,16 @@ class QuestStepDecoder(quality.SparseDecoder):
         q, seq_len = query[:, :, 0], torch.tensor([tokens])
         n = -(-tokens // quality.PAGE_SIZE)
         kmin, kmax = (getattr(self.summaries, name)[layer, :, :n].unsqueeze(0) for name in ("kmin", "kmax"))
+        pages = self.select(layer, q, key, seq_len, scaling, kmin, kmax)
+        return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling).unsqueeze(1)
+
+    def select(self, layer, q, key, seq_len, scaling, kmin, kmax):
+        """``[1, Hkv, width]`` pages attended (``-1`` padded), from the corners ``kmin``/``kmax``."""
         qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
         scores = quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
         ranked = self.rank(layer, scores, q, key, seq_len, scaling)
-        pages = select_pages(ranked, -(-seq_len // quality.PAGE_SIZE), self.policy.budget // quality.PAGE_SIZE,
-                             self.policy.sink_pages, self.policy.recent_pages).page_ids  # fmt: skip
-        return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling).unsqueeze(1)
+        return select_pages(ranked, -(-seq_len // quality.PAGE_SIZE), self.policy.budget // quality.PAGE_SIZE,
+                            self.policy.sink_pages, self.policy.recent_pages).page_ids  # fmt: skip
 
     def rank(self, layer, scores, q, key, seq_len, scaling):
         return scores
@@ -124,6 +128,48 @@ class ReusedRerankDecoder(RerankDecoder):
         k = self.policy.budget // quality.PAGE_SIZE
         self.chosen[layer] = ranked.topk(min(k, ranked.shape[-1]), dim=-1).indices
         return ranked
+
+
+class ShareDecoder(QuestStepDecoder):
+    """The layer's page budget shared among its kv heads by estimated attention mass (a budget
+    set by mass, not a count per head): every head keeps its ``floor`` x the budget's best pages
+    (the forced ones among them), then the rest of the layer's ``Hkv`` x ``K`` pages go to the
+    (head, page) pairs with the largest estimated share of their head's mass. A page's share is
+    the softmax, over the head's pages, of its corners' logit bound (each query head's, then the
+    group's mean; or of the group's mean bound, ``pool = "logits"``): the same scores the
+    default ranks by, the same pages attended in total."""
+
+    floor: float = 0.5
+    pool: str = "probs"  # "logits": the group's bounds averaged before the softmax
+    cap: float = 0.0  # > 0: no head attends more than cap x the budget's pages (a cache row's width)
+
+    def select(self, layer, q, key, seq_len, scaling, kmin, kmax):
+        heads, n, budget = kmin.shape[1], kmin.shape[2], self.policy.budget // quality.PAGE_SIZE
+        qg = q.view(1, heads, -1, q.shape[-1]).unsqueeze(3)  # [1, Hkv, G, 1, D]
+        bound = torch.maximum(qg * kmin.unsqueeze(2), qg * kmax.unsqueeze(2)).sum(-1)  # [1, Hkv, G, N]
+        if self.pool == "probs":
+            share = (bound * scaling).softmax(-1).mean(2)  # [1, Hkv, N]
+        else:  # the softmax of the group's mean bound: from the group-summed score a server keeps
+            share = (bound.mean(2) * scaling).softmax(-1)
+        sink, recent = self.policy.sink_pages, self.policy.recent_pages
+        num_pages = -(-seq_len // quality.PAGE_SIZE)
+        if n <= budget:
+            return select_pages(share, num_pages, budget, sink, recent).page_ids
+        base = max(sink + recent, int(self.floor * budget))
+        kept = torch.zeros(1, heads, n, dtype=torch.bool)
+        kept.scatter_(-1, select_pages(share, num_pages, base, sink, recent).page_ids.long(), True)
+        free = share.masked_fill(kept, -math.inf)
+        if self.cap:  # no head past cap x the budget's pages: its pages past that rank among its own stay out
+            rank = free.argsort(-1, descending=True).argsort(-1)
+            free = free.masked_fill(rank >= int(self.cap * budget) - base, -math.inf)
+        extra = free.flatten().topk(heads * (budget - base)).indices
+        kept.view(-1)[extra] = True
+        width = int(kept.sum(-1).max())
+        pages = torch.full((1, heads, width), -1, dtype=torch.int32)
+        for h in range(heads):
+            mine = kept[0, h].nonzero().flatten()
+            pages[0, h, : mine.numel()] = mine.int()
+        return pages
 
 
 class BandRerankDecoder(QuestStepDecoder):
@@ -465,6 +511,12 @@ def main() -> None:
         **{f"ms-rerank2-int{b}": quality.Policy(budget=args.budget) for b in (1, 2, 3, 4)},
         **{f"ms-rerank2-int2-c{c}{g}": quality.Policy(budget=args.budget) for c in (8, 16, 32) for g in ("", "g")},
         **{f"ms-band{a}x{b}": quality.Policy(budget=args.budget) for a, b in ((0.5, 1.0), (0.75, 0.5), (0.5, 0.5))},
+        **{
+            f"ms-share{p}{f}{c}": quality.Policy(budget=args.budget)
+            for f in (0.25, 0.5, 0.75)
+            for p in ("", "mean")
+            for c in ("", "-cap1.25", "-cap1.5")
+        },
         **{f"sketch{r}": quality.Policy(budget=args.budget) for r in (4, 8, 16)},
         "sketch16-max": quality.Policy(budget=args.budget),  # the per-request basis, scored as the server scores
         # the same from the prompt's first W tokens only (what a server fits at a first prefill chunk),
@@ -515,6 +567,11 @@ def main() -> None:
                 hook.__class__ = ReusedRerankDecoder if every else RerankDecoder
                 hook.factor, hook.every, hook.bits = float(factor), int(every or 1), int(bits or 0)
                 hook.channels, hook.fixed = int(channels.removesuffix("g") or 0), channels.endswith("g")
+            if name.startswith("ms-share"):
+                hook.__class__ = ShareDecoder
+                floor, _, cap = name.removeprefix("ms-share").removeprefix("mean").partition("-cap")
+                hook.pool = "logits" if name.startswith("ms-sharemean") else "probs"
+                hook.floor, hook.cap = float(floor), float(cap or 0)
             if name.startswith("ms-band"):
                 hook.__class__ = BandRerankDecoder
                 hook.keep, hook.band = (float(x) for x in name.removeprefix("ms-band").split("x"))
