@@ -143,14 +143,17 @@ class ShareDecoder(QuestStepDecoder):
     pool: str = "probs"  # "logits": the group's bounds averaged before the softmax
     cap: float = 0.0  # > 0: no head attends more than cap x the budget's pages (a cache row's width)
 
-    def select(self, layer, q, key, seq_len, scaling, kmin, kmax):
-        heads, n, budget = kmin.shape[1], kmin.shape[2], self.policy.budget // quality.PAGE_SIZE
-        qg = q.view(1, heads, -1, q.shape[-1]).unsqueeze(3)  # [1, Hkv, G, 1, D]
+    def shares(self, layer, q, key, seq_len, scaling, kmin, kmax):
+        """``[1, Hkv, N]`` each page's estimated share of its head's mass."""
+        qg = q.view(1, kmin.shape[1], -1, q.shape[-1]).unsqueeze(3)  # [1, Hkv, G, 1, D]
         bound = torch.maximum(qg * kmin.unsqueeze(2), qg * kmax.unsqueeze(2)).sum(-1)  # [1, Hkv, G, N]
         if self.pool == "probs":
-            share = (bound * scaling).softmax(-1).mean(2)  # [1, Hkv, N]
-        else:  # the softmax of the group's mean bound: from the group-summed score a server keeps
-            share = (bound.mean(2) * scaling).softmax(-1)
+            return (bound * scaling).softmax(-1).mean(2)
+        return (bound.mean(2) * scaling).softmax(-1)  # the group's mean bound: from the score a server keeps
+
+    def select(self, layer, q, key, seq_len, scaling, kmin, kmax):
+        heads, n, budget = kmin.shape[1], kmin.shape[2], self.policy.budget // quality.PAGE_SIZE
+        share = self.shares(layer, q, key, seq_len, scaling, kmin, kmax)
         sink, recent = self.policy.sink_pages, self.policy.recent_pages
         num_pages = -(-seq_len // quality.PAGE_SIZE)
         if n <= budget:
@@ -170,6 +173,18 @@ class ShareDecoder(QuestStepDecoder):
             mine = kept[0, h].nonzero().flatten()
             pages[0, h, : mine.numel()] = mine.int()
         return pages
+
+
+class ShareRerankDecoder(ShareDecoder, RerankDecoder):
+    """The re-rank's candidates (the corners' best ``factor`` x K per head), their mass from their
+    keys (or codes, ``bits``) as each page's share, and the layer's ``Hkv`` x K pages shared among
+    the heads by it (:class:`ShareDecoder`): a head whose mass is spread takes what a peaked one
+    does not need."""
+
+    def shares(self, layer, q, key, seq_len, scaling, kmin, kmax):
+        qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
+        scores = quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
+        return RerankDecoder.rank(self, layer, scores, q, key, seq_len, scaling).clamp_min(0.0)
 
 
 class BandRerankDecoder(QuestStepDecoder):
@@ -510,6 +525,7 @@ def main() -> None:
         **{f"ms-rerank2-every{n}": quality.Policy(budget=args.budget) for n in (2, 4, 8)},
         **{f"ms-rerank2-int{b}": quality.Policy(budget=args.budget) for b in (1, 2, 3, 4)},
         **{f"ms-rerank2-int2-c{c}{g}": quality.Policy(budget=args.budget) for c in (8, 16, 32) for g in ("", "g")},
+        **{f"ms-rerank2{b}-share0.5": quality.Policy(budget=args.budget) for b in ("", "-int2")},
         **{f"ms-band{a}x{b}": quality.Policy(budget=args.budget) for a, b in ((0.5, 1.0), (0.75, 0.5), (0.5, 0.5))},
         **{
             f"ms-share{p}{f}{c}": quality.Policy(budget=args.budget)
@@ -560,13 +576,18 @@ def main() -> None:
                 hook.__class__ = OracleDecoder
             if name == "ms":
                 hook.__class__ = QuestStepDecoder
-            if name.startswith(("quest-rerank", "ms-rerank")):
+            if name.startswith(("quest-rerank", "ms-rerank")) and "-share" not in name:
                 factor, _, every = name.rpartition("rerank")[2].partition("-every")
                 factor, _, bits = factor.partition("-int")
                 bits, _, channels = bits.partition("-c")
                 hook.__class__ = ReusedRerankDecoder if every else RerankDecoder
                 hook.factor, hook.every, hook.bits = float(factor), int(every or 1), int(bits or 0)
                 hook.channels, hook.fixed = int(channels.removesuffix("g") or 0), channels.endswith("g")
+            if name.startswith("ms-rerank") and "-share" in name:  # ms-rerank<F>[-int<b>]-share<floor>
+                spec, _, floor = name.removeprefix("ms-rerank").partition("-share")
+                factor, _, bits = spec.partition("-int")
+                hook.__class__ = ShareRerankDecoder
+                hook.factor, hook.bits, hook.floor, hook.pool = float(factor), int(bits or 0), float(floor), "probs"
             if name.startswith("ms-share"):
                 hook.__class__ = ShareDecoder
                 floor, _, cap = name.removeprefix("ms-share").removeprefix("mean").partition("-cap")
