@@ -53,11 +53,14 @@ class QuestStepDecoder(quality.SparseDecoder):
 
     def select(self, layer, q, key, seq_len, scaling, kmin, kmax):
         """``[1, Hkv, width]`` pages attended (``-1`` padded), from the corners ``kmin``/``kmax``."""
-        qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
-        scores = quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
-        ranked = self.rank(layer, scores, q, key, seq_len, scaling)
+        ranked = self.rank(layer, self.corner_scores(q, kmin, kmax), q, key, seq_len, scaling)
         return select_pages(ranked, -(-seq_len // quality.PAGE_SIZE), self.policy.budget // quality.PAGE_SIZE,
                             self.policy.sink_pages, self.policy.recent_pages).page_ids  # fmt: skip
+
+    def corner_scores(self, q, kmin, kmax):
+        """``[1, Hkv, N]`` Quest's bound of each page, the group's query heads reduced."""
+        qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
+        return quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
 
     def rank(self, layer, scores, q, key, seq_len, scaling):
         return scores
@@ -145,8 +148,8 @@ class ShareDecoder(QuestStepDecoder):
 
     def shares(self, layer, q, key, seq_len, scaling, kmin, kmax):
         """``[1, Hkv, N]`` each page's estimated share of its head's mass."""
-        qg = q.view(1, kmin.shape[1], -1, q.shape[-1]).unsqueeze(3)  # [1, Hkv, G, 1, D]
-        bound = torch.maximum(qg * kmin.unsqueeze(2), qg * kmax.unsqueeze(2)).sum(-1)  # [1, Hkv, G, N]
+        qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
+        bound = quality.get_selector("quest").head_scores(qg, kmin=kmin, kmax=kmax, mean=None, radius=None)
         if self.pool == "probs":
             return (bound * scaling).softmax(-1).mean(2)
         return (bound.mean(2) * scaling).softmax(-1)  # the group's mean bound: from the score a server keeps
@@ -167,12 +170,8 @@ class ShareDecoder(QuestStepDecoder):
             free = free.masked_fill(rank >= int(self.cap * budget) - base, -math.inf)
         extra = free.flatten().topk(heads * (budget - base)).indices
         kept.view(-1)[extra] = True
-        width = int(kept.sum(-1).max())
-        pages = torch.full((1, heads, width), -1, dtype=torch.int32)
-        for h in range(heads):
-            mine = kept[0, h].nonzero().flatten()
-            pages[0, h, : mine.numel()] = mine.int()
-        return pages
+        pages = torch.where(kept, torch.arange(n), n).sort(-1).values[..., : int(kept.sum(-1).max())]
+        return torch.where(pages < n, pages, -1).int()  # each head's pages in order, -1 padded
 
 
 class ShareRerankDecoder(ShareDecoder, RerankDecoder):
@@ -182,8 +181,7 @@ class ShareRerankDecoder(ShareDecoder, RerankDecoder):
     does not need."""
 
     def shares(self, layer, q, key, seq_len, scaling, kmin, kmax):
-        qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
-        scores = quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
+        scores = self.corner_scores(q, kmin, kmax)
         return RerankDecoder.rank(self, layer, scores, q, key, seq_len, scaling).clamp_min(0.0)
 
 
@@ -576,18 +574,18 @@ def main() -> None:
                 hook.__class__ = OracleDecoder
             if name == "ms":
                 hook.__class__ = QuestStepDecoder
-            if name.startswith(("quest-rerank", "ms-rerank")) and "-share" not in name:
+            if name.startswith("ms-rerank") and "-share" in name:  # ms-rerank<F>[-int<b>]-share<floor>
+                spec, _, floor = name.removeprefix("ms-rerank").partition("-share")
+                factor, _, bits = spec.partition("-int")
+                hook.__class__ = ShareRerankDecoder
+                hook.factor, hook.bits, hook.floor, hook.pool = float(factor), int(bits or 0), float(floor), "probs"
+            elif name.startswith(("quest-rerank", "ms-rerank")):
                 factor, _, every = name.rpartition("rerank")[2].partition("-every")
                 factor, _, bits = factor.partition("-int")
                 bits, _, channels = bits.partition("-c")
                 hook.__class__ = ReusedRerankDecoder if every else RerankDecoder
                 hook.factor, hook.every, hook.bits = float(factor), int(every or 1), int(bits or 0)
                 hook.channels, hook.fixed = int(channels.removesuffix("g") or 0), channels.endswith("g")
-            if name.startswith("ms-rerank") and "-share" in name:  # ms-rerank<F>[-int<b>]-share<floor>
-                spec, _, floor = name.removeprefix("ms-rerank").partition("-share")
-                factor, _, bits = spec.partition("-int")
-                hook.__class__ = ShareRerankDecoder
-                hook.factor, hook.bits, hook.floor, hook.pool = float(factor), int(bits or 0), float(floor), "probs"
             if name.startswith("ms-share"):
                 hook.__class__ = ShareDecoder
                 floor, _, cap = name.removeprefix("ms-share").removeprefix("mean").partition("-cap")
