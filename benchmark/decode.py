@@ -154,7 +154,8 @@ def run(args) -> dict:
                                 selector=args.selector, page_bounds=pb, bound_spread=args.bound_spread,
                                 # quest's side of --versus-minmax is quest's own step: no re-rank
                                 rerank_factor=args.rerank_factor if pb == args.page_bounds else 1,
-                                rerank_by=args.rerank_by) for pb in page_bounds}  # fmt: skip
+                                rerank_by=args.rerank_by,
+                                budget_share=args.budget_share and pb == args.page_bounds) for pb in page_bounds}  # fmt: skip
     cells = [(c, b) for c in args.contexts for b in args.batches]
     if args.cells:
         cells = [tuple(int(x) for x in cell.split("x")) for cell in args.cells.split(",")]
@@ -180,8 +181,13 @@ def run(args) -> dict:
             for layer in range(layers):
                 b.decoder.run(layer, q, plan)
 
+        log = b.decoder.log_selections(batch) if b.decoder.share else None  # a shared budget's pages
         step()  # loads every selected page: the cache is warm from here on
-        pages = [b.decoder.select(layer, q, plan) for layer in range(layers)]
+        if log is not None:
+            pages = [log[:, layer].clone() for layer in range(layers)]
+            b.decoder.selection_log = None
+        else:
+            pages = [b.decoder.select(layer, q, plan) for layer in range(layers)]
         row["sparse_hit_ms"] = time_graph(step, args.iters, per=layers)
         if args.kernels:
             row["sparse_hit_kernels_us"] = kernel_times(step, args.iters, per=layers)
@@ -303,6 +309,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rerank-by", choices=RERANK_BY, default=DEFAULTS.rerank_by, help="--sparse-rerank-by")
     parser.add_argument("--page-bounds", choices=PAGE_BOUNDS, default=DEFAULTS.page_bounds, help="--sparse-page-bounds")
     parser.add_argument("--bound-spread", type=float, default=DEFAULTS.bound_spread, help="--sparse-bound-spread")
+    parser.add_argument("--budget-share", action="store_true", help="--sparse-budget-share (the timed default's side)")
     parser.add_argument("--versus-minmax", action="store_true",
                         help="also time quest's min/max bounds in each cell: the summary's step_ratio_vs_quest_max")  # fmt: skip
     parser.add_argument("--cells", default="", help="CONTEXTxBATCH,... instead of --contexts x --batches")
@@ -325,7 +332,7 @@ def main(argv=None) -> dict:
               "bound_format": bounds, "coarse_pages": args.coarse_pages, "coarse_candidates": args.coarse_candidates,
               "rerank_factor": args.rerank_factor, "rerank_by": args.rerank_by, "layers_per_graph": args.layers_per_graph,
               "page_bounds": args.page_bounds, "bound_spread": args.bound_spread, "versus_minmax": args.versus_minmax,
-              "l2_flushed": True}  # fmt: skip
+              "budget_share": args.budget_share, "l2_flushed": True}  # fmt: skip
     name = (
         "decode-{date}"
         + ("" if args.kv_dtype == "bf16" else "-fp8")
@@ -334,6 +341,7 @@ def main(argv=None) -> dict:
         + ("-vs-minmax" if args.versus_minmax else "")
     )
     name += f"-coarse{args.coarse_pages}" if args.coarse_pages else ""
+    name += "-share" if args.budget_share else ""
     name += f"-rerank{args.rerank_factor}" if args.rerank_factor > 1 else ""
     name += f"-by-{args.rerank_by}" if args.rerank_factor > 1 and args.rerank_by != "keys" else ""
     return finish_run(

@@ -550,3 +550,64 @@ def test_the_save_kernel_codes_keys_on_the_gpu_as_its_reference_does():
     step = frame_step(want.layer(0)["lo"][:, used], want.layer(0)["hi"][:, used], 2).unsqueeze(2)
     off = (got.decode(0, used.cuda()).cpu() - want.decode(0, used)).abs() / step
     assert off.max() <= 1.0 + 1e-4 and (off > 0.5).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("interval", [1, 3])
+def test_shared_budget_attends_each_heads_share_of_the_layer(mode, interval, tensor_cores):
+    """``--sparse-budget-share``: each layer's 16 x Hkv pages per request are shared among its kv
+    heads in whole quarters of the budget (8 to 20 pages a head), the selection is
+    :func:`share_budget` over the score kernel's scores, and each head's output, its unit rows
+    merged, is the reference attention over its own pages; eagerly and replayed in a CUDA graph
+    with a padding row (FlashInfer planned once per step, each layer's widths its own), with and
+    without steps reusing the cache rows, on both FlashInfer decode paths."""
+    from sparse_sglang.attention.budget_share import share_budget
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    config = SparseConfig(token_budget=512, host_cache_gb=1.0, budget_share=True, reselect_interval=interval)
+    b = bench(config, batch=3, context=3000, use_tensor_cores=tensor_cores)
+    assert b.decoder.selected == 20
+    seq, heads = torch.full((3,), b.seq_len, device="cuda"), SHAPE.num_kv_heads
+    widths_seen = set()
+    for i, qs, outs, pages_by_layer, kv in three_request_steps(b, mode, 4, gen):
+        for layer, (k, v) in enumerate(kv):
+            pages, msg = pages_by_layer[layer], f"step {i} layer {layer}"
+            widths = (pages >= 0).sum(-1)
+            assert (widths.sum(-1) == 16 * heads).all() and (widths % 4 == 0).all(), msg
+            widths_seen |= set(widths.flatten().tolist())
+            want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq)
+            torch.testing.assert_close(outs[layer].float(), want.float(), atol=2e-2, rtol=2e-2, msg=msg)
+            if interval == 1:  # a full selection: share_budget over the kernel's scores
+                scores = score_pages(b.decoder.selector, qs.view(3, heads, -1, SHAPE.head_dim),
+                                     b.store.summaries.layer(layer), b.host_pages, seq.new_full((3,), b.num_pages))  # fmt: skip
+                chosen = share_budget(scores, seq.new_full((3,), b.num_pages), 16, *b.decoder.forced,
+                                      b.decoder.share_scale)  # fmt: skip
+                assert torch.equal(chosen.page_ids, pages), msg
+    assert len(widths_seen) > 1  # the heads' widths differ
+
+
+def test_shared_budget_with_requests_within_the_budget_in_the_batch():
+    """A request holding no more pages than the budget attends every page on every head beside
+    requests sharing theirs (its unit rows short, padded to the request's count), eagerly."""
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    config = SparseConfig(token_budget=512, host_cache_gb=1.0, budget_share=True)
+    b = bench(config, batch=3, context=3000)
+    kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
+    for layer, (k, v) in enumerate(kv):
+        b.write_kv(layer, k, v)
+    log = b.decoder.log_selections(max_batch=3)
+    seq_lens = torch.tensor([3001, 437, 2000])  # 95, 14 and 63 pages: the second within the budget
+    for step in range(2):
+        qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        plan = b.step(b.req_slots, seq_lens, b.host_pages)
+        assert plan.units is not None
+        for layer, (k, v) in enumerate(kv):
+            out = b.decoder.run(layer, qs, plan)
+            pages = log[:3, layer]
+            assert ((pages[1] >= 0).sum(-1) == 14).all()
+            assert ((pages[[0, 2]] >= 0).sum(-1).sum(-1) == 16 * SHAPE.num_kv_heads).all()
+            want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq_lens.cuda())
+            torch.testing.assert_close(
+                out.float(), want.float(), atol=2e-2, rtol=2e-2, msg=f"step {step} layer {layer}"
+            )

@@ -17,6 +17,7 @@ import torch
 
 from benchmark import accuracy, quality
 from sparse_sglang.attention import select_pages
+from sparse_sglang.attention.budget_share import share_budget
 from sparse_sglang.attention.reference import sparse_attention_reference
 from sparse_sglang.mem_cache.key_sketch import KeyBasis
 from sparse_sglang.testing.provenance import run_header, save_result
@@ -172,6 +173,19 @@ class ShareDecoder(QuestStepDecoder):
         kept.view(-1)[extra] = True
         pages = torch.where(kept, torch.arange(n), n).sort(-1).values[..., : int(kept.sum(-1).max())]
         return torch.where(pages < n, pages, -1).int()  # each head's pages in order, -1 padded
+
+
+class UnitShareDecoder(QuestStepDecoder):
+    """The server's shared budget (:func:`sparse_sglang.attention.budget_share.share_budget`):
+    :class:`ShareDecoder` with the group's mean bound, a floor of half the budget, a cap of 1.25x,
+    and the layer's remaining pages handed out in quarters of the budget."""
+
+    def select(self, layer, q, key, seq_len, scaling, kmin, kmax):
+        scores = self.corner_scores(q, kmin, kmax)  # the group's sum, as the server's score kernel writes
+        group = q.shape[-2] // kmin.shape[1]
+        sel = share_budget(scores, -(-seq_len // quality.PAGE_SIZE), self.policy.budget // quality.PAGE_SIZE,
+                           self.policy.sink_pages, self.policy.recent_pages, scaling / group)  # fmt: skip
+        return sel.page_ids[..., : int(sel.widths.max())]
 
 
 class ShareRerankDecoder(ShareDecoder, RerankDecoder):
@@ -519,6 +533,7 @@ def main() -> None:
         "quest-dense2": quality.Policy(budget=args.budget, dense_layers=2, page_bounds="minmax"),  # Quest's own
         **{f"quest-rerank{f}": quality.Policy(budget=args.budget, page_bounds="minmax") for f in (2, 3, 4)},
         "ms": quality.Policy(budget=args.budget),
+        "ms-shared": quality.Policy(budget=args.budget),  # the server's --sparse-budget-share
         **{f"ms-rerank{f}": quality.Policy(budget=args.budget) for f in (1.25, 1.5, 2, 3)},
         **{f"ms-rerank2-every{n}": quality.Policy(budget=args.budget) for n in (2, 4, 8)},
         **{f"ms-rerank2-int{b}": quality.Policy(budget=args.budget) for b in (1, 2, 3, 4)},
@@ -586,7 +601,9 @@ def main() -> None:
                 hook.__class__ = ReusedRerankDecoder if every else RerankDecoder
                 hook.factor, hook.every, hook.bits = float(factor), int(every or 1), int(bits or 0)
                 hook.channels, hook.fixed = int(channels.removesuffix("g") or 0), channels.endswith("g")
-            if name.startswith("ms-share"):
+            if name == "ms-shared":
+                hook.__class__ = UnitShareDecoder
+            elif name.startswith("ms-share"):
                 hook.__class__ = ShareDecoder
                 floor, _, cap = name.removeprefix("ms-share").removeprefix("mean").partition("-cap")
                 hook.pool = "logits" if name.startswith("ms-sharemean") else "probs"

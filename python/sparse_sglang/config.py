@@ -50,6 +50,10 @@ SEGMENTED_CHUNK_TOKENS = 4096
 
 GIB = 1 << 30
 
+# --sparse-budget-share (sparse_sglang.attention.budget_share): a head's budget counts UNITS units
+# of pages; every head keeps SHARE_FLOOR_UNITS of them and takes at most SHARE_CAP_UNITS.
+SHARE_UNITS, SHARE_FLOOR_UNITS, SHARE_CAP_UNITS = 4, 2, 5
+
 
 class SparseConfigError(ValueError):
     """An invalid sparse knob: ``field`` names it, ``reason`` says why, in one line.
@@ -204,6 +208,10 @@ class SparseConfig:
         2,
         help=f"Bits per channel of the keys the quantized re-rank reads: {' | '.join(map(str, KEY_CODE_BITS))}.",
     )
+    budget_share: bool = knob(
+        False,
+        help="Share each layer's pages among its kv heads by estimated attention mass: every head keeps its best half of the budget, and the layer's other pages go, a quarter budget at a time, to the heads whose next pages hold the most mass (up to 1.25x the budget per head); the same pages per layer in total, the same summaries.",
+    )
     cache_row_ratio: float = knob(
         1.25,
         help="Fewest GPU page-cache slots a running request keeps per (layer, kv head), as a multiple of one step's selection: it sets how many requests fit; rows grow into free slots (up to 4x) while fewer run.",
@@ -334,6 +342,8 @@ class SparseConfig:
                 "cache_row_ratio",
                 f"must be >= 1 (a row holds at least one step's selection), got {self.cache_row_ratio}",
             )
+        if self.budget_share:
+            self._check_budget_share(budget_pages)
         # multiples of the budget's pages, as int32 widths
         for name in ("cache_row_ratio", "coarse_candidates", "rerank_factor"):
             if getattr(self, name) * budget_pages > INT32_MAX:
@@ -378,6 +388,25 @@ class SparseConfig:
         if self.prefix_staging_tokens < 2 * self.page_size:  # two buffers of a page at least
             raise SparseConfigError("prefix_staging_tokens",
                                     f"must hold at least two pages ({2 * self.page_size} tokens), got {self.prefix_staging_tokens}")  # fmt: skip
+
+    def _check_budget_share(self, budget_pages: int) -> None:
+        share = mention("budget_share")
+        if budget_pages % SHARE_UNITS:
+            raise SparseConfigError("token_budget", f"{share} counts a head's budget in quarters: the budget's "
+                                                    f"{budget_pages} pages must be a multiple of {SHARE_UNITS}")  # fmt: skip
+        floor = budget_pages // SHARE_UNITS * SHARE_FLOOR_UNITS
+        if self.sink_pages + self.recent_pages > floor:
+            raise SparseConfigError("recent_pages", f"sink ({self.sink_pages}) + recent ({self.recent_pages}) pages "
+                                                    f"exceed the {floor} pages every head keeps under {share}")  # fmt: skip
+        if self.cache_row_ratio * SHARE_UNITS < SHARE_CAP_UNITS:
+            raise SparseConfigError("cache_row_ratio", f"{share} attends up to {SHARE_CAP_UNITS / SHARE_UNITS:g}x "
+                                                       f"the budget per head: must be >= that, got {self.cache_row_ratio:g}")  # fmt: skip
+        for name, off, value in (("rerank_factor", 1, self.rerank_factor), ("coarse_pages", 0, self.coarse_pages)):
+            if value != off:
+                raise SparseConfigError(name, f"{share} runs without it: must be {off}, got {value}")
+        if self.selector == "sketch":
+            raise SparseConfigError("selector", f"{share} shares pages by their corner bounds' mass: quest, arkvale "
+                                                f"or mean, got 'sketch'")  # fmt: skip
 
     def _check_types(self) -> None:
         # Frozen dataclasses do not check annotations; a config built from code

@@ -12,6 +12,8 @@
   (candidates re-ranked by their key sketches).
 - :func:`choose_by_codes_reference`: :func:`~sparse_sglang.attention.rerank.choose_by_codes`
   (candidates re-ranked by their mass from their low-bit key codes).
+- :func:`share_budget_reference`: :func:`~sparse_sglang.attention.budget_share.share_budget` (a
+  layer's pages shared among its kv heads by estimated mass), request by request and head by head.
 - :func:`retrieve_reference`: :func:`~sparse_sglang.attention.retrieval.retrieve_pages`'s choices
   (hits, LRU victims, table updates) in torch ops over the cache's public methods. The decoder
   also runs it for rows too wide for the kernel's one program
@@ -38,6 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from sparse_sglang.attention.budget_share import CAP_UNITS, FLOOR_UNITS, UNITS, SharedSelection, unit_pages
 from sparse_sglang.attention.scoring import candidate_pages, coarse_host_pages
 from sparse_sglang.attention.selection import force_pages, keep_cached
 from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
@@ -140,6 +143,39 @@ def score_candidates_reference(
     if reuse is not None:  # rows reusing their selection keep score_pages' priorities
         keep = keep | ~reuse.reselect.to(keep.device).view(-1, 1, 1)
     return scores.masked_fill(~keep, -math.inf)
+
+
+def share_budget_reference(scores: torch.Tensor, num_pages: torch.Tensor, budget_pages: int, sink_pages: int,
+                           recent_pages: int, scale: float) -> SharedSelection:  # fmt: skip
+    """:func:`~sparse_sglang.attention.budget_share.share_budget`, one request and one head at a
+    time (its parameters and result; ties between equal scores or shares may break otherwise)."""
+    batch, heads, _ = scores.shape
+    u = unit_pages(budget_pages)
+    page_ids = torch.full((batch, heads, CAP_UNITS * u), -1, dtype=torch.int32)
+    widths = torch.zeros(batch, heads, dtype=torch.int32)
+    for b in range(batch):
+        n = int(num_pages[b])
+        if n <= budget_pages:  # every page on every head
+            page_ids[b, :, :n], widths[b] = torch.arange(n, dtype=torch.int32), n
+            continue
+        kept, units = [], []  # per head: its floor pages; its next units (pages, mass), best first
+        for h in range(heads):
+            s = scores[b, h, :n].float()
+            forced = sorted(set(range(min(sink_pages, n))) | set(range(n - recent_pages, n)))
+            rest = [p for p in s.argsort(descending=True).tolist() if p not in forced]
+            kept.append(forced + rest[: FLOOR_UNITS * u - len(forced)])
+            share = (s * scale).softmax(-1)
+            others = [p for p in share.argsort(descending=True).tolist() if p not in kept[h]]
+            units.append([(others[i : i + u], float(share[others[i : i + u]].sum()))
+                          for i in range(0, (CAP_UNITS - FLOOR_UNITS) * u, u) if i + u <= len(others)])  # fmt: skip
+        ranked = sorted(((mass, h, i) for h in range(heads) for i, (_, mass) in enumerate(units[h])), reverse=True)
+        count = [0] * heads
+        for _, h, _ in ranked[: heads * (UNITS - FLOOR_UNITS)]:
+            count[h] += 1
+        for h in range(heads):
+            pages = sorted(kept[h] + [p for unit, _ in units[h][: count[h]] for p in unit])
+            page_ids[b, h, : len(pages)], widths[b, h] = torch.tensor(pages, dtype=torch.int32), len(pages)
+    return SharedSelection(page_ids, widths)
 
 
 def retrieve_reference(

@@ -36,6 +36,12 @@ Per layer:
 4. **Attend** with FlashInfer's paged decode: every (request, kv head) is its own sequence of
    one kv head and its group's ``G`` query heads over its ``K`` cache slots (HND layout), the
    newest page last so ``last_page_len`` covers the partial page.
+
+With ``budget_share`` (``--sparse-budget-share``) steps 2 and 4 change: a request's ``Hkv x K``
+pages of a layer are shared among its kv heads by estimated mass
+(:mod:`~sparse_sglang.attention.budget_share`), and attention runs over rows of a fixed number of
+pages, each head's merged (:mod:`~sparse_sglang.attention.unit_rows`), so that the plan made once
+per step serves every layer's widths.
 """
 
 from __future__ import annotations
@@ -46,12 +52,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sparse_sglang.attention.budget_share import CAP_UNITS, UNITS, share_budget
 from sparse_sglang.attention.constants import LayerConstants
 from sparse_sglang.attention.reference import retrieve_reference, score_coarse_reference
 from sparse_sglang.attention.rerank import choose_by_codes, choose_by_sketch, rerank_candidates
 from sparse_sglang.attention.retrieval import MAX_RETRIEVE_CELLS, fits_fused_retrieve, next_pow2, retrieve_pages
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
+from sparse_sglang.attention.unit_rows import UnitBuffers, UnitRows, attend_units, plan_unit_rows
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import build_coarse
 from sparse_sglang.mem_cache.key_sketch import project_query
@@ -114,6 +122,7 @@ class DecodePlan:
     use_coarse: bool                 # super-pages scored first (--sparse-coarse-pages)
     built:      torch.Tensor | None  # [B]          int32 complete super-pages per request
     built_rows: torch.Tensor | None  # [B * Hkv]    int32 the same per selection row
+    units:      UnitRows | None      # --sparse-budget-share, past the exact shortcut: the step's unit rows
     # fmt: on
 
 
@@ -212,6 +221,10 @@ class SparseDecoder:
         self.code_candidates = config.code_candidates if config.code_candidates > self.width else 0
         if self.code_candidates and store.summaries.key_codes is None:
             raise ValueError("the quantized re-rank needs a store that keeps key codes (SparseKVStore(key_bits=...))")
+        # --sparse-budget-share: a layer's pages shared among its heads, up to CAP_UNITS quarters
+        # of K each (the config admits it only without re-ranks and coarse-first selection).
+        self.share = config.budget_share
+        self.selected = CAP_UNITS * self.width // UNITS if self.share else self.width  # most pages a head attends
         if use_tensor_cores is None:
             use_tensor_cores = self.group >= 4
         self.workspace, self.use_tensor_cores = workspace, use_tensor_cores
@@ -220,12 +233,16 @@ class SparseDecoder:
             workspace, "HND", use_tensor_cores=use_tensor_cores
         )
         self.graph_wrappers: dict = {}  # batch size -> CUDA-graph wrapper (init_cuda_graph)
+        self.unit_wrappers: dict = {}  # batch size -> wrapper over unit rows (--sparse-budget-share)
         if topk not in TOPK_IMPLS:
             raise ValueError(f"topk must be one of {TOPK_IMPLS}, got {topk!r}")
         self.topk = topk
         self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector, self.group_reduce = config.selector, config.group_reduce
+        # A page's estimated share of its head's mass is the softmax of its score times this: the
+        # group's mean logit bound for a group-summed score.
+        self.share_scale = self.constants.sm_scale / (self.group if self.group_reduce == "sum" else 1)
         if self.selector == "sketch" and store.summaries.key_basis is None:
             raise ValueError("the sketch selector needs a store that keeps key sketches (SparseKVStore(key_basis=...))")
         recent = min(config.recent_pages, self.width)
@@ -247,10 +264,12 @@ class SparseDecoder:
         """Buffers sized by the most (request, kv head) rows a step selects for."""
         device = self.store.device
         # The wrapper reads page indices from this buffer; run() rewrites it per layer. The last
-        # entry takes the padding of rows with fewer than K pages (reference path).
-        self.indices = torch.zeros(rows * self.width + 1, dtype=torch.int32, device=device)
+        # entry takes the padding of rows with fewer than K pages (reference path); unit rows'
+        # padding rows take UNITS more per row. Entries only ever hold cache slots (zeros at first).
+        per_row = self.width + (UNITS if self.share else 0)
+        self.indices = torch.zeros(rows * per_row + 1, dtype=torch.int32, device=device)
         # FlashH2D's copy list, written by retrieve_pages.
-        self.miss_src = torch.empty(rows * max(self.width, self.candidates), dtype=torch.int64, device=device)
+        self.miss_src = torch.empty(rows * max(self.selected, self.candidates), dtype=torch.int64, device=device)
         self.miss_dst = torch.empty_like(self.miss_src)
         # Re-ranking: each row's candidates' cache slots at row * Kc (a fixed layout the retrieve
         # kernel writes through its indptr), and a row's ranks 0..K-1 (where its choice goes).
@@ -259,11 +278,12 @@ class SparseDecoder:
         self.candidate_indptr = (torch.arange(rows + 1, dtype=torch.int32) * kc).to(device)
         self.ranks = torch.arange(self.width, dtype=torch.int64, device=device).view(1, -1)
         self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
+        self.units = UnitBuffers.allocate(rows // self.num_kv_heads, self.num_kv_heads, device) if self.share else None
 
     def log_selections(self, max_batch: int) -> torch.Tensor:
         """Keep each step's selections (every layer's) in :attr:`selection_log`, a static buffer
         that CUDA-graph steps write too."""
-        shape = (max_batch, self.store.shape.num_layers, self.num_kv_heads, self.width)
+        shape = (max_batch, self.store.shape.num_layers, self.num_kv_heads, self.selected)
         self.selection_log = torch.full(shape, -1, dtype=torch.int32, device=self.store.device)
         return self.selection_log
 
@@ -278,7 +298,7 @@ class SparseDecoder:
         """
         heads, device = self.num_kv_heads, self.store.device
         rows = max_batch * heads
-        if self.indices.numel() < rows * self.width + 1:  # before any capture: the buffers never move after
+        if self.miss_src.numel() < rows * self.selected:  # before any capture: the buffers never move after
             self._alloc_row_buffers(rows)
         self.graph = GraphBuffers.allocate(max_batch, heads, self.store.shape.max_pages, device)
 
@@ -293,6 +313,20 @@ class SparseDecoder:
                 paged_kv_last_page_len_buffer=g.last_page_len[:rows],
             )  # fmt: skip
         return self.graph_wrappers[batch]
+
+    def _unit_wrapper(self, batch: int):
+        """FlashInfer's wrapper over ``batch`` requests' unit rows, on the static unit buffers (a
+        layer rewrites their ``last_page_len``; one per batch size, eager or captured)."""
+        import flashinfer
+
+        if batch not in self.unit_wrappers:
+            rows, u = batch * UNITS * self.num_kv_heads, self.units
+            self.unit_wrappers[batch] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=u.indptr[: rows + 1], paged_kv_indices_buffer=self.indices,
+                paged_kv_last_page_len_buffer=u.last_page_len[:rows],
+            )  # fmt: skip
+        return self.unit_wrappers[batch]
 
     def plan(self, req_slots: torch.Tensor, seq_lens_cpu: torch.Tensor, host_pages: torch.Tensor, *,
              seq_lens: torch.Tensor, graph: bool = False, reselect: torch.Tensor | None = None) -> DecodePlan:  # fmt: skip
@@ -325,16 +359,26 @@ class SparseDecoder:
         device = req_slots.device
         num_pages_cpu = (seq_lens_cpu + page - 1) // page
         num_pages_dev = ((seq_lens + page - 1) // page).to(torch.int32)
-        selected_cpu = num_pages_cpu.clamp(max=width).to(torch.int32)  # pages per (request, head)
-        per_row = selected_cpu.repeat_interleave(heads)
-        indptr = torch.zeros(batch * heads + 1, dtype=torch.int32)
-        torch.cumsum(per_row, 0, out=indptr[1:])
-        last_page_len = ((seq_lens_cpu - 1) % page + 1).to(torch.int32).repeat_interleave(heads)
-        nnz = int(indptr[-1])
-        dest = self._plan_indices(indptr, selected_cpu, device)
-        wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
+        if graph:  # a captured step cannot change its path: it scores, over the store's most pages
+            max_pages, exact = self.graph.host_pages.shape[1], False
+        else:
+            max_pages = int(num_pages_cpu.max())
+            exact = self.config.exact_shortcut and max_pages <= width
+        units = None
+        if self.share and not exact:  # unit rows: every layer's widths under one plan
+            indptr = plan_unit_rows(num_pages_cpu, width, heads)
+            last_page_len = torch.full((indptr.numel() - 1,), page, dtype=torch.int32)  # a layer's units end heads
+            wrapper, dest = self._unit_wrapper(batch), None
+            units = UnitRows.build(num_pages_dev, seq_lens, width, heads, page, self.units, batch)
+        else:
+            selected_cpu = num_pages_cpu.clamp(max=width).to(torch.int32)  # pages per (request, head)
+            indptr = torch.zeros(batch * heads + 1, dtype=torch.int32)
+            torch.cumsum(selected_cpu.repeat_interleave(heads), 0, out=indptr[1:])
+            last_page_len = ((seq_lens_cpu - 1) % page + 1).to(torch.int32).repeat_interleave(heads)
+            dest = self._plan_indices(indptr, selected_cpu, device)
+            wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
         wrapper.plan(
-            indptr, self.indices[:nnz], last_page_len, self.group, 1, self.head_dim, page,
+            indptr, self.indices[: int(indptr[-1])], last_page_len, self.group, 1, self.head_dim, page,
             q_data_type=self.q_data_type,
             kv_data_type=self.store.shape.dtype,
             sm_scale=self.constants.sm_scale, logits_soft_cap=self.constants.logits_soft_cap,
@@ -342,10 +386,6 @@ class SparseDecoder:
         g = self.graph if graph else None
         if graph:  # into the static buffers the captured kernels read (the same at capture and every replay)
             g.host_pages[:batch, : host_pages.shape[1]].copy_(host_pages)
-            max_pages, exact = g.host_pages.shape[1], False
-        else:
-            max_pages = int(num_pages_cpu.max())
-            exact = self.config.exact_shortcut and max_pages <= width
         coarse = self._plan_coarse(batch, max_pages, num_pages_dev, num_pages_cpu, g, host_pages, exact)
         if graph:
             return DecodePlan(
@@ -354,7 +394,7 @@ class SparseDecoder:
                 host_pages=g.host_pages[:batch], max_pages=max_pages,
                 indptr=g.indptr[: batch * heads + 1],  # the graph wrapper's: its plan filled it
                 wrapper=wrapper, exact=False, all_pages=None, dest=dest,
-                reselect=None if reselect is None else g.reselect[:batch].copy_(reselect), **coarse,
+                reselect=None if reselect is None else g.reselect[:batch].copy_(reselect), units=units, **coarse,
             )  # fmt: skip
         all_pages = None
         if exact:
@@ -365,7 +405,7 @@ class SparseDecoder:
         return DecodePlan(batch=batch, req_slots=req_slots, num_pages=num_pages_dev, row_pages=row_pages,
                           host_pages=host_pages, max_pages=max_pages, indptr=_indptr(row_pages.clamp(max=width)),
                           wrapper=wrapper, exact=exact, all_pages=all_pages, reselect=reselect, dest=dest,
-                          **coarse)  # fmt: skip
+                          units=units, **coarse)  # fmt: skip
 
     def _plan_indices(
         self, indptr: torch.Tensor, selected_cpu: torch.Tensor, device: torch.device
@@ -476,6 +516,8 @@ class SparseDecoder:
             ``[B, Hq, D]``.
         """
         self.constants.check(sm_scale, logits_soft_cap, "sparse decoder")
+        if plan.units is not None:
+            return self._run_shared(layer, q, plan, k_scale, v_scale)
         if self.candidates and not plan.exact:  # the exact re-rank loads its candidates first
             page_ids = self._rerank(layer, q, plan, k_scale)
         else:
@@ -487,6 +529,27 @@ class SparseDecoder:
             )
         qs = q.reshape(plan.batch * self.num_kv_heads, self.group, self.head_dim)
         return plan.wrapper.run(qs, self.kv, k_scale=k_scale, v_scale=v_scale).view(q.shape)
+
+    def _run_shared(self, layer: int, q: torch.Tensor, plan: DecodePlan, k_scale: float | None,
+                    v_scale: float | None) -> torch.Tensor:  # fmt: skip
+        """One layer under ``--sparse-budget-share``: the heads' scores, the layer's pages shared
+        among them (:func:`share_budget`), retrieval at this layer's widths, attention over the
+        step's unit rows with each head's units merged (:func:`attend_units`)."""
+        store, batch, heads = self.store, plan.batch, self.num_kv_heads
+        qg = q.view(batch, heads, self.group, self.head_dim)
+        reuse = None if plan.reselect is None else store.cache.cached_rows(layer, plan.req_slots, plan.reselect)
+        scores = score_pages(self.selector, qg, store.summaries.layer(layer), plan.host_pages[:, : plan.max_pages],
+                             plan.num_pages, self.group_reduce, reuse=reuse, fill_tail=False)  # fmt: skip
+        chosen = share_budget(scores, plan.num_pages, self.width, *self.forced, self.share_scale)
+        rows = plan.units.layer(chosen.widths)
+        n = batch * heads * self.selected
+        src, dst = self.miss_src[:n], self.miss_dst[:n]
+        retrieve_pages(store.cache.view, layer, plan.req_slots, chosen.page_ids, plan.num_pages, plan.host_pages,
+                       store.shape.num_host_pages, rows.indptr, self.indices, src, dst)  # fmt: skip
+        store.load(src, dst)
+        if self.selection_log is not None:
+            self.selection_log[:batch, layer] = chosen.page_ids
+        return attend_units(plan.wrapper, qg, self.kv, rows, k_scale=k_scale, v_scale=v_scale).view(q.shape)
 
     def _rerank(self, layer: int, q: torch.Tensor, plan: DecodePlan, k_scale: float | None) -> torch.Tensor:
         """Select ``Kc`` candidates, load them (hits, misses, LRU as any selection), keep the ``K``
@@ -566,6 +629,9 @@ class TorchPathDecoder(SparseDecoder):
     """
 
     def __init__(self, store: SparseKVStore, config: SparseConfig, *args, **kwargs):
+        if config.budget_share:
+            raise ValueError(f"--sparse-budget-share runs the fused kernels on a GPU, which take up to "
+                             f"{MAX_RETRIEVE_CELLS} (selected x row) page pairs: lower --sparse-token-budget")  # fmt: skip
         if config.rerank_factor > 1:
             raise ValueError(f"--sparse-rerank-factor {config.rerank_factor}: re-ranking runs the fused kernels, which "
                              f"take up to {MAX_RETRIEVE_CELLS} (candidates x row) page pairs; lower the factor or "
@@ -637,6 +703,8 @@ def make_decoder(store: SparseKVStore, config: SparseConfig, num_q_heads: int, w
     ``options`` go to the decoder (``use_tensor_cores``, ``topk``, ``stats``)."""
     if fused is None:
         width = min(config.candidate_pages, store.shape.row_width)  # the pages a step loads
+        if config.budget_share:  # a head attends up to CAP_UNITS quarters of the budget
+            width = CAP_UNITS * min(config.budget_pages, store.shape.row_width) // UNITS
         fused = store.device.type == "cuda" and fits_fused_retrieve(width, store.shape.row_width)
     decoder = SparseDecoder if fused else TorchPathDecoder
     return decoder(store, config, num_q_heads, workspace, max_batch, **options)
