@@ -558,11 +558,11 @@ def test_the_save_kernel_codes_keys_on_the_gpu_as_its_reference_does():
 def test_shared_budget_attends_each_heads_share_of_the_layer(mode, interval, tensor_cores):
     """``--sparse-budget-share``: each layer's 16 x Hkv pages per request are shared among its kv
     heads in whole quarters of the budget (8 to 20 pages a head), the selection is
-    :func:`share_budget` over the score kernel's scores, and each head's output, its unit rows
-    merged, is the reference attention over its own pages; eagerly and replayed in a CUDA graph
-    with a padding row (FlashInfer planned once per step, each layer's widths its own), with and
-    without steps reusing the cache rows, on both FlashInfer decode paths."""
-    from sparse_sglang.attention.budget_share import share_budget
+    :func:`share_budget` over each page's share from the score kernel run per query head, and each
+    head's output, its unit rows merged, is the reference attention over its own pages; eagerly and
+    replayed in a CUDA graph with a padding row (FlashInfer planned once per step, each layer's
+    widths its own), with and without steps reusing the cache rows, on both FlashInfer decode paths."""
+    from sparse_sglang.attention.budget_share import head_log_shares, share_budget
 
     gen = torch.Generator(device="cuda").manual_seed(9)
     config = SparseConfig(token_budget=512, host_cache_gb=1.0, budget_share=True, reselect_interval=interval)
@@ -578,18 +578,20 @@ def test_shared_budget_attends_each_heads_share_of_the_layer(mode, interval, ten
             widths_seen |= set(widths.flatten().tolist())
             want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq)
             torch.testing.assert_close(outs[layer].float(), want.float(), atol=2e-2, rtol=2e-2, msg=msg)
-            if interval == 1:  # a full selection: share_budget over the kernel's scores
-                scores = score_pages(b.decoder.selector, qs.view(3, heads, -1, SHAPE.head_dim),
-                                     b.store.summaries.layer(layer), b.host_pages, seq.new_full((3,), b.num_pages))  # fmt: skip
-                chosen = share_budget(scores, seq.new_full((3,), b.num_pages), 16, *b.decoder.forced,
-                                      b.decoder.share_scale)  # fmt: skip
+            if interval == 1:  # a full selection: share_budget over each query head's kernel scores
+                qg, num_pages = qs.view(3, heads, -1, SHAPE.head_dim), seq.new_full((3,), b.num_pages)
+                per_head = [score_pages(b.decoder.selector, qg[:, :, g : g + 1], b.store.summaries.layer(layer),
+                                        b.host_pages, num_pages) for g in range(qg.shape[2])]  # fmt: skip
+                shares = head_log_shares(torch.stack(per_head, dim=2), SHAPE.head_dim**-0.5)
+                chosen = share_budget(shares, num_pages, 16, *b.decoder.forced, 1.0)
                 assert torch.equal(chosen.page_ids, pages), msg
     assert len(widths_seen) > 1  # the heads' widths differ
 
 
 def test_shared_budget_with_requests_within_the_budget_in_the_batch():
     """A request holding no more pages than the budget attends every page on every head beside
-    requests sharing theirs (its unit rows short, padded to the request's count), eagerly."""
+    requests sharing theirs (its unit rows short, padded to the request's count), eagerly; a step
+    whose requests all fit in the budget takes the exact shortcut, its log as wide as a shared one."""
     gen = torch.Generator(device="cuda").manual_seed(10)
     config = SparseConfig(token_budget=512, host_cache_gb=1.0, budget_share=True)
     b = bench(config, batch=3, context=3000)
@@ -597,16 +599,17 @@ def test_shared_budget_with_requests_within_the_budget_in_the_batch():
     for layer, (k, v) in enumerate(kv):
         b.write_kv(layer, k, v)
     log = b.decoder.log_selections(max_batch=3)
-    seq_lens = torch.tensor([3001, 437, 2000])  # 95, 14 and 63 pages: the second within the budget
-    for step in range(2):
+    # 95, 14 and 63 pages: the second within the budget; then all three within it
+    for step, seq_lens in enumerate([torch.tensor([3001, 437, 2000])] * 2 + [torch.tensor([300, 437, 510])]):
         qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
         plan = b.step(b.req_slots, seq_lens, b.host_pages)
-        assert plan.units is not None
+        assert (plan.units is None) == (step == 2)
         for layer, (k, v) in enumerate(kv):
             out = b.decoder.run(layer, qs, plan)
             pages = log[:3, layer]
             assert ((pages[1] >= 0).sum(-1) == 14).all()
-            assert ((pages[[0, 2]] >= 0).sum(-1).sum(-1) == 16 * SHAPE.num_kv_heads).all()
+            if step < 2:
+                assert ((pages[[0, 2]] >= 0).sum(-1).sum(-1) == 16 * SHAPE.num_kv_heads).all()
             want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq_lens.cuda())
             torch.testing.assert_close(
                 out.float(), want.float(), atol=2e-2, rtol=2e-2, msg=f"step {step} layer {layer}"

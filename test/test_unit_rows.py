@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparse_sglang.attention import unit_rows
-from sparse_sglang.attention.budget_share import CAP_UNITS, FLOOR_UNITS, UNITS, share_budget
+from sparse_sglang.attention.budget_share import CAP_UNITS, FLOOR_UNITS, UNITS, head_log_shares, share_budget
 from sparse_sglang.attention.reference import share_budget_reference
 from sparse_sglang.attention.unit_rows import UnitBuffers, UnitRows, attend_units, plan_unit_rows
 from sparse_sglang.config import SparseConfig, SparseConfigError
@@ -28,6 +28,16 @@ def test_share_budget_matches_reference(seed):
     got = share_budget(scores, num_pages, budget, 1, 1, 0.4)
     want = share_budget_reference(scores, num_pages, budget, 1, 1, 0.4)
     assert torch.equal(got.widths, want.widths) and torch.equal(got.page_ids, want.page_ids)
+
+
+def test_head_log_shares_average_the_query_heads_softmaxes():
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(2, 3, 4, 10, generator=gen) * 5
+    scores[1, :, :, 7:] = -math.inf  # past the second request's pages
+    shares = head_log_shares(scores, 0.3).exp()
+    torch.testing.assert_close(shares, (scores * 0.3).softmax(-1).mean(2))
+    torch.testing.assert_close(shares.sum(-1), torch.ones(2, 3))
+    assert (shares[1, :, 7:] == 0).all()
 
 
 def test_share_budget_invariants():

@@ -17,7 +17,7 @@ import torch
 
 from benchmark import accuracy, quality
 from sparse_sglang.attention import select_pages
-from sparse_sglang.attention.budget_share import share_budget
+from sparse_sglang.attention.budget_share import head_log_shares, share_budget
 from sparse_sglang.attention.reference import sparse_attention_reference
 from sparse_sglang.mem_cache.key_sketch import KeyBasis
 from sparse_sglang.testing.provenance import run_header, save_result
@@ -175,16 +175,24 @@ class ShareDecoder(QuestStepDecoder):
         return torch.where(pages < n, pages, -1).int()  # each head's pages in order, -1 padded
 
 
-class UnitShareDecoder(QuestStepDecoder):
-    """The server's shared budget (:func:`sparse_sglang.attention.budget_share.share_budget`):
-    :class:`ShareDecoder` with the group's mean bound, a floor of half the budget, a cap of 1.25x,
-    and the layer's remaining pages handed out in quarters of the budget."""
+class UnitShareDecoder(ShareDecoder):
+    """:func:`sparse_sglang.attention.budget_share.share_budget`: a floor of half the budget, a cap
+    of 1.25x, the layer's remaining pages handed out in quarters of the budget, each page's share
+    from :func:`~sparse_sglang.attention.budget_share.head_log_shares` (each query head's softmax,
+    averaged: ``pool = "probs"``, the server's ``--sparse-budget-share``) or from the softmax of
+    the group-summed bound the default ranks by (``"logits"``, its first build)."""
+
+    pool: str = "logits"
 
     def select(self, layer, q, key, seq_len, scaling, kmin, kmax):
-        scores = self.corner_scores(q, kmin, kmax)  # the group's sum, as the server's score kernel writes
-        group = q.shape[-2] // kmin.shape[1]
-        sel = share_budget(scores, -(-seq_len // quality.PAGE_SIZE), self.policy.budget // quality.PAGE_SIZE,
-                           self.policy.sink_pages, self.policy.recent_pages, scaling / group)  # fmt: skip
+        budget, num_pages = self.policy.budget // quality.PAGE_SIZE, -(-seq_len // quality.PAGE_SIZE)
+        if self.pool == "probs":  # per kv head, log-shares summing to 1: share_budget's softmax keeps them
+            qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
+            bounds = quality.get_selector("quest").head_scores(qg, kmin=kmin, kmax=kmax, mean=None, radius=None)
+            scores, scale = head_log_shares(bounds, scaling), 1.0
+        else:  # the group's sum, as the server's score kernel writes it
+            scores, scale = self.corner_scores(q, kmin, kmax), scaling / (q.shape[-2] // kmin.shape[1])
+        sel = share_budget(scores, num_pages, budget, self.policy.sink_pages, self.policy.recent_pages, scale)
         return sel.page_ids[..., : int(sel.widths.max())]
 
 
@@ -533,7 +541,7 @@ def main() -> None:
         "quest-dense2": quality.Policy(budget=args.budget, dense_layers=2, page_bounds="minmax"),  # Quest's own
         **{f"quest-rerank{f}": quality.Policy(budget=args.budget, page_bounds="minmax") for f in (2, 3, 4)},
         "ms": quality.Policy(budget=args.budget),
-        "ms-shared": quality.Policy(budget=args.budget),  # the server's --sparse-budget-share
+        **{f"ms-shared{p}": quality.Policy(budget=args.budget) for p in ("", "-probs")},  # --sparse-budget-share
         **{f"ms-rerank{f}": quality.Policy(budget=args.budget) for f in (1.25, 1.5, 2, 3)},
         **{f"ms-rerank2-every{n}": quality.Policy(budget=args.budget) for n in (2, 4, 8)},
         **{f"ms-rerank2-int{b}": quality.Policy(budget=args.budget) for b in (1, 2, 3, 4)},
@@ -601,8 +609,9 @@ def main() -> None:
                 hook.__class__ = ReusedRerankDecoder if every else RerankDecoder
                 hook.factor, hook.every, hook.bits = float(factor), int(every or 1), int(bits or 0)
                 hook.channels, hook.fixed = int(channels.removesuffix("g") or 0), channels.endswith("g")
-            if name == "ms-shared":
+            if name.startswith("ms-shared"):  # ms-shared[-probs]
                 hook.__class__ = UnitShareDecoder
+                hook.pool = "probs" if name.endswith("-probs") else "logits"
             elif name.startswith("ms-share"):
                 hook.__class__ = ShareDecoder
                 floor, _, cap = name.removeprefix("ms-share").removeprefix("mean").partition("-cap")

@@ -117,7 +117,7 @@ class SparseRuntime:
             # The decoder logs each step's selections; the tracker keeps the last window of them
             # per request and counts each one's distinct pages once per step.
             shape = store.shape
-            self.tracker = WorkingSetTracker(max_batch, shape.num_layers, shape.num_kv_heads, self.decoder.width,
+            self.tracker = WorkingSetTracker(max_batch, shape.num_layers, shape.num_kv_heads, self.decoder.selected,
                                              config.working_set_window, store.device)  # fmt: skip
             self.decoder.log_selections(max_batch)
             self.gate = WorkingSetGate(store.cache, self.tracker, agree=agree, counts=self.stats.working_set)

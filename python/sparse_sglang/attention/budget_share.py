@@ -7,8 +7,10 @@ spreads, so here a request's ``Hkv x K`` pages of a layer are shared among its h
 1. every head keeps its best ``FLOOR_UNITS`` units of pages by score (the forced sink and recent
    pages among them);
 2. each of its remaining pages gets an estimated share of the head's mass: the softmax, over the
-   head's pages, of its score times ``scale`` (for the default group-summed corner bound,
-   ``sm_scale / G``: the group's mean logit bound);
+   head's pages, of its score times ``scale``. The server scores a page by its share itself
+   (:func:`head_log_shares`: each query head's softmax of its corner bounds, averaged over the
+   group, as a log; ``scale`` 1), not by the softmax of the group-summed bound the default ranks
+   by, which spreads a head's mass as none of its query heads does (decision 29 compares them);
 3. a head's next units are its remaining pages in order of share, ``u`` at a time; the layer's
    ``Hkv x (UNITS - FLOOR_UNITS)`` units holding the most share go to whichever heads they belong
    to, at most ``CAP_UNITS`` units per head.
@@ -43,6 +45,16 @@ import torch.nn.functional as F
 from sparse_sglang.config import SHARE_CAP_UNITS as CAP_UNITS  # most units one head takes (a 1.25 K cache row)
 from sparse_sglang.config import SHARE_FLOOR_UNITS as FLOOR_UNITS  # units every head keeps
 from sparse_sglang.config import SHARE_UNITS as UNITS  # units in a head's default width K
+
+
+def head_log_shares(head_scores: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[B, Hkv, N]`` the log of each page's estimated share of its kv head's mass, from
+    ``head_scores`` ``[B, Hkv, G, N]`` (each query head's score of each page, ``-inf`` past a
+    request's pages): each query head's softmax of its scores times ``scale``, averaged over the
+    group. Per kv head the shares sum to 1, so :func:`share_budget` takes them with ``scale`` 1."""
+    return torch.logsumexp(torch.log_softmax(head_scores.float() * scale, dim=-1), dim=2) - math.log(
+        head_scores.shape[2]
+    )
 
 
 def unit_pages(budget_pages: int) -> int:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sparse_sglang.attention.budget_share import CAP_UNITS, UNITS, share_budget
+from sparse_sglang.attention.budget_share import CAP_UNITS, UNITS, head_log_shares, share_budget
 from sparse_sglang.attention.constants import LayerConstants
 from sparse_sglang.attention.reference import retrieve_reference, score_coarse_reference
 from sparse_sglang.attention.rerank import choose_by_codes, choose_by_sketch, rerank_candidates
@@ -240,9 +240,7 @@ class SparseDecoder:
         self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector, self.group_reduce = config.selector, config.group_reduce
-        # A page's estimated share of its head's mass is the softmax of its score times this: the
-        # group's mean logit bound for a group-summed score.
-        self.share_scale = self.constants.sm_scale / (self.group if self.group_reduce == "sum" else 1)
+
         if self.selector == "sketch" and store.summaries.key_basis is None:
             raise ValueError("the sketch selector needs a store that keeps key sketches (SparseKVStore(key_basis=...))")
         recent = min(config.recent_pages, self.width)
@@ -303,30 +301,30 @@ class SparseDecoder:
         self.graph = GraphBuffers.allocate(max_batch, heads, self.store.shape.max_pages, device)
 
     def _graph_wrapper(self, batch: int):
-        import flashinfer
-
-        if batch not in self.graph_wrappers:
-            rows, g = batch * self.num_kv_heads, self.graph
-            self.graph_wrappers[batch] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=g.indptr[: rows + 1], paged_kv_indices_buffer=self.indices,
-                paged_kv_last_page_len_buffer=g.last_page_len[:rows],
-            )  # fmt: skip
-        return self.graph_wrappers[batch]
+        """FlashInfer's wrapper over ``batch`` requests' (request, kv head) rows, on the graph buffers."""
+        rows = batch * self.num_kv_heads
+        return self._static_wrapper(self.graph_wrappers, batch, self.graph.indptr[: rows + 1],
+                                    self.graph.last_page_len[:rows])  # fmt: skip
 
     def _unit_wrapper(self, batch: int):
         """FlashInfer's wrapper over ``batch`` requests' unit rows, on the static unit buffers (a
         layer rewrites their ``last_page_len``; one per batch size, eager or captured)."""
+        rows = batch * UNITS * self.num_kv_heads
+        return self._static_wrapper(self.unit_wrappers, batch, self.units.indptr[: rows + 1],
+                                    self.units.last_page_len[:rows])  # fmt: skip
+
+    def _static_wrapper(self, wrappers: dict, batch: int, indptr: torch.Tensor, last_page_len: torch.Tensor):
+        """``wrappers[batch]``, made on first use: a CUDA-graph-ready FlashInfer wrapper reading
+        ``indptr``, :attr:`indices` and ``last_page_len`` (static buffers, never reallocated)."""
         import flashinfer
 
-        if batch not in self.unit_wrappers:
-            rows, u = batch * UNITS * self.num_kv_heads, self.units
-            self.unit_wrappers[batch] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        if batch not in wrappers:
+            wrappers[batch] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=u.indptr[: rows + 1], paged_kv_indices_buffer=self.indices,
-                paged_kv_last_page_len_buffer=u.last_page_len[:rows],
+                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=self.indices,
+                paged_kv_last_page_len_buffer=last_page_len,
             )  # fmt: skip
-        return self.unit_wrappers[batch]
+        return wrappers[batch]
 
     def plan(self, req_slots: torch.Tensor, seq_lens_cpu: torch.Tensor, host_pages: torch.Tensor, *,
              seq_lens: torch.Tensor, graph: bool = False, reselect: torch.Tensor | None = None) -> DecodePlan:  # fmt: skip
@@ -524,9 +522,9 @@ class SparseDecoder:
             page_ids = self._choose(layer, q, plan, k_scale)
             self._retrieve(layer, page_ids, plan)
         if self.selection_log is not None:  # -1 for none (the top-k's picks past a request's end)
-            self.selection_log[: plan.batch, layer] = torch.where(
-                page_ids < plan.num_pages.view(-1, 1, 1), page_ids, -1
-            )
+            log = self.selection_log[: plan.batch, layer]
+            log[..., : self.width] = torch.where(page_ids < plan.num_pages.view(-1, 1, 1), page_ids, -1)
+            log[..., self.width :] = -1  # a shared budget's wider log, on an exact step
         qs = q.reshape(plan.batch * self.num_kv_heads, self.group, self.head_dim)
         return plan.wrapper.run(qs, self.kv, k_scale=k_scale, v_scale=v_scale).view(q.shape)
 
@@ -537,10 +535,7 @@ class SparseDecoder:
         step's unit rows with each head's units merged (:func:`attend_units`)."""
         store, batch, heads = self.store, plan.batch, self.num_kv_heads
         qg = q.view(batch, heads, self.group, self.head_dim)
-        reuse = None if plan.reselect is None else store.cache.cached_rows(layer, plan.req_slots, plan.reselect)
-        scores = score_pages(self.selector, qg, store.summaries.layer(layer), plan.host_pages[:, : plan.max_pages],
-                             plan.num_pages, self.group_reduce, reuse=reuse, fill_tail=False)  # fmt: skip
-        chosen = share_budget(scores, plan.num_pages, self.width, *self.forced, self.share_scale)
+        chosen = share_budget(self.log_shares(layer, qg, plan), plan.num_pages, self.width, *self.forced, 1.0)
         rows = plan.units.layer(chosen.widths)
         n = batch * heads * self.selected
         src, dst = self.miss_src[:n], self.miss_dst[:n]
@@ -550,6 +545,18 @@ class SparseDecoder:
         if self.selection_log is not None:
             self.selection_log[:batch, layer] = chosen.page_ids
         return attend_units(plan.wrapper, qg, self.kv, rows, k_scale=k_scale, v_scale=v_scale).view(q.shape)
+
+    def log_shares(self, layer: int, qg: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        """``[B, Hkv, N]`` each page's estimated share of its kv head's mass, as a log
+        (:func:`head_log_shares`): the score kernel once per query head of the group, each over
+        the pages a request selects from (only those its cache row holds, when it reuses its
+        selection)."""
+        store = self.store
+        reuse = None if plan.reselect is None else store.cache.cached_rows(layer, plan.req_slots, plan.reselect)
+        summaries, host_pages = store.summaries.layer(layer), plan.host_pages[:, : plan.max_pages]
+        per_head = [score_pages(self.selector, qg[:, :, g : g + 1], summaries, host_pages, plan.num_pages, reuse=reuse)
+                    for g in range(self.group)]  # fmt: skip
+        return head_log_shares(torch.stack(per_head, dim=2), self.constants.sm_scale)
 
     def _rerank(self, layer: int, q: torch.Tensor, plan: DecodePlan, k_scale: float | None) -> torch.Tensor:
         """Select ``Kc`` candidates, load them (hits, misses, LRU as any selection), keep the ``K``

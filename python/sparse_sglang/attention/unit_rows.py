@@ -17,7 +17,9 @@ indices start at ``region[b]``; head ``h``'s pages follow head ``h - 1``'s (the 
 writes them at :meth:`UnitRows.layer`'s indptr), its units cover them in order, and the newest page
 ends each head's last unit, whose ``last_page_len`` is the request's. A layer rewrites only the
 device-side ``last_page_len`` (which unit ends a head) and the maps from units to heads: every
-row's length in pages is the plan's.
+row's length in pages is the plan's. FlashInfer's kernels read ``last_page_len`` on the device, and
+a split plan's chunks start at whole pages before a row's last page, so a shorter last page never
+leaves a chunk starting past its row's end.
 
 Contract: :func:`plan_unit_rows` runs on the host once per step (FlashInfer's ``plan`` reads its
 indptr); :meth:`UnitRows.build` makes the step's device tensors (no host synchronisation);
