@@ -225,6 +225,33 @@ def test_retrieve_pages_makes_the_reference_choices_and_writes_flashinfer_indice
                     assert row[-1] == int(slots[b, h][ref_ids[b, h] == n - 1])
 
 
+def test_retrieve_pages_reads_a_selection_shared_by_every_head_as_its_own_rows():
+    """The exact shortcut's selection is one row of pages per request expanded over its heads (no
+    copy): the kernel reads it as the same selection written out head by head."""
+    heads, width = 3, 4
+    runs = {}
+    for kind in ("expanded", "contiguous"):
+        cache = make_cache(64, layers=1, heads=heads, width=width, max_pages=16)
+        for r in (1, 2):
+            cache.open_request(r, 16)
+        cache.next_step()
+        req_slots, num_pages = torch.tensor([1, 2], device=DEVICE), torch.tensor([4, 3], device=DEVICE)
+        rows = torch.tensor([[[0, 1, 2, 3]], [[0, 1, 2, -1]]], device=DEVICE).expand(2, heads, width)
+        page_ids = rows if kind == "expanded" else rows.contiguous()
+        indptr = torch.tensor([0, 4, 8, 12, 15, 18, 21], dtype=torch.int32, device=DEVICE)
+        indices = torch.full((21,), -7, dtype=torch.int32, device=DEVICE)
+        miss_src = torch.empty(2 * heads * width, dtype=torch.int64, device=DEVICE)
+        miss_dst = torch.empty_like(miss_src)
+        host_pages = torch.arange(32, dtype=torch.int32, device=DEVICE).view(2, 16)
+        retrieve_pages(
+            cache.view, 0, req_slots, page_ids, num_pages, host_pages, 50, indptr, indices, miss_src, miss_dst
+        )
+        runs[kind] = (indices, miss_src, miss_dst, cache.page_table.segments.clone())
+    for got, want in zip(runs["expanded"], runs["contiguous"]):
+        assert torch.equal(got, want)
+    assert (runs["contiguous"][0] >= 0).all()
+
+
 def test_retrieve_pages_leaves_padding_rows_alone():
     """Request slot 0 (SGLang's CUDA-graph padding, no cache row) in a batch: nothing of the cache
     changes for it, nothing loads, and its indptr span gets slot 0 (a valid index to read)."""

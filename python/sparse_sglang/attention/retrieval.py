@@ -141,7 +141,7 @@ def retrieve_pages(
     req_slots : torch.Tensor
         ``[B]`` request slots (each open).
     page_ids : torch.Tensor
-        ``[B, Hkv, K]`` selected logical pages in any order; ``-1`` or ``>= num_pages`` = none.
+        ``[B, Hkv, K]`` selected logical pages in any order (any strides); ``-1`` or ``>= num_pages`` = none.
         ``K <= row_width``; the newest page ``num_pages - 1`` should be among them.
     num_pages : torch.Tensor
         ``[B]`` pages each request holds.
@@ -167,6 +167,7 @@ def retrieve_pages(
     """
     batch, heads, width = page_ids.shape
     assert width <= cache.row_width, f"{width} selected pages exceed the cache row ({cache.row_width})"
+    page_ids = page_ids.contiguous()  # the kernel reads rows at bh * K (the exact shortcut's is expanded over heads)
     _retrieve_kernel[(batch * heads,)](
         page_ids, num_pages, req_slots, host_pages, cache.directory, cache.segments, cache.rows, cache.slot_page,
         cache.last_used, cache.step, indptr, indices, miss_src, miss_dst, cache.counters,
