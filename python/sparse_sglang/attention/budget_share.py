@@ -10,7 +10,7 @@ spreads, so here a request's ``Hkv x K`` pages of a layer are shared among its h
    head's pages, of its score times ``scale``. The server scores a page by its share itself
    (:func:`head_log_shares`: each query head's softmax of its corner bounds, averaged over the
    group, as a log; ``scale`` 1), not by the softmax of the group-summed bound the default ranks
-   by, which spreads a head's mass as none of its query heads does (decision 29 compares them);
+   by, which is no query head's mass (decision 29 compares them);
 3. a head's next units are its remaining pages in order of share, ``u`` at a time; the layer's
    ``Hkv x (UNITS - FLOOR_UNITS)`` units holding the most share go to whichever heads they belong
    to, at most ``CAP_UNITS`` units per head.
@@ -27,7 +27,7 @@ on every head (the exact path), as without sharing.
 Example::
 
     >>> import torch
-    >>> scores = torch.randn(2, 4, 40)              # [B, Hkv, N] group-summed page scores
+    >>> scores = torch.randn(2, 4, 40)              # [B, Hkv, N] page scores
     >>> num_pages = torch.tensor([40, 9])           # the second request fits in the budget
     >>> sel = share_budget(scores, num_pages, budget_pages=16, sink_pages=1, recent_pages=2, scale=0.1)
     >>> sel.page_ids.shape, sel.widths.sum(-1).tolist()

@@ -37,11 +37,12 @@ Per layer:
    one kv head and its group's ``G`` query heads over its ``K`` cache slots (HND layout), the
    newest page last so ``last_page_len`` covers the partial page.
 
-With ``budget_share`` (``--sparse-budget-share``) steps 2 and 4 change: a request's ``Hkv x K``
-pages of a layer are shared among its kv heads by estimated mass
-(:mod:`~sparse_sglang.attention.budget_share`), and attention runs over rows of a fixed number of
-pages, each head's merged (:mod:`~sparse_sglang.attention.unit_rows`), so that the plan made once
-per step serves every layer's widths.
+With ``budget_share`` (``--sparse-budget-share``) steps 1, 2 and 4 change: the score kernel runs
+once per query head, a request's ``Hkv x K`` pages of a layer are shared among its kv heads by
+their estimated shares of each head's mass (:mod:`~sparse_sglang.attention.budget_share`), and
+attention runs over rows of a fixed number of pages, each head's merged
+(:mod:`~sparse_sglang.attention.unit_rows`), so that the plan made once per step serves every
+layer's widths.
 """
 
 from __future__ import annotations
@@ -276,7 +277,9 @@ class SparseDecoder:
         self.candidate_indptr = (torch.arange(rows + 1, dtype=torch.int32) * kc).to(device)
         self.ranks = torch.arange(self.width, dtype=torch.int64, device=device).view(1, -1)
         self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
-        self.units = UnitBuffers.allocate(rows // self.num_kv_heads, self.num_kv_heads, device) if self.share else None
+        self.unit_buffers = (
+            UnitBuffers.allocate(rows // self.num_kv_heads, self.num_kv_heads, device) if self.share else None
+        )
 
     def log_selections(self, max_batch: int) -> torch.Tensor:
         """Keep each step's selections (every layer's) in :attr:`selection_log`, a static buffer
@@ -310,8 +313,8 @@ class SparseDecoder:
         """FlashInfer's wrapper over ``batch`` requests' unit rows, on the static unit buffers (a
         layer rewrites their ``last_page_len``; one per batch size, eager or captured)."""
         rows = batch * UNITS * self.num_kv_heads
-        return self._static_wrapper(self.unit_wrappers, batch, self.units.indptr[: rows + 1],
-                                    self.units.last_page_len[:rows])  # fmt: skip
+        return self._static_wrapper(self.unit_wrappers, batch, self.unit_buffers.indptr[: rows + 1],
+                                    self.unit_buffers.last_page_len[:rows])  # fmt: skip
 
     def _static_wrapper(self, wrappers: dict, batch: int, indptr: torch.Tensor, last_page_len: torch.Tensor):
         """``wrappers[batch]``, made on first use: a CUDA-graph-ready FlashInfer wrapper reading
@@ -367,7 +370,7 @@ class SparseDecoder:
             indptr = plan_unit_rows(num_pages_cpu, width, heads)
             last_page_len = torch.full((indptr.numel() - 1,), page, dtype=torch.int32)  # a layer's units end heads
             wrapper, dest = self._unit_wrapper(batch), None
-            units = UnitRows.build(num_pages_dev, seq_lens, width, heads, page, self.units, batch)
+            units = UnitRows.build(num_pages_dev, seq_lens, width, heads, page, self.unit_buffers, batch)
         else:
             selected_cpu = num_pages_cpu.clamp(max=width).to(torch.int32)  # pages per (request, head)
             indptr = torch.zeros(batch * heads + 1, dtype=torch.int32)
