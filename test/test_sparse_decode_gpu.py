@@ -583,7 +583,7 @@ def test_shared_budget_attends_each_heads_share_of_the_layer(mode, interval, ten
                 per_head = [score_pages(b.decoder.selector, qg[:, :, g : g + 1], b.store.summaries.layer(layer),
                                         b.host_pages, num_pages) for g in range(qg.shape[2])]  # fmt: skip
                 shares = head_log_shares(torch.stack(per_head, dim=2), SHAPE.head_dim**-0.5)
-                chosen = share_budget(shares, num_pages, 16, *b.decoder.forced, 1.0)
+                chosen = share_budget(shares, num_pages, 16, *b.decoder.forced)
                 assert torch.equal(chosen.page_ids, pages), msg
     assert len(widths_seen) > 1  # the heads' widths differ
 

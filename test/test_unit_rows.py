@@ -16,6 +16,13 @@ from sparse_sglang.attention.unit_rows import UnitBuffers, UnitRows, attend_unit
 from sparse_sglang.config import SparseConfig, SparseConfigError
 
 
+def _log_shares(scores: torch.Tensor, num_pages: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each page's share of its head's mass, as a log: the softmax of ``scores`` times ``scale``
+    over the request's pages."""
+    past = torch.arange(scores.shape[-1]) >= num_pages.view(-1, 1, 1)
+    return torch.log_softmax(scores.masked_fill(past, -math.inf) * scale, dim=-1)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_share_budget_matches_reference(seed):
     gen = torch.Generator().manual_seed(seed)
@@ -24,9 +31,10 @@ def test_share_budget_matches_reference(seed):
     scores = torch.randn(batch, heads, n_max, generator=gen) * 3
     num_pages = torch.randint(1, n_max + 1, (batch,), generator=gen)
     num_pages[0] = n_max
-    scores[1, :, num_pages[1] :] = float("nan")  # past a request's pages: ignored
-    got = share_budget(scores, num_pages, budget, 1, 1, 0.4)
-    want = share_budget_reference(scores, num_pages, budget, 1, 1, 0.4)
+    shares = _log_shares(scores, num_pages, 0.4)
+    shares[1, :, num_pages[1] :] = float("nan")  # past a request's pages: ignored
+    got = share_budget(shares, num_pages, budget, 1, 1)
+    want = share_budget_reference(shares, num_pages, budget, 1, 1)
     assert torch.equal(got.widths, want.widths) and torch.equal(got.page_ids, want.page_ids)
 
 
@@ -47,7 +55,7 @@ def test_share_budget_invariants():
     scores = torch.randn(batch, heads, n_max, generator=gen) * 4
     scores[:, 3] *= 0.01  # one head's mass spread evenly: it should take more than its floor
     num_pages = torch.tensor([64, 40, 17, 12])
-    sel = share_budget(scores, num_pages, budget, 1, 2, 1.0)
+    sel = share_budget(_log_shares(scores, num_pages, 1.0), num_pages, budget, 1, 2)
     for b, n in enumerate(num_pages.tolist()):
         widths = sel.widths[b]
         if n <= budget:  # every page, on every head
@@ -100,7 +108,7 @@ def test_units_attend_as_each_head_over_its_pages(monkeypatch):
     num_pages = (seq_lens + page - 1) // page
     batch = len(seq_lens)
     scores = torch.randn(batch, heads, int(num_pages.max()), generator=gen) * 3
-    sel = share_budget(scores, num_pages, budget, 1, 1, 0.5)
+    sel = share_budget(_log_shares(scores, num_pages, 0.5), num_pages, budget, 1, 1)
     # One cache slot per (request, head, page), holding that page's keys and values.
     k_cache = torch.randn(batch * heads * int(num_pages.max()), page, dim, generator=gen)
     v_cache = torch.randn_like(k_cache)
@@ -140,7 +148,9 @@ def test_every_layer_keeps_the_planned_row_lengths():
                            UnitBuffers.allocate(4, heads, torch.device("cpu")), 4)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):
-        sel = share_budget(torch.randn(4, heads, 100, generator=gen), num_pages, budget, 1, 2, 1.0)
+        sel = share_budget(
+            _log_shares(torch.randn(4, heads, 100, generator=gen), num_pages, 1.0), num_pages, budget, 1, 2
+        )
         layer = units.layer(sel.widths)
         # each head's pages cover whole rows, from where the retrieve kernel writes them
         starts = set(indptr.tolist())

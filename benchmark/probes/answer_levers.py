@@ -152,7 +152,7 @@ class ShareDecoder(QuestStepDecoder):
         qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
         bound = quality.get_selector("quest").head_scores(qg, kmin=kmin, kmax=kmax, mean=None, radius=None)
         if self.pool == "probs":
-            return (bound * scaling).softmax(-1).mean(2)
+            return head_log_shares(bound, scaling).exp()
         return (bound.mean(2) * scaling).softmax(-1)  # the group's mean bound: from the score a server keeps
 
     def select(self, layer, q, key, seq_len, scaling, kmin, kmax):
@@ -186,13 +186,8 @@ class UnitShareDecoder(ShareDecoder):
 
     def select(self, layer, q, key, seq_len, scaling, kmin, kmax):
         budget, num_pages = self.policy.budget // quality.PAGE_SIZE, -(-seq_len // quality.PAGE_SIZE)
-        if self.pool == "probs":  # per kv head, log-shares summing to 1: share_budget's softmax keeps them
-            qg = q.view(1, kmin.shape[1], -1, q.shape[-1])
-            bounds = quality.get_selector("quest").head_scores(qg, kmin=kmin, kmax=kmax, mean=None, radius=None)
-            scores, scale = head_log_shares(bounds, scaling), 1.0
-        else:  # the group's sum, as the server's score kernel writes it
-            scores, scale = self.corner_scores(q, kmin, kmax), scaling / (q.shape[-2] // kmin.shape[1])
-        sel = share_budget(scores, num_pages, budget, self.policy.sink_pages, self.policy.recent_pages, scale)
+        shares = self.shares(layer, q, key, seq_len, scaling, kmin, kmax).log()
+        sel = share_budget(shares, num_pages, budget, self.policy.sink_pages, self.policy.recent_pages)
         return sel.page_ids[..., : int(sel.widths.max())]
 
 

@@ -4,18 +4,17 @@ By default every kv head attends ``K`` pages per layer. Heads differ in how wide
 spreads, so here a request's ``Hkv x K`` pages of a layer are shared among its heads, counted in
 *units* of ``u = K / UNITS`` pages:
 
-1. every head keeps its best ``FLOOR_UNITS`` units of pages by score (the forced sink and recent
-   pages among them);
-2. each of its remaining pages gets an estimated share of the head's mass: the softmax, over the
-   head's pages, of its score times ``scale``. The server scores a page by its share itself
-   (:func:`head_log_shares`: each query head's softmax of its corner bounds, averaged over the
-   group, as a log; ``scale`` 1), not by the softmax of the group-summed bound the default ranks
-   by, which is no query head's mass (decision 29 compares them);
+1. each page has an estimated share of its head's mass (:func:`head_log_shares`: each query
+   head's softmax of its corner bounds, averaged over the group; not the softmax of the
+   group-summed bound the default ranks by, which is no query head's mass: decision 29 compares
+   them);
+2. every head keeps its ``FLOOR_UNITS`` units of pages with the largest shares (the forced sink
+   and recent pages among them);
 3. a head's next units are its remaining pages in order of share, ``u`` at a time; the layer's
    ``Hkv x (UNITS - FLOOR_UNITS)`` units holding the most share go to whichever heads they belong
    to, at most ``CAP_UNITS`` units per head.
 
-The same scores and the same number of pages per layer as the default; what changes is which head
+The same summaries and the same number of pages per layer as the default; what changes is which head
 attends them. Widths are whole units so that attention runs over rows of ``u`` pages whose
 lengths do not change from layer to layer (:class:`~sparse_sglang.attention.unit_rows.UnitRows`):
 FlashInfer's plan is made once per step. A request holding at most ``K`` pages attends all of them
@@ -27,9 +26,10 @@ on every head (the exact path), as without sharing.
 Example::
 
     >>> import torch
-    >>> scores = torch.randn(2, 4, 40)              # [B, Hkv, N] page scores
+    >>> bounds = torch.randn(2, 4, 3, 40)           # [B, Hkv, G, N] each query head's page bounds
     >>> num_pages = torch.tensor([40, 9])           # the second request fits in the budget
-    >>> sel = share_budget(scores, num_pages, budget_pages=16, sink_pages=1, recent_pages=2, scale=0.1)
+    >>> shares = head_log_shares(bounds, scale=0.1)
+    >>> sel = share_budget(shares, num_pages, budget_pages=16, sink_pages=1, recent_pages=2)
     >>> sel.page_ids.shape, sel.widths.sum(-1).tolist()
     (torch.Size([2, 4, 20]), [64, 36])
 """
@@ -51,7 +51,7 @@ def head_log_shares(head_scores: torch.Tensor, scale: float) -> torch.Tensor:
     """``[B, Hkv, N]`` the log of each page's estimated share of its kv head's mass, from
     ``head_scores`` ``[B, Hkv, G, N]`` (each query head's score of each page, ``-inf`` past a
     request's pages): each query head's softmax of its scores times ``scale``, averaged over the
-    group. Per kv head the shares sum to 1, so :func:`share_budget` takes them with ``scale`` 1."""
+    group. Per kv head the shares sum to 1: what :func:`share_budget` takes."""
     return torch.logsumexp(torch.log_softmax(head_scores.float() * scale, dim=-1), dim=2) - math.log(
         head_scores.shape[2]
     )
@@ -74,42 +74,39 @@ class SharedSelection:
     # fmt: on
 
 
-def share_budget(scores: torch.Tensor, num_pages: torch.Tensor, budget_pages: int, sink_pages: int,
-                 recent_pages: int, scale: float) -> SharedSelection:  # fmt: skip
+def share_budget(log_shares: torch.Tensor, num_pages: torch.Tensor, budget_pages: int, sink_pages: int,
+                 recent_pages: int) -> SharedSelection:  # fmt: skip
     """Share each request's ``Hkv x K`` pages of one layer among its heads (module doc).
 
     Parameters
     ----------
-    scores : torch.Tensor
-        ``[B, Hkv, N]`` page scores (higher is more mass); entries at or past a request's pages are
-        ignored (may be anything, NaN included).
+    log_shares : torch.Tensor
+        ``[B, Hkv, N]`` the log of each page's share of its head's mass (:func:`head_log_shares`;
+        each head's sum to 1); entries at or past a request's pages are ignored (may be anything,
+        NaN included).
     num_pages : torch.Tensor
-        ``[B]`` pages each request holds (``1 <= n <= N``), on ``scores``' device.
+        ``[B]`` pages each request holds (``1 <= n <= N``), on ``log_shares``' device.
     budget_pages : int
         ``K``, a head's pages without sharing: a multiple of :data:`UNITS`, with
         ``sink_pages + recent_pages <= FLOOR_UNITS * K / UNITS``.
     sink_pages, recent_pages : int
         Pages ``[0, sink)`` and ``[n - recent, n)`` every head keeps.
-    scale : float
-        Turns a score into a logit (the softmax's temperature).
     """
-    batch, heads, n_max = scores.shape
+    batch, heads, n_max = log_shares.shape
     u = unit_pages(budget_pages)
     floor, cap = FLOOR_UNITS * u, CAP_UNITS * u
     if sink_pages + recent_pages > floor:
         raise ValueError(f"{sink_pages} sink and {recent_pages} recent pages exceed a head's floor of {floor} pages")
-    device, n = scores.device, num_pages.view(-1, 1, 1).to(scores.device)
+    device, n = log_shares.device, num_pages.view(-1, 1, 1).to(log_shares.device)
     if n_max < cap:  # room for every choice below
-        scores = F.pad(scores, (0, cap - n_max))
-    col = torch.arange(scores.shape[-1], device=device)
+        log_shares = F.pad(log_shares, (0, cap - n_max))
+    col = torch.arange(log_shares.shape[-1], device=device)
     valid = col < n
-    raw = torch.where(valid, scores.float(), -math.inf)
+    raw = torch.where(valid, log_shares.float(), -math.inf)
     forced = valid & ((col < sink_pages) | (col >= n - recent_pages))
     floor_ids = raw.masked_fill(forced, math.inf).topk(floor, dim=-1).indices  # [B, Hkv, floor]
-    logit = raw * scale
-    share = (logit - logit.logsumexp(-1, keepdim=True)).exp()
     # Pages a head cannot take again (its floor) or does not hold read -1, below every share.
-    share = share.masked_fill(~valid, -1.0).scatter(-1, floor_ids, -1.0)
+    share = raw.exp().masked_fill(~valid, -1.0).scatter(-1, floor_ids, -1.0)
     extra = share.topk(cap - floor, dim=-1, sorted=True)  # [B, Hkv, E], best share first
     parts = extra.values.view(batch, heads, CAP_UNITS - FLOOR_UNITS, u)
     # A unit's mass; a unit short of pages is never taken (a head holding more than K pages has
@@ -129,6 +126,6 @@ def share_budget(scores: torch.Tensor, num_pages: torch.Tensor, budget_pages: in
     ids = torch.where(exact.view(-1, 1, 1), torch.where(every < n, every, -1), ids)
     widths = torch.where(exact.view(-1, 1), num_pages.to(device).view(-1, 1).to(torch.int32), widths)
     # Ascending, then -1: the newest page last among a head's pages (FlashInfer's last page).
-    ordered = torch.where(ids >= 0, ids, scores.shape[-1]).sort(dim=-1).values
-    page_ids = torch.where(ordered < scores.shape[-1], ordered, -1).to(torch.int32)
+    ordered = torch.where(ids >= 0, ids, log_shares.shape[-1]).sort(dim=-1).values
+    page_ids = torch.where(ordered < log_shares.shape[-1], ordered, -1).to(torch.int32)
     return SharedSelection(page_ids, widths.to(torch.int32))

@@ -145,11 +145,11 @@ def score_candidates_reference(
     return scores.masked_fill(~keep, -math.inf)
 
 
-def share_budget_reference(scores: torch.Tensor, num_pages: torch.Tensor, budget_pages: int, sink_pages: int,
-                           recent_pages: int, scale: float) -> SharedSelection:  # fmt: skip
+def share_budget_reference(log_shares: torch.Tensor, num_pages: torch.Tensor, budget_pages: int, sink_pages: int,
+                           recent_pages: int) -> SharedSelection:  # fmt: skip
     """:func:`~sparse_sglang.attention.budget_share.share_budget`, one request and one head at a
-    time (its parameters and result; ties between equal scores or shares may break otherwise)."""
-    batch, heads, _ = scores.shape
+    time (its parameters and result; ties between equal shares may break otherwise)."""
+    batch, heads, _ = log_shares.shape
     u = unit_pages(budget_pages)
     page_ids = torch.full((batch, heads, CAP_UNITS * u), -1, dtype=torch.int32)
     widths = torch.zeros(batch, heads, dtype=torch.int32)
@@ -160,11 +160,11 @@ def share_budget_reference(scores: torch.Tensor, num_pages: torch.Tensor, budget
             continue
         kept, units = [], []  # per head: its floor pages; its next units (pages, mass), best first
         for h in range(heads):
-            s = scores[b, h, :n].float()
+            s = log_shares[b, h, :n].float()
             forced = sorted(set(range(min(sink_pages, n))) | set(range(n - recent_pages, n)))
             rest = [p for p in s.argsort(descending=True).tolist() if p not in forced]
             kept.append(forced + rest[: FLOOR_UNITS * u - len(forced)])
-            share = (s * scale).softmax(-1)
+            share = s.exp()
             others = [p for p in share.argsort(descending=True).tolist() if p not in kept[h]]
             units.append([(others[i : i + u], float(share[others[i : i + u]].sum()))
                           for i in range(0, (CAP_UNITS - FLOOR_UNITS) * u, u) if i + u <= len(others)])  # fmt: skip

@@ -538,7 +538,7 @@ class SparseDecoder:
         step's unit rows with each head's units merged (:func:`attend_units`)."""
         store, batch, heads = self.store, plan.batch, self.num_kv_heads
         qg = q.view(batch, heads, self.group, self.head_dim)
-        chosen = share_budget(self.log_shares(layer, qg, plan), plan.num_pages, self.width, *self.forced, 1.0)
+        chosen = share_budget(self.log_shares(layer, qg, plan), plan.num_pages, self.width, *self.forced)
         rows = plan.units.layer(chosen.widths)
         n = batch * heads * self.selected
         src, dst = self.miss_src[:n], self.miss_dst[:n]
