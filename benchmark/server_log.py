@@ -37,6 +37,8 @@ PREFILL = re.compile(r"Prefill batch, #new-seq: \d+, #new-token: (\d+)")
 BATCH_BANDS = ((0, 20), (20, 40), (40, 60), (60, 80), (80, 100), (100, 200))
 SPARSE = re.compile(r"Sparse KV, cache hit: ([\d.]+), H2D pages/step: ([\d.]+), H2D GB/s: ([\d.]+)")
 INTERVAL = re.compile(r"decode_log_interval=(\d+)")
+# the "Sparse KV" line's end: host KV tokens in use / the store's, and the running requests' own
+HOST = re.compile(r"cache rows: \d+/(\d+).*host KV tokens: (\d+)/(\d+), of running requests: (\d+)")
 STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?: [A-Z]+\d+)*\]")  # "[... TP0]" under TP
 
 
@@ -157,6 +159,53 @@ def decoded_tokens(text: str, since: datetime.datetime, until: datetime.datetime
             if since <= when < until:
                 tokens += interval * int(decode.group(1))
     return tokens
+
+
+def host_fill(text: str, since: datetime.datetime | None = None) -> dict | None:
+    """How full the running requests keep the host store, from the "Sparse KV" lines stamped at
+    or after ``since`` (each paired with the running requests of the "Decode batch" line before
+    it); None without such lines (a log from before they said the running requests' tokens).
+
+    ``host_fill_ratio`` is the running requests' host tokens over the store's, averaged over the
+    lines: the share of the store they fill, cached prefixes no running request holds left out
+    (SGLang frees those as new requests need the room). The arithmetic beside it: a running
+    request holds ``tokens_per_running_request`` (the mean of their tokens over the mean of
+    their count), so the store holds ``requests_host_holds`` such requests, and a host with
+    twice the RAM ``2 x`` that, unless the server's request slots (SGLang's request pool, a GPU
+    page-cache row each) stop it first: ``requests_twice_the_host_holds``."""
+    rows, running = [], None
+    for line in text.splitlines():
+        if m := DECODE.search(line):
+            running = int(m.group(1))
+            continue
+        if not ((m := HOST.search(line)) and running):
+            continue
+        stamp = STAMP.match(line)
+        if since is not None and (
+            stamp is None or datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S") < since
+        ):
+            continue
+        slots, total, of_running = int(m.group(1)), int(m.group(3)), int(m.group(4))
+        rows.append((running, of_running, total, slots))
+        running = None
+    if not rows:
+        return None
+    n = len(rows)
+    running_mean, tokens_mean = sum(r[0] for r in rows) / n, sum(r[1] for r in rows) / n
+    host_tokens, slots = rows[-1][2], rows[-1][3]
+    per_request = tokens_mean / running_mean
+    holds = host_tokens / per_request
+    return {
+        "lines": n,
+        "host_fill_ratio": round(sum(r[1] / r[2] for r in rows) / n, 4),
+        "host_tokens": host_tokens,
+        "running_mean": round(running_mean, 1),
+        "tokens_per_running_request": round(per_request),
+        "requests_host_holds": round(holds, 1),
+        "request_slots": slots,
+        "requests_twice_the_host_holds": round(min(2 * holds, slots), 1),
+        "twice_the_host_limited_by": "request slots" if slots < 2 * holds else "host memory",
+    }
 
 
 def hit_ratio_by_batch(text: str, bin_width: int = 8) -> list[dict]:

@@ -44,7 +44,7 @@ import numpy as np
 import orjson
 import requests
 
-from benchmark.server_log import decoded_tokens, load_events, summarize_trace
+from benchmark.server_log import decoded_tokens, host_fill, load_events, summarize_trace
 from sparse_sglang.config import GIB
 from sparse_sglang.testing.greedy import GreedyAgreement, nearer_than_selection, tp_steps_agree
 from sparse_sglang.testing.models import (
@@ -333,6 +333,9 @@ class RateResult:
     records: list[dict]
     # a profile of the loaded server at the window's end (--profile-steps): benchmark/server_log.py's summary
     profile: dict | None = None
+    # how full the running requests kept the host store in the window's second half (sparse only):
+    # benchmark/server_log.py's host_fill
+    host: dict | None = None
 
 
 def _ms(seconds: list[float], percentile: float | None = None) -> float | None:
@@ -349,6 +352,7 @@ def summarize_rate(
     max_running_req: int | None,
     cache_flushed: bool,
     server_decode_by_quarter: list[float] | None = None,
+    host: dict | None = None,
 ) -> RateResult:
     ok = [r for r in run.records if r.status == "ok"]
     by_quarter = [tokens / (run.duration / QUARTERS) for tokens in run.tokens_by_quarter]
@@ -390,6 +394,7 @@ def summarize_rate(
         cache_flushed=cache_flushed,
         records=[asdict(r) for r in run.records],
         profile=run.at_cutoff,
+        host=host,
     )
 
 
@@ -410,6 +415,13 @@ def server_decode_by_quarter(log_text: str, run: RateRun) -> list[float] | None:
     start = datetime.datetime.fromtimestamp(run.started_at)
     return [decoded_tokens(log_text, start + q * quarter, start + (q + 1) * quarter) / quarter.total_seconds()
             for q in range(QUARTERS)]  # fmt: skip
+
+
+def second_half_host_fill(log_text: str, run: RateRun) -> dict | None:
+    """:func:`~benchmark.server_log.host_fill` over the second half of the run's window."""
+    if run.started_at is None:
+        return None
+    return host_fill(log_text, datetime.datetime.fromtimestamp(run.started_at + run.duration / 2))
 
 
 def is_complete(result: dict) -> bool:
@@ -613,6 +625,15 @@ def tbt_at_highest_common_rate(results: dict, baseline: str | None) -> dict:
     return out
 
 
+def sparse_host_fill(results: dict) -> dict:
+    """``host_fill_ratio``: how full sparse's running requests kept the host store in the second
+    half of its long-generation run at the highest rate it ran (``host_fill``: the arithmetic,
+    :func:`~benchmark.server_log.host_fill`); None for a run whose log does not say."""
+    runs = results.get("long-generation", {}).get("sparse") or []
+    fill = max(runs, key=lambda r: r["rate"]).get("host") if runs else None
+    return {"host_fill_ratio": fill["host_fill_ratio"] if fill else None, "host_fill": fill}
+
+
 def sparse_tbt_max(results: dict) -> dict:
     """The largest sparse p99 TBT over every trace and rate it ran (and where), and p99.9's."""
     rows = [(r[k], trace, r["rate"], k) for trace, systems in results.items() for r in systems.get("sparse", [])
@@ -639,6 +660,7 @@ def against_best(results: dict, servers: dict) -> dict:
         "baseline_chosen_by": {"trace": trace, "late_output_throughput": strength},
         **{f"{key}_vs_best": value for key, value in against(results, best).items()},
         **sparse_tbt_max(results),
+        **sparse_host_fill(results),
         "tbt_ms": tbt,
         "window_s_min": min(windows, default=None),
         "vs_baseline": {b: {"label": baseline_label(b, servers), **against(results, b)} for b in strength},
@@ -1043,7 +1065,8 @@ def run_system(system: str, plan: list[RatePlan], args, model: str, deadline: fl
                     log_text = log.read().decode(errors="replace")
                 seed = trace_seed(args.seed, step.spec.name, step.rate)
                 result = summarize_rate(step.rate, seed, run, max_running_requests(log_text), flushed,
-                                        server_decode_by_quarter(log_text, run))  # fmt: skip
+                                        server_decode_by_quarter(log_text, run),
+                                        second_half_host_fill(log_text, run))  # fmt: skip
                 results.setdefault(step.spec.name, []).append(asdict(result))
                 print(
                     f"[{system}] {step.spec.name} @ {step.rate:g} req/s: {result.completed}/{result.num_requests} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 from dataclasses import asdict
 
@@ -682,6 +683,47 @@ def test_server_log_first_seconds_counts_the_same_wall_clock_span_from_the_first
     assert result["summary"]["b"]["first_seconds_throughput_ratio"] == pytest.approx(120 / 60, abs=1e-3)
     with pytest.raises(ValueError, match="no 'Decode batch'"):
         first_seconds(lines[1], 10)
+
+
+def test_host_fill_reads_the_running_requests_share_of_the_host_store_from_the_servers_own_lines():
+    from benchmark.server_log import host_fill
+    from benchmark.serving import sparse_host_fill
+    from sparse_sglang.integration.metrics import interval_stats, log_line
+
+    def kv(stamp, used, evictable, slots=128):
+        # the line the server logs (metrics.log_line), so that the parser follows its format
+        now = {"pages_selected": 10, "pages_loaded": 1, "h2d_bytes": 0, "d2h_bytes": 0, "gpu_cache_rows_open": 1,
+               "gpu_cache_slots_free": 1, "gpu_cache_slots": 2, "request_slots": slots, "working_set_pages": 1,
+               "host_tokens": 1_000_000, "host_tokens_free": 1_000_000 - used, "host_tokens_in_radix_cache": evictable,
+               "host_tokens_evictable": evictable, "host_pages_shared": 0}  # fmt: skip
+        return f"[2026-11-24 10:{stamp}] " + log_line(interval_stats(now, now, steps=40, seconds=1.0), now)
+
+    def decode(stamp, running):
+        return (
+            f"[2026-11-24 10:{stamp}] Decode batch, #running-req: {running}, #token: 1, gen throughput (token/s): 1.0"
+        )
+
+    lines = [decode("00:05", 10), kv("00:05", 500_000, 0),  # before `since`: left out
+             decode("00:10", 40), kv("00:10", 900_000, 100_000),  # 800K of running requests, 20K each
+             decode("00:15", 60), kv("00:15", 1_000_000, 40_000),  # 960K, 16K each
+             kv("00:16", 1_000_000, 0)]  # no decode line before it: left out  # fmt: skip
+    since = datetime.datetime(2026, 11, 24, 10, 0, 10)
+    fill = host_fill("\n".join(lines), since=since)
+    assert fill["lines"] == 2 and fill["host_fill_ratio"] == pytest.approx((0.8 + 0.96) / 2)
+    assert fill["running_mean"] == 50 and fill["tokens_per_running_request"] == 17600  # 880K over 50
+    assert fill["requests_host_holds"] == pytest.approx(1_000_000 / 17600, abs=0.05)
+    # twice the host holds 113.6 such requests; 128 request slots do not stop them, 100 do
+    assert fill["requests_twice_the_host_holds"] == pytest.approx(113.6, abs=0.05)
+    assert fill["twice_the_host_limited_by"] == "host memory"
+    capped = host_fill("\n".join(lines).replace("cache rows: 1/128", "cache rows: 1/100"), since=since)
+    assert capped["requests_twice_the_host_holds"] == 100 and capped["twice_the_host_limited_by"] == "request slots"
+    assert host_fill("\n".join(line for line in lines if "Sparse KV" not in line)) is None
+    # the summary takes sparse's long-generation run at its highest rate
+    runs = {
+        "long-generation": {"sparse": [{"rate": 1.0, "host": {"host_fill_ratio": 0.5}}, {"rate": 2.0, "host": fill}]}
+    }
+    assert sparse_host_fill(runs) == {"host_fill_ratio": fill["host_fill_ratio"], "host_fill": fill}
+    assert sparse_host_fill({"long-prompt": {}}) == {"host_fill_ratio": None, "host_fill": None}
 
 
 # ---------------------------------------------------------------- the fair baseline (issue 36)

@@ -10,7 +10,8 @@ def snapshot(selected, loaded, h2d, d2h, host_free=60000):
     return {"pages_selected": selected, "pages_loaded": loaded, "h2d_bytes": h2d, "d2h_bytes": d2h,
             "gpu_cache_rows_open": 3, "gpu_cache_slots_free": 100, "gpu_cache_slots": 400, "request_slots": 8,
             "working_set_pages": 250,
-            "host_tokens": 65536, "host_tokens_free": host_free, "host_tokens_in_radix_cache": 4096, "host_pages_shared": 96}  # fmt: skip
+            "host_tokens": 65536, "host_tokens_free": host_free, "host_tokens_in_radix_cache": 4096, "host_tokens_evictable": 1024,
+            "host_pages_shared": 96}  # fmt: skip
 
 
 def test_interval_stats_are_differences_over_the_interval():
@@ -20,12 +21,15 @@ def test_interval_stats_are_differences_over_the_interval():
     assert stats["h2d_bytes_per_s"] == pytest.approx(1e9) and stats["d2h_bytes_per_s"] == pytest.approx(5e8)
     assert stats["host_tokens_used"] == 65536 - 60000
     assert stats["host_tokens_in_radix_cache"] == 4096 and stats["host_pages_shared"] == 96
+    # the running requests' own: in use, less the cached prefixes none of them holds
+    assert stats["host_tokens_of_running"] == 65536 - 60000 - 1024
     idle = interval_stats(snapshot(5000, 500, 0, 0), snapshot(5000, 500, 0, 0), steps=40, seconds=2.0)
     assert idle["gpu_cache_hit_ratio"] is None and idle["h2d_pages_per_step"] == 0  # nothing selected: no ratio
     line = log_line(stats, snapshot(5000, 500, 0, 0))
     assert (
         line.startswith("Sparse KV, cache hit: 0.900, H2D pages/step: 10.0, H2D GB/s: 1.00")
         and "cache rows: 3/8, working set: 250/400 slots" in line
+        and line.endswith("host KV tokens: 5536/65536, of running requests: 4512")
     )
     assert "cache hit: -," in log_line(idle, snapshot(5000, 500, 0, 0))
 

@@ -34,6 +34,7 @@ GAUGES = {  # name suffix -> documentation; values from interval_stats()
     "working_set_retractions": "Running requests the working-set rule retracted since start.",
     "host_tokens_used": "Host KV tokens in use (running requests and the radix cache).",
     "host_tokens_in_radix_cache": "Host KV tokens of prefixes the radix cache holds (radix hit tokens: SGLang's sglang:cached_tokens_total).",
+    "host_tokens_of_running": "Host KV tokens the running requests hold (in use, less cached prefixes no running request holds).",
     "host_pages_shared": "Host KV pages of cached prefixes that running requests use now (shared by the radix cache and a request).",
 }
 
@@ -57,6 +58,7 @@ def interval_stats(before: dict, now: dict, steps: int, seconds: float) -> dict:
         "working_set_retractions": now.get("working_set_retractions"),
         "host_tokens_used": now["host_tokens"] - now["host_tokens_free"],
         "host_tokens_in_radix_cache": now["host_tokens_in_radix_cache"],
+        "host_tokens_of_running": now["host_tokens"] - now["host_tokens_free"] - now["host_tokens_evictable"],
         "host_pages_shared": now["host_pages_shared"],
     }
 
@@ -83,7 +85,8 @@ def log_line(stats: dict, now: dict) -> str:
         f"D2H GB/s: {stats['d2h_bytes_per_s'] / 1e9:.2f}, "
         f"cache rows: {now['gpu_cache_rows_open']}/{now['request_slots']}{row_width(now)}, "
         f"working set: {now['working_set_pages']}/{now['gpu_cache_slots']} slots{admission(stats)}, "
-        f"host KV tokens: {stats['host_tokens_used']}/{now['host_tokens']}"
+        f"host KV tokens: {stats['host_tokens_used']}/{now['host_tokens']}, of running requests: "
+        f"{stats['host_tokens_of_running']}"
     )
 
 

@@ -27,6 +27,8 @@ def sparse_state(scheduler, reset_hbm_peak: bool = False) -> dict | None:
         "host_tokens": scheduler.max_total_num_tokens,
         "host_tokens_free": allocator.available_size(),
         "host_tokens_in_radix_cache": tree.evictable_size() + tree.protected_size(),
+        # cached prefixes no running request holds: freed as new requests need the room
+        "host_tokens_evictable": tree.evictable_size(),
         # cached prefixes running requests hold now: pages the tree and a request share
         "host_pages_shared": tree.protected_size() // scheduler.server_args.page_size,
         "request_slots": scheduler.req_to_token_pool.size,
