@@ -52,6 +52,7 @@ class Scheduler:
         self.token_to_kv_pool_allocator = SimpleNamespace(get_kvcache=lambda: pool)
         model = SimpleNamespace(forward_split_prefill=None)  # the models SGLang can run layer by layer have it
         self.tp_worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend, model=model))
+        self.tp_group = SimpleNamespace(world_size=1)
         self.request_receiver = SimpleNamespace(recv_requests=lambda: [])
         self.abort_at_segment = None
 
@@ -268,3 +269,40 @@ def test_segments_run_while_no_request_decodes_teach_the_pacer_nothing(monkeypat
         "segment 16+8",
         "segment 24+4",
     ]
+
+
+def _agree_on_rank(rank: int, port: int, values: list[int], out) -> None:
+    import torch.distributed as dist
+
+    from sparse_sglang.integration.segmented_prefill import agreed_across_tp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(values))
+    try:
+        scheduler = SimpleNamespace(tp_group=SimpleNamespace(world_size=len(values)), tp_cpu_group=dist.group.WORLD)
+        out.put((rank, agreed_across_tp(scheduler, values[rank])))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_run_the_fewest_layers_any_of_them_paced():
+    """Each rank paces from its own clock; two real gloo ranks (the CPU group SGLang's schedulers
+    share) leave agreed_across_tp with the same count, the smaller one."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_agree_on_rank, args=(rank, port, [5, 3], out)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: 3, 1: 3} and all(p.exitcode == 0 for p in procs)
+    from sparse_sglang.integration.segmented_prefill import agreed_across_tp
+
+    assert agreed_across_tp(SimpleNamespace(tp_group=SimpleNamespace(world_size=1)), 7) == 7  # no TP: its own

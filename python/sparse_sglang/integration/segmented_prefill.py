@@ -10,7 +10,9 @@ multiplexing, ``forward_split_prefill``), and each iteration runs
 2. the prefill's next layers, as many as ``--sparse-max-inject-tokens`` allows
    (:func:`~sparse_sglang.prefill.segments.next_segment_end`), or with ``--sparse-tbt-target-ms``
    as many as fit that time beside the decode step, from the periods the loop measures
-   (:class:`~sparse_sglang.prefill.pacing.SegmentPacer`).
+   (:class:`~sparse_sglang.prefill.pacing.SegmentPacer`; under tensor parallelism every rank
+   takes the smallest of the ranks' counts, :func:`agreed_across_tp`, since each measures its own
+   clock and all must run the same layers).
 
 The hidden states wait in the split batch's ``ForwardBatch`` between iterations; every layer's KV
 has gone to the host by then (the ``sparse`` backend saves it as the layer runs), so the GPU holds
@@ -42,6 +44,22 @@ if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+@relies_on("sglang.srt.managers.scheduler:Scheduler.init_model_worker", at="sglang/srt/managers/scheduler.py:974")
+def agreed_across_tp(scheduler: Scheduler, value: int) -> int:
+    """The smallest of ``value`` over the scheduler's tensor-parallel ranks (``value`` itself
+    without TP). A choice a rank makes from its own clock (the pacer's layers) must be every
+    rank's, or their forwards' collectives part ways: one all-reduce of one integer over SGLang's
+    CPU group (``tp_cpu_group``, gloo), which ``init_model_worker`` sets up."""
+    if scheduler.tp_group.world_size == 1:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    agreed = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=scheduler.tp_cpu_group)
+    return int(agreed.item())
 
 
 class SegmentedPrefillLoop:
@@ -124,7 +142,7 @@ class SegmentedPrefillLoop:
         running = self.scheduler.running_batch
         if self.pacer is not None:
             self.pacer.start_batch()  # a new batch's first segment: from the cost measured so far
-            layers = self.pacer.layers(batch.extend_num_tokens)
+            layers = agreed_across_tp(self.scheduler, self.pacer.layers(batch.extend_num_tokens))
         else:
             layers = layers_per_iteration(batch.extend_num_tokens, self.max_inject_tokens)
         return (
@@ -153,7 +171,8 @@ class SegmentedPrefillLoop:
         if self.pacer is None:
             end = next_segment_end(batch.split_index, batch.extend_num_tokens, self.num_layers, self.max_inject_tokens)
         else:
-            end = min(self.num_layers, batch.split_index + self.pacer.layers(batch.extend_num_tokens))
+            layers = agreed_across_tp(s, self.pacer.layers(batch.extend_num_tokens))
+            end = min(self.num_layers, batch.split_index + layers)
         if batch.split_index > 0:
             self.backend.resume_extend()
         batch.split_forward_count = end - batch.split_index
