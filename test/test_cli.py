@@ -112,6 +112,12 @@ def test_segmented_prefill_bounds_the_in_layer_chunk_unless_given(model_dir, mon
     assert given.chunked_prefill_size == 8192
 
 
+def test_a_time_between_tokens_paces_interleaved_prefill_within_sglangs_chunk(model_dir):
+    args = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-interleave-prefill", "true",
+                                "--sparse-tbt-target-ms", "80", "--chunked-prefill-size", "2048"])  # fmt: skip
+    assert args.sparse.tbt_target_ms == 80 and args.chunked_prefill_size == 2048  # the largest chunk paced
+
+
 def test_a_budget_too_wide_for_graph_decode_decodes_eagerly_and_says_so(model_dir, capfd):
     args = prepare_server_args(["--model-path", model_dir, *CPU, "--sparse-token-budget", "32768"])
     assert args.disable_decode_cuda_graph
@@ -181,7 +187,16 @@ BAD_ARGV = [
     (["--sparse-working-set-window", "0"], "--sparse-working-set-window"),
     (["--sparse-max-inject-tokens", "-5"], "--sparse-max-inject-tokens"),
     (["--sparse-tbt-target-ms", "-5"], "--sparse-tbt-target-ms"),
-    (["--sparse-tbt-target-ms", "80"], "--sparse-tbt-target-ms"),  # without --sparse-segmented-prefill
+    (["--sparse-tbt-target-ms", "80"], "--sparse-tbt-target-ms"),  # without segmented or interleaved prefill
+    # paced chunks with chunked prefill off, or smaller than a paced chunk's unit
+    (
+        ["--sparse-tbt-target-ms", "80", "--sparse-interleave-prefill", "true", "--chunked-prefill-size", "-1"],
+        "--chunked-prefill-size",
+    ),
+    (
+        ["--sparse-tbt-target-ms", "80", "--sparse-interleave-prefill", "true", "--chunked-prefill-size", "32"],
+        "--chunked-prefill-size",
+    ),
     (["--dp-size", "2", "--enable-dp-attention"], "--enable-dp-attention"),
     (["--pp-size", "2"], "--pp-size"),
     (["--tokenizer-worker-num", "2"], "--tokenizer-worker-num"),

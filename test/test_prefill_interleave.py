@@ -62,3 +62,65 @@ def test_the_hook_forms_no_prefill_batch_in_that_round_and_defers_to_sglang_othe
 def test_interleave_and_layer_segments_are_one_choice():
     with pytest.raises(SparseConfigError, match=r"^interleave_prefill: segmented_prefill already runs"):
         SparseConfig(interleave_prefill=True, segmented_prefill=True, host_cache_gb=1)
+
+
+class Prefill:
+    """A prefill batch as SGLang forms it: its requests' new and prefix tokens."""
+
+    def __init__(self, new_tokens: int, prefix_tokens: int):
+        self.forward_mode, self.extend_lens, self.prefix_lens = ForwardMode.EXTEND, [new_tokens], [prefix_tokens]
+
+
+def chunk_seconds(new_tokens: int, prefix_tokens: int) -> float:
+    """What the simulated GPU takes for a chunk: fixed, staging the prefix, the tokens, attention."""
+    return 0.002 + 1e-7 * prefix_tokens + 8e-6 * new_tokens + 1e-9 * new_tokens * (prefix_tokens + new_tokens / 2)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_paced_chunks_keep_every_decode_step_and_the_chunk_before_it_within_the_target(monkeypatch, overlap):
+    """A 64K-token prompt prefilled beside decodes of 30 ms a step, target 100 ms: once the pacer
+    has seen a few chunks, every decode step waits for one chunk that fits in the 70 ms left, and
+    the prompt still goes in large chunks, smaller as its prefix grows. The rounds start when
+    SGLang's loop would start them: after the round's batch, or with overlap scheduling after the
+    batch before it."""
+    from sparse_sglang.integration import prefill_interleave
+
+    clock = [0.0]
+    monkeypatch.setattr(prefill_interleave.time, "perf_counter", lambda: clock[0])
+    prompt, done = 65536, [0]
+    sparse = SparseConfig(interleave_prefill=True, tbt_target_ms=100, host_cache_gb=1)
+    s = SimpleNamespace(server_args=SimpleNamespace(sparse=sparse), last_batch=None, chunked_req=None,
+                        waiting_queue=["the prompt"], token_to_kv_pool_allocator=object(), chunked_prefill_size=8192,
+                        page_size=32, enable_overlap=overlap, tp_group=SimpleNamespace(world_size=1))  # fmt: skip
+
+    def sglang_prefill(self, running):  # SGLang's: the prompt's next chunk, at most chunked_prefill_size tokens
+        if done[0] == prompt:
+            return SimpleNamespace(batch_to_run=None, running_batch=running)
+        x = min(self.chunked_prefill_size, prompt - done[0])
+        batch = Prefill(x, done[0])
+        done[0] += x
+        self.waiting_queue = []
+        self.chunked_req = SimpleNamespace(prefix_indices=range(done[0])) if done[0] < prompt else None
+        return SimpleNamespace(batch_to_run=batch, running_batch=running)
+
+    hooked = hold_prefill_for_decodes(sglang_prefill)
+    running = Batch(ForwardMode.DECODE, size=80)
+    durations, batches = [], []
+    for k in range(400):
+        clock[0] = sum(durations[: max(k - 1, 0)] if overlap else durations)
+        batch = hooked(s, running).batch_to_run or running  # no prefill: the decode step runs
+        durations.append(0.030 if batch is running else chunk_seconds(batch.extend_lens[0], batch.prefix_lens[0]))
+        batches.append(batch)
+        s.last_batch = batch
+        if done[0] == prompt and batch is running:
+            break
+    chunks = [b for b in batches if b is not running]
+    assert sum(b.extend_lens[0] for b in chunks) == prompt
+    assert all(b is running for b in batches[1::2])  # a decode step after every chunk
+    waits = [durations[i] + durations[i + 1] for i, b in enumerate(batches[:-1]) if b is not running]
+    assert max(waits) > 0.1  # the first chunks, before the pacer knew their cost: SGLang's 8,192 tokens
+    settled = waits[6:]
+    assert settled and max(settled) <= 0.1 + 1e-9
+    assert min(settled[:-1]) > 0.09  # and the chunks use the time they have (the last is the rest of the prompt)
+    sizes = [b.extend_lens[0] for b in chunks[6:-1]]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[-1]  # deeper into the prompt: smaller

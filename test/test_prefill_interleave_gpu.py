@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,12 +40,22 @@ ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-stati
         "--chunked-prefill-size", str(CHUNK_TOKENS), "--sparse-interleave-prefill", "true"]  # fmt: skip
 
 
-def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp_path):
+# Paced (--sparse-tbt-target-ms): a prompt long enough for the pacer to time its first chunks and
+# then size the rest, a target below what a full chunk deep in it costs beside a decode step.
+PACED_PROMPT_TOKENS, PACED_TARGET_MS = 24000, 40
+PREFILL_LINE = re.compile(r"Prefill batch, #new-seq: 1, #new-token: (\d+)")
+
+
+@pytest.mark.parametrize("paced", [False, True], ids=["chunks", "paced-chunks"])
+def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp_path, paced):
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(*LLAMA3_8B_TOKEN_IDS) for _ in range(n)]  # noqa: E731
-    prompt, background = ids(PROMPT_TOKENS), [ids(BACKGROUND_PROMPT) for _ in range(BACKGROUND)]
+    prompt_tokens = PACED_PROMPT_TOKENS if paced else PROMPT_TOKENS
+    prompt, background = ids(prompt_tokens), [ids(BACKGROUND_PROMPT) for _ in range(BACKGROUND)]
     model = write_llama3_8b_dummy(tmp_path / "llama3-8b-dummy")
-    with ServerProcess(SPARSE_MODULE, model, ARGS, log_path=tmp_path / "server.log") as server:
+    args = [*ARGS, "--sparse-tbt-target-ms", str(PACED_TARGET_MS)] if paced else ARGS
+    log = tmp_path / "server.log"
+    with ServerProcess(SPARSE_MODULE, model, args, log_path=log) as server:
         url = server.url
         generate_ids(url, background[0], 4)  # first-request costs out of the way
         assert flush_cache(url)
@@ -58,6 +69,7 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
             still_decoding = sum(not f.done() for f in decoding)
             background_out = [f.result() for f in decoding]
         leaked = settled(server, idle)
+        chunks = [int(n) for n in PREFILL_LINE.findall(log.read_text())]  # the background's, then the prompt's
         held_before_alone = sparse_state(url)["prefills_held"]
         alone = generate_ids(url, prompt, NEW_TOKENS, logprobs=True)  # nothing decodes: SGLang's rounds
         held_alone = sparse_state(url)["prefills_held"] - held_before_alone
@@ -67,6 +79,8 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
     summary = {
         "prompt_tokens": len(prompt),
         "chunk_tokens": CHUNK_TOKENS,
+        "tbt_target_ms": PACED_TARGET_MS if paced else None,
+        "prefill_batches_logged": chunks,
         "rounds_held_while_background_decoded": held,
         "rounds_held_alone": held_alone,
         "background_still_decoding_after_the_prompt": still_decoding,
@@ -75,7 +89,8 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
         "background_tokens": [len(o["output_ids"]) for o in background_out],
         **leaked,
     }
-    save_gpu_test_record("prefill-interleave-gpu-test.json", {"args": ARGS, "summary": summary})
+    name = "prefill-interleave-paced-gpu-test.json" if paced else "prefill-interleave-gpu-test.json"
+    save_gpu_test_record(name, {"args": args, "summary": summary})
     print(json.dumps(summary))
     # the second and third chunks each waited for a decode step while the background decoded
     assert still_decoding == BACKGROUND and held >= 2, summary
@@ -83,3 +98,6 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
     assert summary["prompt_logprob_max_abs_diff"] <= 1e-3 and summary["greedy_equal"], summary
     assert all(n == BACKGROUND_NEW for n in summary["background_tokens"]), summary
     assert not any(leaked.values()), summary
+    if paced:  # after the chunks it timed, the pacer cut the prompt into chunks smaller than SGLang's
+        assert all(n <= CHUNK_TOKENS for n in chunks), summary
+        assert any(n % 64 == 0 and n not in (CHUNK_TOKENS, CHUNK_TOKENS // 2) for n in chunks[:-1]), summary

@@ -247,7 +247,7 @@ class SparseConfig:
     )
     tbt_target_ms: float | None = knob(
         None,
-        help="Layer-segmented prefill: size each segment so one decode step plus the segment take about this long (milliseconds, measured as the server runs); unset = --sparse-max-inject-tokens alone.",
+        help="Size each prefill step so one decode step plus it take about this long (milliseconds, measured as the server runs): a layer segment under --sparse-segmented-prefill (unset: --sparse-max-inject-tokens alone), a chunk's tokens under --sparse-interleave-prefill (at most --chunked-prefill-size; unset: that size).",
     )
     interleave_prefill: bool = knob(
         False,
@@ -371,9 +371,11 @@ class SparseConfig:
             raise SparseConfigError("max_inject_tokens", f"must be positive, got {self.max_inject_tokens}")
         if self.tbt_target_ms is not None and self.tbt_target_ms <= 0:
             raise SparseConfigError("tbt_target_ms", f"must be positive, got {self.tbt_target_ms}")
-        if self.tbt_target_ms is not None and not self.segmented_prefill:
+        if self.tbt_target_ms is not None and not (self.segmented_prefill or self.interleave_prefill):
             raise SparseConfigError(
-                "tbt_target_ms", f"paces layer-segmented prefill: set {mention('segmented_prefill')} true"
+                "tbt_target_ms",
+                f"paces layer-segmented or interleaved prefill: set {mention('segmented_prefill')} "
+                f"or {mention('interleave_prefill')} true",
             )
         if self.interleave_prefill and self.segmented_prefill:
             raise SparseConfigError(

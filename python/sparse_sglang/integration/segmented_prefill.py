@@ -38,6 +38,7 @@ from sparse_sglang.integration.memory_pool import runtime_of
 from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.prefill.pacing import SegmentPacer
 from sparse_sglang.prefill.segments import layers_per_iteration, next_segment_end
+from sparse_sglang.scheduler import max_over_ranks
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -54,12 +55,7 @@ def agreed_across_tp(scheduler: Scheduler, value: int) -> int:
     CPU group (``tp_cpu_group``, gloo), which ``init_model_worker`` sets up."""
     if scheduler.tp_group.world_size == 1:
         return value
-    import torch
-    import torch.distributed as dist
-
-    agreed = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=scheduler.tp_cpu_group)
-    return int(agreed.item())
+    return -max_over_ranks(scheduler.tp_cpu_group)([-value])[0]
 
 
 class SegmentedPrefillLoop:

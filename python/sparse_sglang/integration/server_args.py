@@ -94,6 +94,12 @@ class SparseServerArgs(ServerArgs):
         segmented = self.sparse.enabled and self.sparse.segmented_prefill
         if segmented and not chunk_given and self.chunked_prefill_size > SEGMENTED_CHUNK_TOKENS:
             self.chunked_prefill_size = SEGMENTED_CHUNK_TOKENS
+        paced_chunks = self.sparse.enabled and self.sparse.interleave_prefill and self.sparse.tbt_target_ms is not None
+        smallest = max(self.sparse.page_size, 64)  # a paced chunk's unit (prefill/chunk_pacing.py)
+        if paced_chunks and (self.chunked_prefill_size is None or self.chunked_prefill_size < smallest):
+            raise ServerArgRefused("chunked_prefill_size", self.chunked_prefill_size, f"{mention('tbt_target_ms')} "
+                                   f"with {mention('interleave_prefill')} paces chunks of at most this many tokens; "
+                                   f"give at least {smallest}")  # fmt: skip
 
     def _sparse_overrides(self) -> None:
         """SGLang settings the sparse path needs, set before SGLang resolves its own defaults."""

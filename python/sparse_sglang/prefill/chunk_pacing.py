@@ -1,0 +1,175 @@
+"""Prefill chunks sized to a time between tokens (``--sparse-tbt-target-ms`` with
+``--sparse-interleave-prefill``).
+
+Interleaved prefill runs one decode step between any two prefill batches, so a running request
+waits for one decode step plus one chunk between two of its tokens. A fixed
+``--chunked-prefill-size`` bounds the chunk's tokens, not its time: a chunk deep into a long
+prompt attends to (and stages from host memory) the whole prefix before it, so it costs more than
+the prompt's first. Here each round's prefill budget is a number of tokens chosen from a cost
+model of the chunk, learned from what the server measures:
+
+- :class:`BatchClock` turns the scheduler's round starts into each batch's duration;
+- :class:`ChunkPacer` keeps a decode step's time (a moving average) and fits a chunk's cost as
+  ``a + b P + c x + d x (P + x / 2)`` over its recent chunks (``x`` new tokens after ``P`` tokens
+  of prefix: a fixed cost, staging the prefix, the new tokens' own work, and attention over
+  ``x (P + x / 2)`` query-key pairs), with non-negative terms; the next chunk is the largest
+  ``x`` whose cost fits the target less a decode step.
+
+Until it has seen enough chunks the pacer alternates SGLang's ``--chunked-prefill-size`` with half
+of it (two sizes tell a chunk's per-token cost from its fixed one); that size also stays the
+largest chunk paced, and with nothing decoding beside it the chunk is SGLang's.
+
+Example::
+
+    pacer = ChunkPacer(target_s=0.1, max_chunk_tokens=8192, align=64)
+    pacer.note_decode(0.030)
+    for x, p in [(2048, 0), (4096, 2048), (1024, 6144), (2048, 7168)]:   # chunks seen
+        pacer.note_chunk(ChunkShape.of([(x, p)]), 0.002 + x * 8e-6 + x * (p + x / 2) * 1e-9)
+    pacer.chunk_tokens(prefix_tokens=16384)   # 2624: the most (in 64s) predicted within 0.1 - 0.03 s
+    pacer.chunk_tokens(prefix_tokens=0)       # 6080: a prompt's first chunk costs less per token
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+# Weight of the newest decode step in the moving average.
+DECODE_EMA = 0.2
+# Chunks the cost model is fitted on: the newest ones (the prompts in flight change).
+CHUNK_WINDOW = 64
+# Chunks seen, of at least two sizes, before the model sizes a chunk.
+MIN_CHUNKS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkShape:
+    """A prefill batch's work in the cost model's terms, summed over its requests."""
+
+    # fmt: off
+    new_tokens:     int    # x: tokens the batch prefills
+    prefix_tokens:  int    # P: tokens before them (cached or earlier chunks), staged from host memory
+    attended_pairs: float  # x (P + x / 2): query-key pairs its causal attention computes
+    # fmt: on
+
+    @classmethod
+    def of(cls, requests: Iterable[tuple[int, int]]) -> ChunkShape:
+        """From each request's ``(new tokens, prefix tokens)``."""
+        reqs = list(requests)
+        return cls(sum(x for x, _ in reqs), sum(p for _, p in reqs), float(sum(x * (p + x / 2) for x, p in reqs)))
+
+    def features(self) -> tuple[float, float, float, float]:
+        return 1.0, float(self.prefix_tokens), float(self.new_tokens), self.attended_pairs
+
+
+def nonnegative_fit(rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient ``>= 0``, exactly: the best of the unconstrained fits
+    on each subset of the columns whose coefficients come out non-negative (4 columns: 15 fits)."""
+    scale = np.abs(rows).max(axis=0)
+    scale[scale == 0] = 1.0
+    scaled = rows / scale
+    best, best_err = np.zeros(rows.shape[1]), float(np.sum(seconds**2))
+    for size in range(1, rows.shape[1] + 1):
+        for cols in itertools.combinations(range(rows.shape[1]), size):
+            coef, *_ = np.linalg.lstsq(scaled[:, cols], seconds, rcond=None)
+            if np.any(coef < 0):
+                continue
+            err = float(np.sum((scaled[:, cols] @ coef - seconds) ** 2))
+            if err < best_err - 1e-18:
+                best, best_err = np.zeros(rows.shape[1]), err
+                best[list(cols)] = coef
+    return best / scale
+
+
+class ChunkPacer:
+    """A decode step's time and a chunk's cost, as measured; the next chunk's tokens from them."""
+
+    def __init__(self, target_s: float, max_chunk_tokens: int, align: int):
+        if not (target_s > 0 and math.isfinite(target_s)):
+            raise ValueError(f"the time between tokens to pace to must be positive and finite, got {target_s}")
+        if max_chunk_tokens < align or align < 1:
+            raise ValueError(f"the largest chunk ({max_chunk_tokens}) must hold one aligned unit ({align})")
+        self.target_s, self.max_chunk_tokens, self.align = target_s, max_chunk_tokens, align
+        self.decode_s: float | None = None  # a decode step's time, moving average
+        self.chunks: deque[tuple[ChunkShape, float]] = deque(maxlen=CHUNK_WINDOW)
+        self.cost: np.ndarray | None = None  # (a, b, c, d) of the module doc; None: not fitted yet
+        self.unfitted_chunks = 0  # chunks sized before the model was fitted (they alternate two sizes)
+
+    def note_decode(self, seconds: float) -> None:
+        if seconds > 0 and math.isfinite(seconds):
+            self.decode_s = (
+                seconds if self.decode_s is None else (1 - DECODE_EMA) * self.decode_s + DECODE_EMA * seconds
+            )
+
+    def note_chunk(self, shape: ChunkShape, seconds: float) -> None:
+        if not (seconds > 0 and math.isfinite(seconds) and shape.new_tokens > 0):
+            return
+        self.chunks.append((shape, seconds))
+        if len(self.chunks) >= MIN_CHUNKS and len({s.new_tokens for s, _ in self.chunks}) >= 2:
+            rows = np.array([s.features() for s, _ in self.chunks])
+            self.cost = nonnegative_fit(rows, np.array([t for _, t in self.chunks]))
+
+    def predicted_s(self, new_tokens: int, prefix_tokens: int) -> float | None:
+        """The model's time for a chunk of ``new_tokens`` after ``prefix_tokens`` (None: not fitted)."""
+        if self.cost is None:
+            return None
+        return float(np.dot(self.cost, ChunkShape.of([(new_tokens, prefix_tokens)]).features()))
+
+    def chunk_tokens(self, prefix_tokens: int) -> int:
+        """Tokens the next chunk of a prompt ``prefix_tokens`` in prefills: a multiple of ``align``
+        in ``[align, max_chunk_tokens]``, the most whose predicted time fits the target less a
+        decode step (one aligned unit when even that does not fit, so the prompt advances)."""
+        if self.cost is None or self.decode_s is None:
+            self.unfitted_chunks += 1
+            half = max(self.align, self.max_chunk_tokens // 2 // self.align * self.align)
+            return self.max_chunk_tokens if self.unfitted_chunks % 2 else half
+        a, b, c, d = (float(v) for v in self.cost)
+        room = self.target_s - self.decode_s - a - b * prefix_tokens
+        # d/2 x^2 + (c + d P) x <= room
+        quad, lin = d / 2, c + d * prefix_tokens
+        if room <= 0:
+            x = 0.0
+        elif quad > 0:
+            x = (-lin + math.sqrt(lin * lin + 4 * quad * room)) / (2 * quad)
+        elif lin > 0:
+            x = room / lin
+        else:
+            x = math.inf
+        tokens = self.max_chunk_tokens if x >= self.max_chunk_tokens else int(x) // self.align * self.align
+        return max(self.align, tokens)
+
+
+class BatchClock:
+    """Each batch's duration from the times SGLang's scheduler starts its rounds.
+
+    A round forms one batch. Without overlap scheduling a round runs its batch and reads its result
+    before the next round starts, so the time between two round starts is the earlier round's
+    batch. With overlap a round launches its batch and then reads the *previous* one's result, so
+    round ``k + 1`` starts when batch ``k - 1`` ends, and round ``k`` when batch ``k - 1`` could
+    start (batch ``k - 2`` ended, or it was launched after a round that formed nothing): the time
+    between rounds ``k`` and ``k + 1`` is batch ``k - 1``'s.
+
+    :meth:`round_started` takes what the round before formed (a label; ``None``: nothing, or a
+    batch not to time) and returns ``(label, seconds)`` for the batch whose time just became
+    known, or ``None``."""
+
+    def __init__(self, overlap: bool):
+        self.overlap = overlap
+        self.last_start: float | None = None
+        self.formed: deque = deque(maxlen=2)  # what the last two rounds formed, newest last
+
+    def round_started(self, now: float, formed_before) -> tuple[object, float] | None:
+        previous, self.last_start = self.last_start, now
+        self.formed.append(formed_before)
+        if previous is None:
+            return None
+        if self.overlap:
+            timed = self.formed[0] if len(self.formed) == 2 else None
+        else:
+            timed = formed_before
+        return None if timed is None else (timed, now - previous)

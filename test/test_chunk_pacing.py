@@ -1,0 +1,94 @@
+"""Prefill chunks sized to a time between tokens: the cost model, its fit, the chunk it picks, and
+the batch durations read from the scheduler's round starts (``prefill/chunk_pacing.py``)."""
+
+import numpy as np
+import pytest
+
+from sparse_sglang.prefill.chunk_pacing import (
+    MIN_CHUNKS,
+    BatchClock,
+    ChunkPacer,
+    ChunkShape,
+    nonnegative_fit,
+)
+
+TRUE_COST = np.array([0.002, 1e-7, 8e-6, 1e-9])  # fixed, per prefix token staged, per new token, per pair
+
+
+def cost(x: int, prefix: int) -> float:
+    return float(TRUE_COST @ ChunkShape.of([(x, prefix)]).features())
+
+
+def fitted_pacer(target_s=0.1, decode_s=0.03) -> ChunkPacer:
+    pacer = ChunkPacer(target_s, max_chunk_tokens=8192, align=64)
+    pacer.note_decode(decode_s)
+    for x, p in [(2048, 0), (4096, 2048), (1024, 6144), (2048, 7168), (8192, 9216), (512, 30000)]:
+        pacer.note_chunk(ChunkShape.of([(x, p)]), cost(x, p))
+    return pacer
+
+
+def test_a_batch_shape_sums_its_requests_work():
+    shape = ChunkShape.of([(100, 0), (50, 1000)])
+    assert (shape.new_tokens, shape.prefix_tokens) == (150, 1000)
+    assert shape.attended_pairs == 100 * 50 + 50 * (1000 + 25)
+    assert shape.features() == (1.0, 1000.0, 150.0, shape.attended_pairs)
+
+
+def test_the_fit_recovers_a_nonnegative_cost_and_drops_a_term_that_would_be_negative():
+    rng = np.random.default_rng(0)
+    shapes = [ChunkShape.of([(int(x), int(p))]) for x, p in zip(rng.integers(64, 8192, 40), rng.integers(0, 60000, 40))]
+    rows = np.array([s.features() for s in shapes])
+    np.testing.assert_allclose(nonnegative_fit(rows, rows @ TRUE_COST), TRUE_COST, rtol=1e-6)
+    # a cost that falls with the prefix (noise, or a term the model lacks) is not extrapolated from
+    falling = rows @ np.array([0.002, -1e-8, 8e-6, 1e-9])
+    fit = nonnegative_fit(rows, falling)
+    assert np.all(fit >= 0) and fit[1] == 0
+
+
+def test_before_its_fit_the_pacer_alternates_sglangs_chunk_and_half_of_it():
+    pacer = ChunkPacer(0.1, max_chunk_tokens=8192, align=64)
+    assert [pacer.chunk_tokens(0) for _ in range(4)] == [8192, 4096, 8192, 4096]
+    for _ in range(MIN_CHUNKS):  # one size only: not enough to tell fixed from per-token cost
+        pacer.note_chunk(ChunkShape.of([(8192, 0)]), cost(8192, 0))
+    assert pacer.cost is None
+
+
+def test_the_chunk_is_the_largest_aligned_one_predicted_within_the_target_beside_a_decode_step():
+    pacer = fitted_pacer()
+    room = 0.1 - 0.03
+    for prefix in (0, 8192, 16384, 40000):
+        x = pacer.chunk_tokens(prefix)
+        assert x % 64 == 0 and 64 <= x <= 8192
+        assert cost(x, prefix) <= room + 1e-12
+        assert x == 8192 or cost(x + 64, prefix) > room
+    assert pacer.chunk_tokens(0) > pacer.chunk_tokens(16384) > pacer.chunk_tokens(40000)  # deeper costs more
+    assert fitted_pacer(target_s=1.0).chunk_tokens(0) == 8192  # never above SGLang's chunk
+    # a decode step that leaves no room still lets the prompt advance, one aligned unit a round
+    assert fitted_pacer(decode_s=0.2).chunk_tokens(0) == 64
+
+
+def test_the_docstring_example_holds():
+    pacer = ChunkPacer(target_s=0.1, max_chunk_tokens=8192, align=64)
+    pacer.note_decode(0.030)
+    for x, p in [(2048, 0), (4096, 2048), (1024, 6144), (2048, 7168)]:
+        pacer.note_chunk(ChunkShape.of([(x, p)]), 0.002 + x * 8e-6 + x * (p + x / 2) * 1e-9)
+    assert (pacer.chunk_tokens(prefix_tokens=16384), pacer.chunk_tokens(prefix_tokens=0)) == (2624, 6080)
+
+
+@pytest.mark.parametrize("target, largest", [(0.0, 8192), (float("nan"), 8192), (0.1, 32)])
+def test_a_pacer_that_cannot_pace_is_refused(target, largest):
+    with pytest.raises(ValueError):
+        ChunkPacer(target, max_chunk_tokens=largest, align=64)
+
+
+def test_the_clock_times_the_batch_the_round_before_formed_or_with_overlap_the_one_before_that():
+    # batches A (3 s), B (5 s), C (2 s) back to back; a round starts when the batch it waits for ends
+    plain = BatchClock(overlap=False)  # round k + 1 starts when batch k ends
+    assert plain.round_started(0.0, None) is None
+    assert plain.round_started(3.0, "A") == ("A", 3.0)
+    assert plain.round_started(8.0, "B") == ("B", 5.0)
+    assert plain.round_started(10.0, None) is None  # the round formed nothing: nothing to time
+    overlap = BatchClock(overlap=True)  # round k + 1 starts when batch k - 1 ends
+    starts = [(0.0, None), (0.1, "A"), (3.0, "B"), (8.0, "C"), (10.0, None)]
+    timed = [overlap.round_started(t, formed) for t, formed in starts]
+    assert timed == [None, None, ("A", pytest.approx(2.9)), ("B", 5.0), ("C", 2.0)]
