@@ -188,7 +188,7 @@ def host_fill(text: str, since: datetime.datetime | None = None) -> dict | None:
         slots, total, of_running = int(m.group(1)), int(m.group(3)), int(m.group(4))
         rows.append((running, of_running, total, slots))
         running = None
-    if not rows:
+    if not rows or not any(r[1] for r in rows):
         return None
     n = len(rows)
     running_mean, tokens_mean = sum(r[0] for r in rows) / n, sum(r[1] for r in rows) / n

@@ -345,6 +345,11 @@ class PageStatDecoder(QuestStepDecoder):
             s = s.masked_fill(empty.unsqueeze(0), -math.inf)
             return s.view(1, heads, -1, quality.PAGE_SIZE // sub).amax(-1)
         mean, var = quality.page_moments(key[0])
+        if self.stat.startswith("l2max"):  # the page's expected best logit, were its keys Gaussian:
+            # q . mean + z sqrt(q^2 . var) (z ~ 2 for the largest of 32 normal draws)
+            z = float(self.stat.removeprefix("l2max"))
+            s = qg @ mean.unsqueeze(0).transpose(-1, -2) + z * ((qg**2) @ var.unsqueeze(0).transpose(-1, -2)).sqrt()
+            return s.sum(2) if self.policy.group_reduce == "sum" else s.amax(2)
         if self.stat == "gauss":
             s = scaling * qg @ mean.unsqueeze(0).transpose(-1, -2)
             s = s + 0.5 * scaling**2 * (qg**2) @ var.unsqueeze(0).transpose(-1, -2)
@@ -567,7 +572,17 @@ def main() -> None:
         **{f"quest-rot-{k}": quality.Policy(budget=args.budget) for k in ("identity", "self", "cal", "hadamard")},
         **{
             f"stat-{k}": quality.Policy(budget=args.budget)
-            for k in ("meanstd0.5", "meanstd1", "meanstd1.5", "meanstd2", "meanstd3", "gauss", "sub16", "sub8")
+            for k in (
+                "meanstd0.5",
+                "meanstd1",
+                "meanstd1.5",
+                "meanstd2",
+                "meanstd3",
+                "gauss",
+                "sub16",
+                "sub8",
+                *(f"l2max{z}" for z in (1, 2, 3, 4)),
+            )
         },  # fmt: skip
     }
     if args.policies:

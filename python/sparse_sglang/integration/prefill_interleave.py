@@ -41,12 +41,13 @@ def decode_goes_first(last_batch, running_batch, prefill_pending: bool) -> bool:
     next chunk, or a waiting request), the last batch was a prefill (extend), and requests are
     decoding."""
     return (
-        prefill_pending
-        and last_batch is not None
-        and last_batch.forward_mode.is_extend()
-        and not running_batch.is_empty()
-        and not running_batch.is_prefill_only
+        prefill_pending and last_batch is not None and last_batch.forward_mode.is_extend() and decoding(running_batch)
     )
+
+
+def decoding(running_batch) -> bool:
+    """Whether requests are decoding (the running batch holds some, not only prefill-only ones)."""
+    return not running_batch.is_empty() and not running_batch.is_prefill_only
 
 
 class InterleavedChunkPacing:
@@ -96,10 +97,6 @@ def chunk_pacing_of(scheduler) -> InterleavedChunkPacing | None:
             target, scheduler.chunked_prefill_size, scheduler.page_size, scheduler.enable_overlap
         )
     return pacing
-
-
-def decoding(running_batch) -> bool:
-    return not running_batch.is_empty() and not running_batch.is_prefill_only
 
 
 def hold_prefill_for_decodes(original):

@@ -114,12 +114,6 @@ class ChunkPacer:
             rows = np.array([s.features() for s, _ in self.chunks])
             self.cost = nonnegative_fit(rows, np.array([t for _, t in self.chunks]))
 
-    def predicted_s(self, new_tokens: int, prefix_tokens: int) -> float | None:
-        """The model's time for a chunk of ``new_tokens`` after ``prefix_tokens`` (None: not fitted)."""
-        if self.cost is None:
-            return None
-        return float(np.dot(self.cost, ChunkShape.of([(new_tokens, prefix_tokens)]).features()))
-
     def chunk_tokens(self, prefix_tokens: int) -> int:
         """Tokens the next chunk of a prompt ``prefix_tokens`` in prefills: a multiple of ``align``
         in ``[align, max_chunk_tokens]``, the most whose predicted time fits the target less a
