@@ -241,7 +241,6 @@ class SparseDecoder:
         self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector, self.group_reduce = config.selector, config.group_reduce
-
         if self.selector == "sketch" and store.summaries.key_basis is None:
             raise ValueError("the sketch selector needs a store that keeps key sketches (SparseKVStore(key_basis=...))")
         recent = min(config.recent_pages, self.width)
@@ -557,9 +556,12 @@ class SparseDecoder:
         store = self.store
         reuse = None if plan.reselect is None else store.cache.cached_rows(layer, plan.req_slots, plan.reselect)
         summaries, host_pages = store.summaries.layer(layer), plan.host_pages[:, : plan.max_pages]
-        per_head = [score_pages(self.selector, qg[:, :, g : g + 1], summaries, host_pages, plan.num_pages, reuse=reuse)
-                    for g in range(self.group)]  # fmt: skip
-        return head_log_shares(torch.stack(per_head, dim=2), self.constants.sm_scale)
+        # [G, B, Hkv, N]: each query head's scores written in place (a contiguous [B, Hkv, N] each)
+        per_head = torch.empty(self.group, *qg.shape[:2], plan.max_pages, dtype=torch.float32, device=qg.device)
+        for g in range(self.group):
+            score_pages(self.selector, qg[:, :, g : g + 1], summaries, host_pages, plan.num_pages, reuse=reuse,
+                        out=per_head[g])  # fmt: skip
+        return head_log_shares(per_head.permute(1, 2, 0, 3), self.constants.sm_scale)
 
     def _rerank(self, layer: int, q: torch.Tensor, plan: DecodePlan, k_scale: float | None) -> torch.Tensor:
         """Select ``Kc`` candidates, load them (hits, misses, LRU as any selection), keep the ``K``
