@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from sparse_sglang.prefill.chunk_pacing import (
+    MAX_SLOWDOWN,
     MIN_CHUNKS,
     BatchClock,
     ChunkPacer,
@@ -63,8 +64,35 @@ def test_the_chunk_is_the_largest_aligned_one_predicted_within_the_target_beside
         assert x == 8192 or cost(x + 64, prefix) > room
     assert pacer.chunk_tokens(0) > pacer.chunk_tokens(16384) > pacer.chunk_tokens(40000)  # deeper costs more
     assert fitted_pacer(target_s=1.0).chunk_tokens(0) == 8192  # never above SGLang's chunk
-    # a decode step that leaves no room still lets the prompt advance, one aligned unit a round
-    assert fitted_pacer(decode_s=0.2).chunk_tokens(0) == 64
+
+
+def seconds_per_token(x: int, prefix: int) -> float:
+    return cost(x, prefix) / x
+
+
+@pytest.mark.parametrize("prefix", [0, 16384, 60000])
+def test_where_the_target_leaves_no_room_the_chunk_prefills_at_least_half_as_fast_as_sglangs(prefix):
+    """A decode step that fills the target: rather than one aligned unit a round (which spends
+    the round on the fixed cost and the prefix's staging), the chunk is the fewest tokens that
+    prefill within twice SGLang's chunk's time per token. The round goes over the target; the
+    prompt does not crawl."""
+    x = fitted_pacer(decode_s=0.2).chunk_tokens(prefix)
+    limit = MAX_SLOWDOWN * seconds_per_token(8192, prefix)
+    assert x % 64 == 0 and 64 < x < 8192
+    assert seconds_per_token(x, prefix) <= limit < seconds_per_token(x - 64, prefix)
+
+
+def test_a_prefix_whose_staging_fills_the_target_gets_the_floors_chunk():
+    pacer = ChunkPacer(0.1, max_chunk_tokens=8192, align=64)
+    pacer.note_decode(0.03)
+    staging = lambda x, p: 0.002 + 2e-6 * p + 8e-6 * x  # noqa: E731  (a 60K prefix: 120 ms to stage)
+    for x, p in [(2048, 0), (8192, 2048), (1024, 10240), (4096, 11264), (512, 40000)]:
+        pacer.note_chunk(ChunkShape.of([(x, p)]), staging(x, p))
+    deep = pacer.chunk_tokens(60000)  # staging alone is past the target: the floor's chunk
+    limit = MAX_SLOWDOWN * staging(8192, 60000) / 8192
+    assert staging(deep, 60000) / deep <= limit < staging(deep - 64, 60000) / (deep - 64)
+    shallower = pacer.chunk_tokens(16384)  # room for more than the floor: the target's chunk
+    assert staging(shallower, 16384) <= 0.07 < staging(shallower + 64, 16384)
 
 
 def test_the_docstring_example_holds():
@@ -73,6 +101,8 @@ def test_the_docstring_example_holds():
     for x, p in [(2048, 0), (4096, 2048), (1024, 6144), (2048, 7168)]:
         pacer.note_chunk(ChunkShape.of([(x, p)]), 0.002 + x * 8e-6 + x * (p + x / 2) * 1e-9)
     assert (pacer.chunk_tokens(prefix_tokens=16384), pacer.chunk_tokens(prefix_tokens=0)) == (2624, 6080)
+    assert pacer.describe().startswith("chunk pacing: decode step 30.0 ms; a chunk 2.00 ms + 0.00 ms per 1K prefix")
+    assert ChunkPacer(0.1, 8192, 64).describe() == "chunk pacing: fitting (0 chunks timed)"
 
 
 @pytest.mark.parametrize("target, largest", [(0.0, 8192), (float("nan"), 8192), (0.1, 32)])

@@ -76,47 +76,59 @@ def chunk_seconds(new_tokens: int, prefix_tokens: int) -> float:
     return 0.002 + 1e-7 * prefix_tokens + 8e-6 * new_tokens + 1e-9 * new_tokens * (prefix_tokens + new_tokens / 2)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_paced_chunks_keep_every_decode_step_and_the_chunk_before_it_within_the_target(monkeypatch, overlap):
-    """A 64K-token prompt prefilled beside decodes of 30 ms a step, target 100 ms: once the pacer
-    has seen a few chunks, every decode step waits for one chunk that fits in the 70 ms left, and
-    the prompt still goes in large chunks, smaller as its prefix grows. The rounds start when
-    SGLang's loop would start them: after the round's batch, or with overlap scheduling after the
-    batch before it."""
+def paced_prefill(monkeypatch, overlap: bool, chunk_cost, prompts=(65536,), decode_s: float = 0.030):
+    """Prompts of ``prompts`` tokens prefilled one after another beside 80 requests decoding
+    (``decode_s`` a step) under a 100 ms target, on a simulated GPU whose chunks take
+    ``chunk_cost(new, prefix)`` seconds. The rounds start when SGLang's loop would start them:
+    after the round's batch, or with overlap scheduling after the batch before it. Returns the
+    batches run (the decode batch, or a prefill chunk) and their durations."""
     from sparse_sglang.integration import prefill_interleave
 
     clock = [0.0]
     monkeypatch.setattr(prefill_interleave.time, "perf_counter", lambda: clock[0])
-    prompt, done = 65536, [0]
+    queue, done = list(prompts), [0]  # the prompts not finished; tokens of the first one prefilled
     sparse = SparseConfig(interleave_prefill=True, tbt_target_ms=100, host_cache_gb=1)
     s = SimpleNamespace(server_args=SimpleNamespace(sparse=sparse), last_batch=None, chunked_req=None,
-                        waiting_queue=["the prompt"], token_to_kv_pool_allocator=object(), chunked_prefill_size=8192,
+                        waiting_queue=list(queue), token_to_kv_pool_allocator=object(), chunked_prefill_size=8192,
                         page_size=32, enable_overlap=overlap, tp_group=SimpleNamespace(world_size=1))  # fmt: skip
 
     def sglang_prefill(self, running):  # SGLang's: the prompt's next chunk, at most chunked_prefill_size tokens
-        if done[0] == prompt:
+        if not queue:
             return SimpleNamespace(batch_to_run=None, running_batch=running)
-        x = min(self.chunked_prefill_size, prompt - done[0])
+        x = min(self.chunked_prefill_size, queue[0] - done[0])
         batch = Prefill(x, done[0])
         done[0] += x
-        self.waiting_queue = []
-        self.chunked_req = SimpleNamespace(prefix_indices=range(done[0])) if done[0] < prompt else None
+        if done[0] < queue[0]:
+            self.chunked_req = SimpleNamespace(prefix_indices=range(done[0]))
+        else:
+            queue.pop(0)
+            self.chunked_req, done[0] = None, 0
+        self.waiting_queue = queue[1:] if self.chunked_req is not None else list(queue)
         return SimpleNamespace(batch_to_run=batch, running_batch=running)
 
     hooked = hold_prefill_for_decodes(sglang_prefill)
     running = Batch(ForwardMode.DECODE, size=80)
     durations, batches = [], []
-    for k in range(400):
+    for k in range(4000):
         clock[0] = sum(durations[: max(k - 1, 0)] if overlap else durations)
         batch = hooked(s, running).batch_to_run or running  # no prefill: the decode step runs
-        durations.append(0.030 if batch is running else chunk_seconds(batch.extend_lens[0], batch.prefix_lens[0]))
+        durations.append(decode_s if batch is running else chunk_cost(batch.extend_lens[0], batch.prefix_lens[0]))
         batches.append(batch)
         s.last_batch = batch
-        if done[0] == prompt and batch is running:
+        if not queue and batch is running:
             break
-    chunks = [b for b in batches if b is not running]
-    assert sum(b.extend_lens[0] for b in chunks) == prompt
+    assert not queue and sum(b.extend_lens[0] for b in batches if b is not running) == sum(prompts)
     assert all(b is running for b in batches[1::2])  # a decode step after every chunk
+    return running, batches, durations
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_paced_chunks_keep_every_decode_step_and_the_chunk_before_it_within_the_target(monkeypatch, overlap):
+    """Decode steps of 30 ms, target 100 ms: once the pacer has seen a few chunks, every decode
+    step waits for one chunk that fits in the 70 ms left, and the prompt still goes in large
+    chunks, smaller as its prefix grows."""
+    running, batches, durations = paced_prefill(monkeypatch, overlap, chunk_seconds)
+    chunks = [b for b in batches if b is not running]
     waits = [durations[i] + durations[i + 1] for i, b in enumerate(batches[:-1]) if b is not running]
     assert max(waits) > 0.1  # the first chunks, before the pacer knew their cost: SGLang's 8,192 tokens
     settled = waits[6:]
@@ -124,3 +136,18 @@ def test_paced_chunks_keep_every_decode_step_and_the_chunk_before_it_within_the_
     assert min(settled[:-1]) > 0.09  # and the chunks use the time they have (the last is the rest of the prompt)
     sizes = [b.extend_lens[0] for b in chunks[6:-1]]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[-1]  # deeper into the prompt: smaller
+
+
+def test_a_prefix_too_costly_to_stage_within_the_target_does_not_make_the_prompt_crawl(monkeypatch):
+    """Staging the prefix from host memory at 2 ms per 1K tokens, beside 60 ms decode steps:
+    past 18K tokens of a 24K prompt the staging alone fills the 100 ms target, and the chunks
+    that fit it would be one aligned unit, each re-staging the whole prefix. The pacer instead
+    takes the fewest tokens that prefill within twice SGLang's chunk's time per token: the
+    prompts' prefill takes at most twice what SGLang's chunks take, in a few dozen rounds each."""
+    staging = lambda x, p: 0.004 + 2e-6 * p + 3.7e-5 * x  # noqa: E731
+    prompts = [24576] * 4  # the first one teaches the pacer
+    running, batches, durations = paced_prefill(monkeypatch, False, staging, prompts, decode_s=0.060)
+    chunk_time = sum(d for b, d in zip(batches, durations) if b is not running)
+    sglang_time = len(prompts) * sum(staging(8192, p) for p in range(0, 24576, 8192))
+    assert chunk_time <= 2 * sglang_time
+    assert len(batches) // 2 < 40 * len(prompts)

@@ -26,12 +26,15 @@ take the smallest of their sizes.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from sparse_sglang.integration.memory_pool import runtime_of
 from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.integration.segmented_prefill import agreed_across_tp
-from sparse_sglang.prefill.chunk_pacing import BatchClock, ChunkPacer, ChunkShape
+from sparse_sglang.prefill.chunk_pacing import CHUNK_WINDOW, MIN_CHUNKS, BatchClock, ChunkPacer, ChunkShape
+
+logger = logging.getLogger(__name__)
 
 DECODE = "decode"  # BatchClock's label of a decode step
 
@@ -59,6 +62,7 @@ class InterleavedChunkPacing:
         self.pacer = ChunkPacer(target_ms / 1000, max_chunk_tokens, align=max(page_size, 64))
         self.clock = BatchClock(overlap)
         self.prefill: tuple[object, ChunkShape] | None = None
+        self.chunks_timed = 0
 
     def round_started(self, last_batch, now: float | None = None) -> None:
         """A round starts after ``last_batch`` (the batch the round before formed) was formed:
@@ -74,8 +78,11 @@ class InterleavedChunkPacing:
         what, seconds = timed
         if what is DECODE:
             self.pacer.note_decode(seconds)
-        else:
-            self.pacer.note_chunk(what, seconds)
+            return
+        self.pacer.note_chunk(what, seconds)
+        self.chunks_timed += 1
+        if self.chunks_timed % CHUNK_WINDOW == MIN_CHUNKS:  # the first fit, then once a window
+            logger.info(self.pacer.describe())
 
     def formed(self, batch) -> None:
         """The round formed ``batch`` (a prefill batch, or None)."""

@@ -13,7 +13,17 @@ model of the chunk, learned from what the server measures:
   ``a + b P + c x + d x (P + x / 2)`` over its recent chunks (``x`` new tokens after ``P`` tokens
   of prefix: a fixed cost, staging the prefix, the new tokens' own work, and attention over
   ``x (P + x / 2)`` query-key pairs), with non-negative terms; the next chunk is the largest
-  ``x`` whose cost fits the target less a decode step.
+  ``x`` whose cost fits the target less a decode step, but never one that prefills more than
+  :data:`MAX_SLOWDOWN` times slower per token than SGLang's chunk would at the same point.
+
+The floor is there because a chunk's fixed cost and its prefix's staging do not shrink with it:
+deep into a prompt whose prefix is staged from host memory, a chunk that fits the target may hold
+a few tokens and spend its whole time re-staging. A prompt cut into such chunks prefills at a
+fraction of its speed, the requests waiting behind it are admitted that much later, and every
+decode step carries a full target's wait for a few tokens of prefill. Where the target and the
+floor disagree, the chunk is the floor's and its round goes over the target. The floor compares
+two predicted costs, not the model's terms one by one (under noise the fit can trade its fixed
+and staging terms for each other while predicting the chunks it saw as well).
 
 Until it has seen enough chunks the pacer alternates SGLang's ``--chunked-prefill-size`` with half
 of it (two sizes tell a chunk's per-token cost from its fixed one); that size also stays the
@@ -45,6 +55,9 @@ DECODE_EMA = 0.2
 CHUNK_WINDOW = 64
 # Chunks seen, of at least two sizes, before the model sizes a chunk.
 MIN_CHUNKS = 4
+# A paced chunk's predicted seconds per token over SGLang's chunk's at the same prefix, at most
+# (module doc): however the target cuts a prompt, its prefill takes at most twice SGLang's time.
+MAX_SLOWDOWN = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,25 +130,43 @@ class ChunkPacer:
     def chunk_tokens(self, prefix_tokens: int) -> int:
         """Tokens the next chunk of a prompt ``prefix_tokens`` in prefills: a multiple of ``align``
         in ``[align, max_chunk_tokens]``, the most whose predicted time fits the target less a
-        decode step (one aligned unit when even that does not fit, so the prompt advances)."""
+        decode step, and at least the fewest that prefill within :data:`MAX_SLOWDOWN` of SGLang's
+        chunk's seconds per token (so also when no chunk fits, the prompt advances at least at half
+        its speed)."""
         if self.cost is None or self.decode_s is None:
             self.unfitted_chunks += 1
             half = max(self.align, self.max_chunk_tokens // 2 // self.align * self.align)
             return self.max_chunk_tokens if self.unfitted_chunks % 2 else half
         a, b, c, d = (float(v) for v in self.cost)
-        room = self.target_s - self.decode_s - a - b * prefix_tokens
-        # d/2 x^2 + (c + d P) x <= room
-        quad, lin = d / 2, c + d * prefix_tokens
+        # cost(x) = fixed + lin x + quad x^2
+        fixed, lin, quad = a + b * prefix_tokens, c + d * prefix_tokens, d / 2
+        room = self.target_s - self.decode_s - fixed
         if room <= 0:
-            x = 0.0
+            fits = 0.0
         elif quad > 0:
-            x = (-lin + math.sqrt(lin * lin + 4 * quad * room)) / (2 * quad)
-        elif lin > 0:
-            x = room / lin
+            fits = (-lin + math.sqrt(lin * lin + 4 * quad * room)) / (2 * quad)
         else:
-            x = math.inf
-        tokens = self.max_chunk_tokens if x >= self.max_chunk_tokens else int(x) // self.align * self.align
-        return max(self.align, tokens)
+            fits = room / lin if lin > 0 else math.inf
+        fitted = int(min(fits, self.max_chunk_tokens)) // self.align * self.align
+        # the floor: fixed / x + lin + quad x <= MAX_SLOWDOWN * cost(X) / X, the smallest x
+        big = self.max_chunk_tokens
+        per_token = MAX_SLOWDOWN * (fixed + lin * big + quad * big * big) / big - lin
+        disc = per_token * per_token - 4 * quad * fixed
+        if per_token <= 0 or disc < 0:
+            floor = float(big)
+        else:
+            floor = 2 * fixed / (per_token + math.sqrt(disc))  # the smaller root, without cancellation
+        least = math.ceil(floor / self.align) * self.align
+        return min(big, max(self.align, fitted, least))
+
+    def describe(self) -> str:
+        """The fitted model, for the server's log."""
+        if self.cost is None or self.decode_s is None:
+            return f"chunk pacing: fitting ({len(self.chunks)} chunks timed)"
+        a, b, c, d = (float(v) for v in self.cost)
+        return (f"chunk pacing: decode step {self.decode_s * 1e3:.1f} ms; a chunk {a * 1e3:.2f} ms + {b * 1e6:.2f} ms "
+                f"per 1K prefix tokens + {c * 1e6:.2f} ms per 1K tokens + {d * 1e9:.3f} ms per 1M pairs "
+                f"(over its last {len(self.chunks)} chunks)")  # fmt: skip
 
 
 class BatchClock:
