@@ -72,6 +72,26 @@ def test_plan_errors_name_the_flag():
         plan_memory(SparseConfig(host_cache_gb=8, gpu_cache_gb=0.1), gpu_kv_bytes=40 * GIB, **LLAMA8B)
 
 
+def test_a_resident_prefix_comes_out_of_the_page_cache():
+    """16K resident tokens of the 8B shape in fp8: every layer's K and V as stored (1 GiB) and one
+    layer's bf16 copy (64 MiB), taken from the page cache whether its size is given or derived."""
+    fp8 = {**LLAMA8B, "dtype": torch.float8_e4m3fn}
+    for cache_gb in (None, 16.0):
+        base, resident = (plan_memory(SparseConfig(host_cache_gb=16, gpu_cache_gb=cache_gb, resident_prefix_tokens=n),
+                                      gpu_kv_bytes=20 * GIB, **fp8) for n in (0, 16384))  # fmt: skip
+        assert resident.resident_bytes == GIB + 64 * 2**20 and base.resident_bytes == 0
+        slot = 32 * 128  # fp8 bytes of one page of one (layer, kv head)
+        assert base.cache_bytes - resident.cache_bytes == pytest.approx(resident.resident_bytes, abs=slot)
+        assert "resident prefix 1.06 GiB" in resident.describe()
+    with pytest.raises(
+        MemoryPlanError, match="^--sparse-resident-prefix-tokens: its 8.50 GiB take the whole page cache"
+    ):
+        plan_memory(SparseConfig(host_cache_gb=16, gpu_cache_gb=8, resident_prefix_tokens=131072), gpu_kv_bytes=20 * GIB,
+                    **fp8)  # fmt: skip
+    with pytest.raises(MemoryPlanError, match="^--sparse-resident-prefix-tokens: its .* leave no GPU memory"):
+        plan_memory(SparseConfig(host_cache_gb=16, resident_prefix_tokens=131072), gpu_kv_bytes=8 * GIB, **fp8)
+
+
 def test_short_context_models_cache_every_page_of_a_request():
     plan = plan_memory(SparseConfig(host_cache_gb=1), gpu_kv_bytes=4 * GIB, num_layers=30, num_kv_heads=3,
                        head_dim=64, dtype=torch.bfloat16, context_len=1000)  # fmt: skip

@@ -46,14 +46,21 @@ PACED_PROMPT_TOKENS, PACED_TARGET_MS = 24000, 40
 PREFILL_LINE = re.compile(r"Prefill batch, #new-seq: 1, #new-token: (\d+)")
 
 
-@pytest.mark.parametrize("paced", [False, True], ids=["chunks", "paced-chunks"])
-def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp_path, paced):
+# Resident (--sparse-resident-prefix-tokens): the prompt's chunks after the first attend their
+# prefix from GPU memory, up to 4,096 tokens of it, instead of staging it from the host.
+RESIDENT_TOKENS = 4096
+
+
+@pytest.mark.parametrize("variant", ["chunks", "paced-chunks", "resident"])
+def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp_path, variant):
+    paced = variant == "paced-chunks"
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(*LLAMA3_8B_TOKEN_IDS) for _ in range(n)]  # noqa: E731
     prompt_tokens = PACED_PROMPT_TOKENS if paced else PROMPT_TOKENS
     prompt, background = ids(prompt_tokens), [ids(BACKGROUND_PROMPT) for _ in range(BACKGROUND)]
     model = write_llama3_8b_dummy(tmp_path / "llama3-8b-dummy")
-    args = [*ARGS, "--sparse-tbt-target-ms", str(PACED_TARGET_MS)] if paced else ARGS
+    args = {"chunks": ARGS, "paced-chunks": [*ARGS, "--sparse-tbt-target-ms", str(PACED_TARGET_MS)],
+            "resident": [*ARGS, "--sparse-resident-prefix-tokens", str(RESIDENT_TOKENS)]}[variant]  # fmt: skip
     log = tmp_path / "server.log"
     with ServerProcess(SPARSE_MODULE, model, args, log_path=log) as server:
         url = server.url
@@ -73,6 +80,7 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
         held_before_alone = sparse_state(url)["prefills_held"]
         alone = generate_ids(url, prompt, NEW_TOKENS, logprobs=True)  # nothing decodes: SGLang's rounds
         held_alone = sparse_state(url)["prefills_held"] - held_before_alone
+        resident_pages = sparse_state(url)["resident_prefix_pages"]
     assert server.stopped_cleanly, server.log_tail()
 
     diffs = [abs(a - b) for a, b in zip(prompt_logprobs(during), prompt_logprobs(alone))]
@@ -87,9 +95,11 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
         "greedy_equal": during["output_ids"] == alone["output_ids"],
         "prompt_logprob_max_abs_diff": max(diffs),
         "background_tokens": [len(o["output_ids"]) for o in background_out],
+        "resident_prefix_pages": resident_pages,
         **leaked,
     }
-    name = "prefill-interleave-paced-gpu-test.json" if paced else "prefill-interleave-gpu-test.json"
+    name = {"chunks": "prefill-interleave-gpu-test.json", "paced-chunks": "prefill-interleave-paced-gpu-test.json",
+            "resident": "prefill-interleave-resident-gpu-test.json"}[variant]  # fmt: skip
     save_gpu_test_record(name, {"args": args, "summary": summary})
     print(json.dumps(summary))
     # the second and third chunks each waited for a decode step while the background decoded
@@ -101,3 +111,6 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
     if paced:  # after the chunks it timed, the pacer cut the prompt into chunks smaller than SGLang's
         assert all(n <= CHUNK_TOKENS for n in chunks), summary
         assert any(n % 64 == 0 and n not in (CHUNK_TOKENS, CHUNK_TOKENS // 2) for n in chunks[:-1]), summary
+    # two prompts of 2,048 + 2,048 + 1,904 tokens: their second and third chunks attend 64 and
+    # 128 resident pages (the first chunk's pages come from the host at the second)
+    assert resident_pages == (2 * (64 + 128) if variant == "resident" else None), summary

@@ -9,6 +9,10 @@ attended.
 Each must equal float32 attention over prefix + new keys; an fp8 store's prefix is attended as its
 stored values times the KV scales.
 
+A prompt prefilled in chunks with a resident prefix (``--sparse-resident-prefix-tokens``) attends
+its whole pages up to the buffer's capacity from it, each staged once, and the rest staged as
+before, beside another request's prefix: the same reference holds, chunk by chunk.
+
 Run on the GPU host: ``pytest -m gpu test/test_prefix_attention_gpu.py``.
 """
 
@@ -27,11 +31,11 @@ SHAPE = Llama8BShape(num_layers=3)
 PREFIX, NEW = [300, 0, 517, 64], [5, 3, 7, 2]  # 10 + 0 + 17 + 2 pages of 32 tokens
 
 
-def reference(q, new_k, new_v, host_k, host_v, token_rows, scale):
+def reference(q, new_k, new_v, host_k, host_v, token_rows, scale, new=NEW):
     """Float32 attention of each request's new tokens over its prefix and, causally, its new tokens."""
     group = SHAPE.num_q_heads // SHAPE.num_kv_heads
     out, start = [], 0
-    for tokens, n in zip(token_rows, NEW):
+    for tokens, n in zip(token_rows, new):
         k = torch.cat([host_k[:, tokens].transpose(0, 1), new_k[start : start + n]]).float()  # [S, Hkv, D]
         v = torch.cat([host_v[:, tokens].transpose(0, 1), new_v[start : start + n]]).float()
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -100,4 +104,55 @@ def check_prefix_attention(staging_tokens, dtype, k_scale=None, v_scale=None):
         host_v = host.v[layer].flatten(1, 2).cuda().float() * (v_scale or 1.0)
         want = reference(q, new_k, new_v, host_k, host_v, token_rows, scale)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    store.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_a_chunked_prompts_resident_prefix_equals_attention_over_the_whole_prefix(dtype):
+    """Slot 1's prompt in chunks: prefixes 0, 320 (10 pages staged into the buffer), 704 (20, the
+    capacity; pages 20-21 staged as a piece) and 1000 (20 resident, 12 staged, the last one 8
+    tokens long), the last chunk beside a new request (slot 2, a 100-token cached prefix) that
+    takes the buffer over."""
+    import flashinfer
+
+    scales = (0.5, 0.25) if dtype == torch.float8_e4m3fn else (None, None)
+    config = SparseConfig(host_cache_gb=1.0)
+    page = config.page_size
+    store = make_store(SHAPE, config, max_batch=3, max_context=40 * page, dtype=dtype)  # host pages up to 120
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    host = store.host
+    for t in (host.k, host.v):
+        t.copy_(torch.randn(t.shape, device="cuda", generator=gen).to(t.dtype).cpu())
+    max_tokens = 40 * page
+    req_to_token = torch.zeros(3, max_tokens, dtype=torch.int32, device="cuda")
+    t = torch.arange(max_tokens, device="cuda")
+    for slot in (1, 2):  # host pages in reverse order, as above
+        req_to_token[slot] = ((1 + 40 * slot + (39 - t // page)) * page + t % page).to(torch.int32)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    prefix = PrefixAttention(store, SHAPE.num_q_heads, workspace, staging_tokens=1024, resident_tokens=20 * page)
+    ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+    scale = SHAPE.head_dim**-0.5
+    forwards = [([1], [0], [320]), ([1], [320], [384]), ([1], [704], [296]), ([1, 2], [1000, 100], [40, 9])]
+    expected = [(None, 0), (10, 10), (20, 10), (20, 0)]  # (resident pages attended, pages staged into the buffer)
+    for (slots, prefix_lens, new), (pages, filled) in zip(forwards, expected):
+        prefix.plan(req_to_token, torch.tensor(slots, device="cuda"), prefix_lens, new, [(s, 1) for s in slots])
+        assert (prefix.resident.pages or None, len(prefix.resident.fill)) == (pages, filled)
+        if not prefix.active:
+            continue
+        indptr = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+        ragged.plan(indptr, indptr, SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.head_dim, causal=True,
+                    sm_scale=scale, q_data_type=torch.bfloat16)  # fmt: skip
+        token_rows = [req_to_token[s, :n].long().cpu() for s, n in zip(slots, prefix_lens)]
+        for layer in range(SHAPE.num_layers):
+            q = torch.randn(sum(new), SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).bfloat16()
+            new_k, new_v = (torch.randn(sum(new), SHAPE.num_kv_heads, SHAPE.head_dim, device="cuda",
+                                        generator=gen).bfloat16() for _ in range(2))  # fmt: skip
+            out, lse = ragged.run(q, new_k, new_v, return_lse=True)
+            prefix.run(layer, q, out, lse, scale, k_scale=scales[0], v_scale=scales[1])
+            host_k = host.k[layer].flatten(1, 2).cuda().float() * (scales[0] or 1.0)
+            host_v = host.v[layer].flatten(1, 2).cuda().float() * (scales[1] or 1.0)
+            want = reference(q, new_k, new_v, host_k, host_v, token_rows, scale, new)
+            torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    assert prefix.owner == (2, 1) and prefix.owner_pages == 0
+    assert prefix.stats.resident_prefix_pages == 10 + 20 + 20
     store.close()

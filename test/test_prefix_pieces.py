@@ -4,7 +4,13 @@ import random
 
 import pytest
 
-from sparse_sglang.attention.prefix import STAGING_BUFFERS, next_staged_piece, prefix_pieces
+from sparse_sglang.attention.prefix import (
+    STAGING_BUFFERS,
+    ResidentPart,
+    next_staged_piece,
+    prefix_pieces,
+    resident_part,
+)
 
 
 def tokens_per_request(pieces, num_requests: int, page: int) -> list[int]:
@@ -91,3 +97,67 @@ def test_staging_prefetches_every_piece_after_the_first_ones_and_never_overwrite
                 stage(*nxt)
     assert on_demand == [(0, i) for i in range(min(buffers, num_pieces))]
     assert sorted(loads) == [(layer, i) for layer in range(layers) for i in range(num_pieces)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_skipped_pages_are_left_out_and_the_rest_still_covered_once(seed):
+    """A request's resident pages (its first ones) are not staged; its later ones and every other
+    request's are, with the request's last page as long as it is."""
+    rng = random.Random(100 + seed)
+    page, n = 32, rng.randint(1, 5)
+    prefix = [rng.randint(1, 40 * page) for _ in range(n)]
+    skip = [rng.randint(0, p // page) if rng.random() < 0.5 else 0 for p in prefix]
+    pieces = prefix_pieces(prefix, [rng.randint(1, 9) for _ in range(n)], page, rng.randint(1, 30), skip)
+    assert sum(p.pages.stop - p.pages.start for p in pieces) == sum(-(-p // page) - s for p, s in zip(prefix, skip))
+    assert tokens_per_request(pieces, n, page) == [p - s * page for p, s in zip(prefix, skip)]
+
+
+def chunked_prompt(chunks: list[int], capacity: int, page: int = 32, slot=(3, 1)):
+    """A prompt prefilled in ``chunks`` (token counts), alone in each batch: each forward's
+    resident part and the pages the buffer holds after it."""
+    owner, held, prefix, parts = None, 0, 0, []
+    for x in chunks:
+        part, owner, held = resident_part([slot], [prefix], owner, held, capacity, page)
+        parts.append((part, held))
+        prefix += x
+    return parts, owner
+
+
+def test_a_chunked_prompt_stages_each_page_once_and_attends_its_whole_pages_from_the_buffer():
+    parts, owner = chunked_prompt([2048, 2048, 2000, 100], capacity=1000)
+    assert owner == (3, 1)
+    (first, held0), (second, held1), (third, held2), (fourth, held3) = parts
+    assert first == ResidentPart() and held0 == 0  # no prefix yet: the buffer is claimed, holds nothing
+    assert (second.request, second.pages, second.fill) == (0, 64, range(0, 64)) and held1 == 64
+    assert (third.pages, third.fill) == (128, range(64, 128)) and held2 == 128
+    assert (fourth.pages, fourth.fill) == (190, range(128, 190))  # 6096 tokens: 190 whole pages, the 191st staged
+
+
+def test_the_buffer_holds_at_most_its_capacity_and_the_rest_is_staged():
+    parts, _ = chunked_prompt([4096, 4096, 4096], capacity=200)
+    assert [(p.pages, p.fill) for p, _ in parts[1:]] == [(128, range(0, 128)), (200, range(128, 200))]
+
+
+def test_a_slot_given_to_another_request_does_not_read_the_last_ones_pages():
+    part, owner, held = resident_part([(3, 1)], [0], None, 0, 100, 32)
+    part, owner, held = resident_part([(3, 1)], [2048], owner, held, 100, 32)
+    assert (owner, held) == ((3, 1), 64)
+    # the slot's next request (generation 2) with a cached prefix of the same length
+    part, owner, held = resident_part([(3, 2)], [2048], owner, held, 100, 32)
+    assert part == ResidentPart() and (owner, held) == ((3, 2), 0)
+
+
+def test_the_owner_finishing_beside_new_requests_passes_the_buffer_to_the_batch_last():
+    _, owner, held = resident_part([(5, 1)], [0], None, 0, 100, 32)
+    _, owner, held = resident_part([(5, 1)], [1024], owner, held, 100, 32)
+    part, owner, held = resident_part([(5, 1), (6, 1), (7, 1)], [2048, 0, 64], owner, held, 100, 32)
+    assert (part.request, part.pages, part.fill) == (0, 64, range(32, 64))  # the owner's last chunk still reads it
+    assert (owner, held) == ((7, 1), 0)  # the new last request's pages come at its next chunk
+    # a prefix shorter than what the buffer holds (no chunked prompt has one) starts it again
+    _, owner, held = resident_part([(7, 1)], [4096], owner, held, 100, 32)
+    part, owner, held = resident_part([(7, 1)], [1024], owner, held, 100, 32)
+    assert (part.pages, part.fill, held) == (32, range(0, 32), 32)
+
+
+def test_no_capacity_no_resident_part():
+    assert resident_part([(1, 1)], [4096], (1, 1), 10, 0, 32) == (ResidentPart(), None, 0)

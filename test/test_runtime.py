@@ -142,7 +142,8 @@ def test_each_counter_has_one_writer():
     # counter -> (the class holding it, the one module that writes it)
     counters = {"saved_tokens": ("SparseKVStore", "mem_cache/kv_store.py"),
                 "coarse_first_steps": ("SparseStats", "attention/sparse_decode.py"),
-                "prefills_held": ("SparseStats", "integration/prefill_interleave.py")}  # fmt: skip
+                "prefills_held": ("SparseStats", "integration/prefill_interleave.py"),
+                "resident_prefix_pages": ("SparseStats", "attention/prefix.py")}  # fmt: skip
     groups = {"working_set", "segmented_prefill", "admission"}  # fields that hold counters, not counters
     # The gate's counts and its policy's (WorkingSetCounts.admission): both written in the scheduler.
     for group, module in ((stats.WorkingSetCounts, "scheduler/admission.py"),

@@ -257,6 +257,10 @@ class SparseConfig:
         16384,
         help="Cached-prefix tokens a prefill stages from the host into GPU memory at once, per layer: a longer prefix is attended in pieces of half this size, one loading while the other is attended.",
     )
+    resident_prefix_tokens: int = knob(
+        0,
+        help="Prefix tokens of the prompt being prefilled kept in GPU memory between its chunks (every layer, whole pages), so each chunk stages from the host only what the chunk before it added instead of its whole prefix; the bytes come out of the page cache. 0: off.",
+    )
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -390,6 +394,9 @@ class SparseConfig:
         if self.prefix_staging_tokens < 2 * self.page_size:  # two buffers of a page at least
             raise SparseConfigError("prefix_staging_tokens",
                                     f"must hold at least two pages ({2 * self.page_size} tokens), got {self.prefix_staging_tokens}")  # fmt: skip
+        if self.resident_prefix_tokens < 0 or self.resident_prefix_tokens % self.page_size:
+            raise SparseConfigError("resident_prefix_tokens", f"must be 0 or whole pages of {self.page_size} tokens, "
+                                                              f"got {self.resident_prefix_tokens}")  # fmt: skip
 
     def _check_budget_share(self, budget_pages: int) -> None:
         share = mention("budget_share")

@@ -96,10 +96,11 @@ class SparseRuntime:
 
     def start_attention(self, num_q_heads: int, workspace: torch.Tensor, max_batch: int, staging_tokens: int,
                         sm_scale: float | None = None, logits_soft_cap: float | None = None,
-                        agree=None) -> None:  # fmt: skip
+                        agree=None, resident_tokens: int = 0) -> None:  # fmt: skip
         """Make the decode and prefill parts over the store: the sparse decoder (planning into
         ``workspace`` for up to ``max_batch`` requests) and the prefix attention (staging
-        ``staging_tokens`` per layer), both planning the model's ``sm_scale`` and
+        ``staging_tokens`` per layer, keeping ``resident_tokens`` of a chunked prompt's prefix
+        between its chunks), both planning the model's ``sm_scale`` and
         ``logits_soft_cap`` (None: 1/sqrt(head_dim), none); with working-set admission on, the
         tracker the decoder feeds and the gate that reads it (``agree``:
         :func:`~sparse_sglang.scheduler.max_over_ranks` under tensor parallelism, None on one rank)."""
@@ -112,7 +113,8 @@ class SparseRuntime:
         config, store = self.config, self.store
         self.decoder = make_decoder(store, config, num_q_heads, workspace, max_batch, sm_scale=sm_scale,
                                     logits_soft_cap=logits_soft_cap, stats=self.stats)  # fmt: skip
-        self.prefix = PrefixAttention(store, num_q_heads, workspace, staging_tokens, sm_scale, logits_soft_cap)
+        self.prefix = PrefixAttention(store, num_q_heads, workspace, staging_tokens, sm_scale, logits_soft_cap,
+                                      resident_tokens, self.stats)  # fmt: skip
         if config.working_set_admission:
             # The decoder logs each step's selections; the tracker keeps the last window of them
             # per request and counts each one's distinct pages once per step.
@@ -215,7 +217,7 @@ class SparseRuntime:
             cache.write_allocate(slot, first, end - first)  # new pages go to free row slots while any are left
         runs = SaveRuns.for_extend(slots, prefix_lens, extend_lens, page, req_slots.device)
         store.bind_runs(runs)
-        prefix.plan(req_to_token, req_slots, prefix_lens, extend_lens)
+        prefix.plan(req_to_token, req_slots, prefix_lens, extend_lens, list(zip(slots, generations)))
         return PrefillPlan(runs=runs)
 
     def resume_prefill(self, plan: PrefillPlan) -> None:
@@ -238,6 +240,8 @@ class SparseRuntime:
             **self.store.stats(window),
             # GPU bytes of the buffers a prefill stages its cached prefix into (start-up sized)
             "prefix_staging_bytes": None if self.prefix is None else self.prefix.staging_bytes,
+            # prefix pages prefills attended from the resident buffer (--sparse-resident-prefix-tokens)
+            "resident_prefix_pages": self.stats.resident_prefix_pages if self.config.resident_prefix_tokens else None,
             "decode_steps_coarse_first": None if self.decoder is None else self.stats.coarse_first_steps,
             "segmented_prefill": dataclasses.asdict(self.stats.segmented_prefill)
             if self.config.segmented_prefill

@@ -62,3 +62,4 @@ class SparseStats:
     segmented_prefill: SegmentedPrefillCounts = field(default_factory=SegmentedPrefillCounts)
     coarse_first_steps: int = 0  # decode steps planned coarse-first (the decoder; --sparse-coarse-pages)
     prefills_held: int = 0  # rounds a pending prefill waited for a decode step (--sparse-interleave-prefill)
+    resident_prefix_pages: int = 0  # prefix pages a prefill attended from the resident buffer (the prefix attention)

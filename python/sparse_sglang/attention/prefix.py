@@ -14,6 +14,14 @@ The staging memory is two buffers of half that size, and the loads run on a side
 this one is attended and while the layer's projections and MLP run, instead of in series with
 them.
 
+With ``--sparse-resident-prefix-tokens`` the prompt being prefilled keeps its prefix in GPU
+memory between its chunks (:class:`ResidentPart`): each chunk stages into a resident buffer, every
+layer at once, only the pages the chunk before it added, and attends those and the earlier ones
+from there; only the prefix past the buffer's capacity, and the last page while it is still
+filling, go through the staging buffers. The buffer belongs to the last request of the last
+prefill batch (the one SGLang chunks), identified by its request slot and the slot's generation,
+so a slot given to another request never reads what an earlier one left.
+
 An fp8 store's prefix is converted to bf16 as it is staged (on the load stream, one pass over the
 piece in HBM; the KV scales still go to the kernel, which folds them into the softmax scale and the
 output): FlashInfer's Hopper (FA3) kernels take fp8 KV only with fp8 queries, so an fp8 prefix
@@ -23,6 +31,7 @@ ran on the FA2 kernel, slower than FA2 over bf16 and than FA3
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -32,6 +41,7 @@ from sparse_sglang.attention.constants import LayerConstants
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.plan import STAGING_BUFFERS, staging_buffer_pages
 from sparse_sglang.mem_cache.utils import host_to_device, kv_compute_dtype
+from sparse_sglang.stats import SparseStats
 
 # FlashInfer prefill wrappers planned once per forward. A forward with more pieces re-plans them
 # per layer in turn (each wrapper owns an 8 MiB GPU plan buffer, so their number is bounded). Six
@@ -57,16 +67,23 @@ class PrefixPiece:
 
 
 def prefix_pieces(
-    prefix_lens: list[int], extend_lens: list[int], page_size: int, capacity_pages: int
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    page_size: int,
+    capacity_pages: int,
+    skip_pages: list[int] | None = None,
 ) -> list[PrefixPiece]:
     """Cut the batch's prefix pages, request by request, into pieces of at most ``capacity_pages``.
 
     A piece spans the consecutive requests its pages belong to, so their query rows are one
     slice; a request with no prefix between two that have one rides along with no pages.
+    ``skip_pages``: each request's first pages not to stage (its resident ones; none by default).
     """
     if capacity_pages < 1:
         raise ValueError(f"capacity_pages must be positive, got {capacity_pages}")
-    pages = [math.ceil(n / page_size) for n in prefix_lens]
+    skip = skip_pages or [0] * len(prefix_lens)
+    pages = [math.ceil(n / page_size) - s for n, s in zip(prefix_lens, skip)]
+    last_len = [n - (math.ceil(n / page_size) - 1) * page_size for n in prefix_lens]  # tokens in the last page
     first = [sum(pages[:i]) for i in range(len(pages))]
     qo = [sum(extend_lens[:i]) for i in range(len(extend_lens) + 1)]
     total = sum(pages)
@@ -81,11 +98,49 @@ def prefix_pieces(
             n = max(0, hi - lo)
             kv_indptr.append(kv_indptr[-1] + n)
             ends_here = n and hi == first[r] + pages[r]  # the request's last prefix page is in this piece
-            last_page_len.append(prefix_lens[r] - (pages[r] - 1) * page_size if ends_here else page_size if n else 0)
+            last_page_len.append(last_len[r] if ends_here else page_size if n else 0)
         qo_indptr = [qo[r] - qo[reqs.start] for r in range(reqs.start, reqs.stop + 1)]
         pieces.append(PrefixPiece(reqs, slice(qo[reqs.start], qo[reqs.stop]), slice(start, end), qo_indptr,
                                   kv_indptr, last_page_len))  # fmt: skip
     return pieces
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentPart:
+    """The resident prefix in one forward: request ``request`` (its index in the batch; -1: none)
+    attends its first ``pages`` prefix pages from the resident buffer, after its pages ``fill``
+    (a sub-range of them) were staged into it; ``rows``: its query rows in the batch."""
+
+    request: int = -1
+    pages: int = 0
+    fill: range = range(0)
+    rows: slice = dataclasses.field(default_factory=lambda: slice(0, 0))
+
+
+RequestKey = tuple[int, int]  # a request slot and the slot's generation: one request
+
+
+def resident_part(keys: list[RequestKey], prefix_lens: list[int], owner: RequestKey | None, owner_pages: int,
+                  capacity_pages: int, page_size: int) -> tuple[ResidentPart, RequestKey | None, int]:  # fmt: skip
+    """The resident prefix's part in a forward of requests ``keys`` with prefixes ``prefix_lens``,
+    when the buffer holds ``owner_pages`` pages of ``owner``'s prefix; and what it holds after the
+    forward: ``(part, owner, pages)``.
+
+    The owner attends its whole pages up to the capacity from the buffer, staging there first the
+    ones it lacks (a prefix shorter than what the buffer holds, which no chunked prompt has, starts
+    it again). The buffer then passes to the batch's last request, the one SGLang may have cut
+    short, keeping its pages if that is the owner; it holds none of a new owner's yet: they are
+    staged at its next chunk, once the host has them.
+    """
+    part = ResidentPart()
+    if owner is not None and owner in keys:
+        i = keys.index(owner)
+        full = min(prefix_lens[i] // page_size, capacity_pages)
+        if full:
+            part = ResidentPart(i, full, range(owner_pages if owner_pages <= full else 0, full))
+    if not capacity_pages or not keys:
+        return part, None, 0
+    return part, keys[-1], part.pages if part.request == len(keys) - 1 else 0
 
 
 def next_staged_piece(layer: int, piece: int, num_pieces: int, buffers: int = STAGING_BUFFERS) -> tuple[int, int]:
@@ -109,10 +164,16 @@ class PrefixAttention:
         Prefix tokens staged at once, in two buffers of half as many (``--sparse-prefix-staging-tokens``).
     sm_scale, logits_soft_cap : float, optional
         The model's (every layer's; planned once per forward): 1/sqrt(head_dim) and none by default.
+    resident_tokens : int
+        Prefix tokens of the prompt being prefilled kept between its chunks, whole pages
+        (``--sparse-resident-prefix-tokens``; 0: none).
+    stats : SparseStats, optional
+        The runtime's counters; this writes ``resident_prefix_pages``.
     """
 
     def __init__(self, store: SparseKVStore, num_q_heads: int, workspace: torch.Tensor, staging_tokens: int,
-                 sm_scale: float | None = None, logits_soft_cap: float | None = None):  # fmt: skip
+                 sm_scale: float | None = None, logits_soft_cap: float | None = None, resident_tokens: int = 0,
+                 stats: SparseStats | None = None):  # fmt: skip
         import flashinfer
 
         from sparse_sglang.transfer import FlashH2D
@@ -143,6 +204,30 @@ class PrefixAttention:
         self.staged: list[tuple[int, int] | None] = [None] * STAGING_BUFFERS
         self.pieces: list[PrefixPiece] = []
         self.active = False
+        # The resident prefix: every layer's pages [layers * capacity * Hkv, P, D] as the host
+        # stores them (page j of head h of layer l at (l * capacity + j) * Hkv + h), one layer's
+        # copy to attend from when the dtypes differ, and whose prefix it holds.
+        self.stats = stats if stats is not None else SparseStats()
+        self.resident_capacity = resident_tokens // s.page_size
+        self.resident: ResidentPart = ResidentPart()  # this forward's
+        self.owner: RequestKey | None = None
+        self.owner_pages = 0
+        if self.resident_capacity:
+            units = s.num_layers * self.resident_capacity * s.num_kv_heads
+            self.resident_k = torch.empty(units, s.page_size, s.head_dim, dtype=s.dtype, device=store.device)
+            self.resident_v = torch.empty_like(self.resident_k)
+            self.resident_load = FlashH2D(store.host.k, store.host.v, self.resident_k, self.resident_v)
+            layer = (self.resident_capacity, s.num_kv_heads, s.page_size, s.head_dim)
+            if self.attend_dtype == s.dtype:
+                self.resident_attend = None
+            else:
+                self.resident_attend = tuple(
+                    torch.empty(layer, dtype=self.attend_dtype, device=store.device) for _ in "kv"
+                )
+            self.resident_layers = tuple(t.view(s.num_layers, *layer) for t in (self.resident_k, self.resident_v))
+            self.resident_index = torch.arange(self.resident_capacity, dtype=torch.int32, device=store.device)
+            self.resident_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
+            self.resident_loaded = torch.cuda.Event()
 
     @property
     def staging_bytes(self) -> int:
@@ -156,23 +241,39 @@ class PrefixAttention:
         return len(self.pieces) > len(self.wrappers)
 
     def plan(self, req_to_token: torch.Tensor, req_slots: torch.Tensor, prefix_lens_cpu: list[int],
-             extend_lens_cpu: list[int]) -> None:  # fmt: skip
-        """Prepare one extend forward; no-op (``active`` false) when no request has a prefix."""
+             extend_lens_cpu: list[int], keys: list[RequestKey] | None = None) -> None:  # fmt: skip
+        """Prepare one extend forward; no-op (``active`` false) when no request has a prefix.
+        ``keys``: each request's slot and generation, for the resident prefix (None: a batch no
+        request holds, which neither reads nor passes on the resident buffer)."""
         s = self.store.shape
         page, heads = s.page_size, s.num_kv_heads
         self.active = any(prefix_lens_cpu)
         self.staged = [None] * STAGING_BUFFERS
+        self.resident = ResidentPart()
+        if keys is not None and self.resident_capacity:
+            part, self.owner, self.owner_pages = resident_part(
+                keys, prefix_lens_cpu, self.owner, self.owner_pages, self.resident_capacity, page
+            )
+            if part.pages:
+                qo = sum(extend_lens_cpu[: part.request])
+                self.resident = dataclasses.replace(part, rows=slice(qo, qo + extend_lens_cpu[part.request]))
         if not self.active:
             self.pieces = []
             return
-        self.pieces = prefix_pieces(prefix_lens_cpu, extend_lens_cpu, page, self.capacity)
-        pages = (torch.tensor(prefix_lens_cpu, dtype=torch.int64) + page - 1) // page
+        skip = [0] * len(prefix_lens_cpu)
+        if self.resident.pages:
+            skip[self.resident.request] = self.resident.pages
+            self._plan_resident(req_to_token, req_slots)
+        self.pieces = prefix_pieces(prefix_lens_cpu, extend_lens_cpu, page, self.capacity, skip)
+        skipped = torch.tensor(skip, dtype=torch.int64)
+        pages = (torch.tensor(prefix_lens_cpu, dtype=torch.int64) + page - 1) // page - skipped
         total = int(pages.sum())
         device = req_slots.device
-        # Host page of every prefix page, request by request.
+        # Host page of every staged prefix page, request by request.
         owner = host_to_device(torch.repeat_interleave(torch.arange(len(pages)), pages), device)
         first = torch.cumsum(pages, 0) - pages
-        column = host_to_device(torch.arange(total) - torch.repeat_interleave(first, pages), device) * page
+        column = torch.arange(total) - torch.repeat_interleave(first - skipped, pages)
+        column = host_to_device(column, device) * page
         host_page = req_to_token[req_slots.long()[owner], column].long() // page  # [total]
         head = torch.arange(heads, device=device)
         # Host block of every (prefix page, kv head), + layer * H * N at run time.
@@ -181,6 +282,31 @@ class PrefixAttention:
         if not self.replans:
             for i, (wrapper, piece) in enumerate(zip(self.wrappers, self.pieces)):
                 self._plan(wrapper, piece, i % STAGING_BUFFERS)
+
+    def _plan_resident(self, req_to_token: torch.Tensor, req_slots: torch.Tensor) -> None:
+        """Stage the resident request's missing pages into the buffer, every layer in one load on
+        the load stream (after what the compute stream has issued: the last forward's reads of the
+        buffer), and plan its attention over the resident pages."""
+        s, part = self.store.shape, self.resident
+        heads, device = s.num_kv_heads, req_slots.device
+        self.load_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.load_stream):
+            if part.fill:
+                pages = torch.arange(part.fill.start, part.fill.stop, device=device)
+                host_page = req_to_token[req_slots[part.request].long(), pages * s.page_size].long() // s.page_size
+                layer = torch.arange(s.num_layers, device=device).view(-1, 1, 1)
+                head = torch.arange(heads, device=device).view(1, 1, -1)
+                src = ((layer * heads + head) * s.num_host_pages + host_page.view(1, -1, 1)).reshape(-1)
+                dst = ((layer * self.resident_capacity + pages.view(1, -1, 1)) * heads + head).reshape(-1)
+                self.resident_load(src, dst)
+            self.resident_loaded.record()
+        self.resident_wrapper.plan(torch.tensor([0, part.rows.stop - part.rows.start], dtype=torch.int32),
+                                   torch.tensor([0, part.pages], dtype=torch.int32), self.resident_index[: part.pages],
+                                   torch.tensor([s.page_size], dtype=torch.int32), self.num_q_heads, heads, s.head_dim,
+                                   s.page_size, causal=False, sm_scale=self.constants.sm_scale,
+                                   logits_soft_cap=self.constants.logits_soft_cap, q_data_type=self.attend_dtype,
+                                   kv_data_type=self.attend_dtype)  # fmt: skip
+        self.stats.resident_prefix_pages += part.pages
 
     def _plan(self, wrapper, piece: PrefixPiece, buffer: int) -> None:
         s = self.store.shape
@@ -203,6 +329,8 @@ class PrefixAttention:
         self.constants.check(sm_scale, logits_soft_cap, "prefix attention")
 
         compute = torch.cuda.current_stream()
+        if self.resident.pages:
+            self._run_resident(layer, q, out, lse, k_scale, v_scale)
         for i in range(min(STAGING_BUFFERS, len(self.pieces))):
             if self.staged[i] != (layer, i):  # not loaded ahead: the forward's first layer
                 self._stage(layer, i)
@@ -222,6 +350,22 @@ class PrefixAttention:
             next_layer, next_piece = next_staged_piece(layer, i, len(self.pieces))
             if next_layer < self.store.shape.num_layers:
                 self._stage(next_layer, next_piece)
+
+    def _run_resident(self, layer: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      k_scale: float | None, v_scale: float | None) -> None:  # fmt: skip
+        """Merge the resident request's attention over its resident pages of ``layer``."""
+        import flashinfer
+
+        n = self.resident.pages
+        torch.cuda.current_stream().wait_event(self.resident_loaded)
+        kv = tuple(t[layer] for t in self.resident_layers)
+        if self.resident_attend is not None:  # an fp8 store: attended in bf16, as the staged pieces are
+            for dst, src in zip(self.resident_attend, kv):
+                dst[:n].copy_(src[:n])
+            kv = self.resident_attend
+        rows = self.resident.rows
+        o, s_resident = self.resident_wrapper.run(q[rows], kv, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+        flashinfer.merge_state_in_place(out[rows], lse[rows], o, s_resident)
 
     def _stage(self, layer: int, i: int) -> None:
         """Load piece ``i`` of ``layer`` into its buffer on the load stream, after everything issued

@@ -30,7 +30,7 @@ from torch.profiler import record_function
 
 from sparse_sglang.integration.registry import relies_on
 from sparse_sglang.mem_cache.gpu_cache import PADDING_SLOT
-from sparse_sglang.mem_cache.plan import prefix_staging_tokens
+from sparse_sglang.mem_cache.plan import prefix_staging_tokens, resident_prefix_tokens
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -61,9 +61,11 @@ class SparseAttnBackend(FlashInferAttnBackend):
         self.num_q_heads = self.num_qo_heads_per_rank(model_runner)
         max_batch = model_runner.req_to_token_pool.size + 1
         sm_scale, soft_cap = self.attention_constants(model_runner)
-        staging = prefix_staging_tokens(self.sparse_config, model_runner.model_config.context_len)
+        context_len = model_runner.model_config.context_len
+        staging = prefix_staging_tokens(self.sparse_config, context_len)
         runtime.start_attention(self.num_q_heads, self.workspace_buffer, max_batch, staging, sm_scale=sm_scale,
-                                logits_soft_cap=soft_cap, agree=tp_agreement())  # fmt: skip
+                                logits_soft_cap=soft_cap, agree=tp_agreement(),
+                                resident_tokens=resident_prefix_tokens(self.sparse_config, context_len))  # fmt: skip
         # The runtime's parts, named here because every layer of every forward uses them.
         self.store, self.decoder, self.prefix = runtime.store, runtime.decoder, runtime.prefix
         self.constants = self.decoder.constants  # the model's scale and soft cap, as every plan here takes them

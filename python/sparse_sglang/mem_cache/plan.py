@@ -63,6 +63,7 @@ class MemoryPlan:
     )
     table_bytes: int  # the page table's directory and segments (an upper estimate)
     host_store_reason: str = ""  # how the host store was sized: the flag, or the need and its cap
+    resident_bytes: int = 0  # the prefilling prompt's prefix kept between its chunks, out of the page cache's share
 
     @property
     def max_total_tokens(self) -> int:
@@ -74,7 +75,9 @@ class MemoryPlan:
         return (
             f"host store {s.num_host_pages - 1} pages ({self.max_total_tokens} tokens; {self.host_store_reason}); GPU: summaries "
             f"{self.summary_bytes / GIB:.2f} GiB, page cache {self.cache_bytes / GIB:.2f} GiB ({s.num_slots} slots, "
-            f"rows of {s.min_row_width}-{s.row_width} pages), prefix staging {self.staging_bytes / GIB:.2f} GiB; "
+            f"rows of {s.min_row_width}-{s.row_width} pages), prefix staging {self.staging_bytes / GIB:.2f} GiB"
+            + (f", resident prefix {self.resident_bytes / GIB:.2f} GiB" if self.resident_bytes else "")
+            + "; "
             f"{self.max_running_requests} requests at once, {self.selection_pages} pages per kv head per step"
         )
 
@@ -111,6 +114,20 @@ def prefix_staging_tokens(config: SparseConfig, context_len: int) -> int:
     one context holds, in whole pages split evenly between the buffers."""
     configured = math.ceil(min(config.prefix_staging_tokens, context_len) / config.page_size) * config.page_size
     return STAGING_BUFFERS * staging_buffer_pages(configured, config.page_size) * config.page_size
+
+
+def resident_prefix_tokens(config: SparseConfig, context_len: int) -> int:
+    """Prefix tokens kept in GPU memory between a prompt's chunks: the configured ones, no more
+    than one context holds, in whole pages (0: off)."""
+    return min(config.resident_prefix_tokens, context_len) // config.page_size * config.page_size
+
+
+def resident_prefix_bytes(tokens: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """GPU bytes of ``tokens`` resident prefix tokens: K and V of every layer as the host stores
+    them, and one layer's copy in the dtype they are attended in, when that differs."""
+    attend = kv_compute_dtype(dtype)
+    per_layer = tokens * num_kv_heads * head_dim * 2
+    return per_layer * (num_layers * dtype.itemsize + (attend.itemsize if attend != dtype else 0))
 
 
 def fixed_gpu_bytes(
@@ -275,10 +292,22 @@ class _Layout:
                                                                     self.with_mean, config.bound_format,
                                                                     config.coarse_pages,
                                                                     self.key_row_bytes, config.page_bounds)  # fmt: skip
+        resident_bytes = resident_prefix_bytes(resident_prefix_tokens(config, self.context_len), num_layers,
+                                               num_kv_heads, head_dim, dtype)  # fmt: skip
         if config.gpu_cache_gb is not None:
-            cache_bytes = int(config.gpu_cache_gb * GIB)
+            cache_bytes = int(config.gpu_cache_gb * GIB) - resident_bytes
+            if cache_bytes <= 0:
+                raise MemoryPlanError(
+                    f"--sparse-resident-prefix-tokens: its {resident_bytes / GIB:.2f} GiB take the whole page cache "
+                    f"(--sparse-gpu-cache-gb {config.gpu_cache_gb:g}); lower it or raise --sparse-gpu-cache-gb"
+                )
         else:
-            cache_bytes = self.gpu_kv_bytes - summary_bytes - staging_bytes - table_bytes
+            cache_bytes = self.gpu_kv_bytes - summary_bytes - staging_bytes - table_bytes - resident_bytes
+            if 0 < cache_bytes + resident_bytes and cache_bytes <= 0:
+                raise MemoryPlanError(
+                    f"--sparse-resident-prefix-tokens: its {resident_bytes / GIB:.2f} GiB leave no GPU memory for "
+                    f"the page cache ({self.gpu_kv_bytes / GIB:.2f} GiB for KV); lower it, or raise --mem-fraction-static"
+                )
             if cache_bytes <= 0:
                 host_gib = host_pages * host_page_bytes(num_layers, num_kv_heads, page, head_dim, dtype) / GIB
                 raise MemoryPlanError(
@@ -308,4 +337,4 @@ class _Layout:
             max_pages=max_pages, max_save_tokens=SAVE_CHUNK_TOKENS, min_row_width=min_row_width,
         )  # fmt: skip
         return MemoryPlan(shape, running, selection, summary_bytes, num_slots * slot_bytes(page, head_dim, dtype),
-                          staging_bytes, table_bytes, host_store_reason)  # fmt: skip
+                          staging_bytes, table_bytes, host_store_reason, resident_bytes)  # fmt: skip
