@@ -3,13 +3,16 @@
 import random
 
 import pytest
+import torch
 
 from sparse_sglang.attention.prefix import (
     STAGING_BUFFERS,
     ResidentPart,
     next_staged_piece,
     prefix_pieces,
+    resident_fill_blocks,
     resident_part,
+    staged_pages,
 )
 
 
@@ -161,3 +164,32 @@ def test_the_owner_finishing_beside_new_requests_passes_the_buffer_to_the_batch_
 
 def test_no_capacity_no_resident_part():
     assert resident_part([(1, 1)], [4096], (1, 1), 10, 0, 32) == (ResidentPart(), None, 0)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_staged_pages_are_each_requests_pages_past_its_resident_ones_in_order(seed):
+    rng = random.Random(200 + seed)
+    page, n = rng.choice([16, 32]), rng.randint(1, 5)
+    prefix = [rng.choice([0, rng.randint(1, 30 * page)]) for _ in range(n)]
+    skip = [rng.randint(0, p // page) for p in prefix]
+    request, prefix_page = staged_pages(prefix, skip, page)
+    want = [(r, j) for r in range(n) for j in range(skip[r], -(-prefix[r] // page))]
+    assert list(zip(request.tolist(), prefix_page.tolist())) == want
+
+
+def test_the_resident_fill_lands_each_layers_pages_where_attention_reads_them():
+    """FlashH2D's copy (``gpu[dst[i]] = host.view(-1, P, D)[src[i]]``) done with torch indexing:
+    the buffer's layer view holds page j of head h at ``[layer][j, h]``, as the host's
+    ``[layer, h, host page]``."""
+    layers, heads, host_pages, page, dim, capacity = 3, 2, 50, 4, 8, 12
+    host = torch.randn(layers, heads, host_pages, page, dim)
+    buffer = torch.zeros(layers * capacity * heads, page, dim)
+    owner_pages = torch.tensor([41, 7, 19, 3, 28])  # the request's prefix pages 5..9 live in these host pages
+    src, dst = resident_fill_blocks(owner_pages, 5, layers, heads, host_pages, capacity)
+    buffer[dst] = host.view(-1, page, dim)[src]
+    view = buffer.view(layers, capacity, heads, page, dim)
+    for layer in range(layers):
+        for j, host_page in enumerate(owner_pages.tolist(), start=5):
+            for h in range(heads):
+                assert torch.equal(view[layer, j, h], host[layer, h, host_page])
+    assert not view[:, :5].any() and not view[:, 10:].any()  # nothing else written

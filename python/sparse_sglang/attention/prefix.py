@@ -143,6 +143,32 @@ def resident_part(keys: list[RequestKey], prefix_lens: list[int], owner: Request
     return part, keys[-1], part.pages if part.request == len(keys) - 1 else 0
 
 
+def staged_pages(prefix_lens: list[int], skip_pages: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix pages a forward stages, request by request (each request's from its
+    ``skip_pages`` on): ``(request, page)``, each request's index in the batch and the page's in
+    its prefix (host tensors)."""
+    skipped = torch.tensor(skip_pages, dtype=torch.int64)
+    pages = (torch.tensor(prefix_lens, dtype=torch.int64) + page_size - 1) // page_size - skipped
+    first = torch.cumsum(pages, 0) - pages
+    request = torch.repeat_interleave(torch.arange(len(pages)), pages)
+    return request, torch.arange(int(pages.sum())) - torch.repeat_interleave(first - skipped, pages)
+
+
+def resident_fill_blocks(host_pages: torch.Tensor, first_page: int, num_layers: int, num_kv_heads: int,
+                         num_host_pages: int, capacity_pages: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """FlashH2D's ``(src_blocks, dst_slots)`` staging a request's prefix pages ``first_page,
+    first_page + 1, ...`` (host pages ``host_pages``) into the resident buffer, every layer and kv
+    head: host block ``(layer * Hkv + head) * num_host_pages + host page``, buffer slot
+    ``(layer * capacity_pages + page) * Hkv + head``."""
+    device = host_pages.device
+    pages = torch.arange(first_page, first_page + len(host_pages), device=device).view(1, -1, 1)
+    layer = torch.arange(num_layers, device=device).view(-1, 1, 1)
+    head = torch.arange(num_kv_heads, device=device).view(1, 1, -1)
+    src = ((layer * num_kv_heads + head) * num_host_pages + host_pages.long().view(1, -1, 1)).reshape(-1)
+    dst = ((layer * capacity_pages + pages) * num_kv_heads + head).reshape(-1)
+    return src, dst
+
+
 def next_staged_piece(layer: int, piece: int, num_pieces: int, buffers: int = STAGING_BUFFERS) -> tuple[int, int]:
     """The ``(layer, piece)`` to stage once the attention over ``(layer, piece)`` is done: the next
     one, in the order they are attended, that uses the buffer it frees (``piece % buffers``)."""
@@ -265,16 +291,10 @@ class PrefixAttention:
             skip[self.resident.request] = self.resident.pages
             self._plan_resident(req_to_token, req_slots)
         self.pieces = prefix_pieces(prefix_lens_cpu, extend_lens_cpu, page, self.capacity, skip)
-        skipped = torch.tensor(skip, dtype=torch.int64)
-        pages = (torch.tensor(prefix_lens_cpu, dtype=torch.int64) + page - 1) // page - skipped
-        total = int(pages.sum())
         device = req_slots.device
         # Host page of every staged prefix page, request by request.
-        owner = host_to_device(torch.repeat_interleave(torch.arange(len(pages)), pages), device)
-        first = torch.cumsum(pages, 0) - pages
-        column = torch.arange(total) - torch.repeat_interleave(first - skipped, pages)
-        column = host_to_device(column, device) * page
-        host_page = req_to_token[req_slots.long()[owner], column].long() // page  # [total]
+        request, prefix_page = (host_to_device(t, device) for t in staged_pages(prefix_lens_cpu, skip, page))
+        host_page = req_to_token[req_slots.long()[request], prefix_page * page].long() // page  # [staged pages]
         head = torch.arange(heads, device=device)
         # Host block of every (prefix page, kv head), + layer * H * N at run time.
         self.src_base = (head.view(1, -1) * s.num_host_pages + host_page.view(-1, 1)).reshape(-1)
@@ -292,13 +312,10 @@ class PrefixAttention:
         self.load_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.load_stream):
             if part.fill:
-                pages = torch.arange(part.fill.start, part.fill.stop, device=device)
-                host_page = req_to_token[req_slots[part.request].long(), pages * s.page_size].long() // s.page_size
-                layer = torch.arange(s.num_layers, device=device).view(-1, 1, 1)
-                head = torch.arange(heads, device=device).view(1, 1, -1)
-                src = ((layer * heads + head) * s.num_host_pages + host_page.view(1, -1, 1)).reshape(-1)
-                dst = ((layer * self.resident_capacity + pages.view(1, -1, 1)) * heads + head).reshape(-1)
-                self.resident_load(src, dst)
+                columns = torch.arange(part.fill.start, part.fill.stop, device=device) * s.page_size
+                host_pages = req_to_token[req_slots[part.request].long(), columns] // s.page_size
+                self.resident_load(*resident_fill_blocks(host_pages, part.fill.start, s.num_layers, heads,
+                                                         s.num_host_pages, self.resident_capacity))  # fmt: skip
             self.resident_loaded.record()
         self.resident_wrapper.plan(torch.tensor([0, part.rows.stop - part.rows.start], dtype=torch.int32),
                                    torch.tensor([0, part.pages], dtype=torch.int32), self.resident_index[: part.pages],
