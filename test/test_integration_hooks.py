@@ -265,9 +265,9 @@ def test_the_prefill_graph_runners_made_up_batches_touch_no_sparse_state():
                                   wait_saves=lambda: None)  # fmt: skip
     prefix = types.SimpleNamespace(active=False)
 
-    def plan(req_to_token, req_slots, prefix_lens, extend_lens):
+    def plan(req_to_token, req_slots, prefix_lens, extend_lens, keys=None):
         prefix.active = any(prefix_lens)
-        planned.append(list(prefix_lens))
+        planned.append((list(prefix_lens), keys))
 
     prefix.plan = plan
     runtime = SparseRuntime(config=None, plan=None, store=store, prefix=prefix)
@@ -293,11 +293,12 @@ def test_the_prefill_graph_runners_made_up_batches_touch_no_sparse_state():
     SparseAttnBackend._begin_extend(backend, made_up)
     SparseAttnBackend.forward_extend(backend, q, k, v, layer, made_up)
     assert (cache.num_open, bound, saved, backend.prefill_plan.runs) == (0, [], [], None)
-    assert planned == [[0]] and not prefix.active
+    assert planned == [([0], None)] and not prefix.active  # no request: the resident prefix untouched
     real = batch(2, 0)
     SparseAttnBackend._begin_extend(backend, real)
     SparseAttnBackend.forward_extend(backend, q, k, v, layer, real)
     assert cache.is_open(2) and len(bound) == 1 and len(saved) == 1
+    assert planned[-1] == ([0], [(2, 0)])  # the request's slot and generation
 
 
 def test_a_request_the_scheduler_fails_on_fails_alone(monkeypatch):
