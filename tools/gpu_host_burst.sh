@@ -170,37 +170,44 @@ job_serving_pair() {
   # file per sparse variant against that vanilla run. $SERVING_VARIANTS: "name=flags;name=flags"
   # (flags added to the headline's; unset: one variant with $SERVING_SPARSE_EXTRA, into
   # serving.json), one GPU each: on a four-GPU host, three configurations against one vanilla in
-  # the same windows (files serving-<name>.json, server logs in serving-logs/<name>/).
+  # the same windows (files serving-<name>.json, server logs in serving-logs/<name>/). More
+  # variants than GPUs beside vanilla's run in rounds, each round beside a vanilla run of its own
+  # (serving-vanilla-r<round>.json): on two GPUs "default=;paced=<flags>" is two pairs in turn.
   local base="--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1"
   local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64"
     --max-seconds-per-rate "${SERVING_WINDOW:-400}" --profile-steps "${SERVING_PROFILE_STEPS:-0}" --out-dir /root/o)
-  local trace rate gpu devices variants variant name flags tag
+  local trace rate gpu devices variants variant name flags tag per_round rounds round i
   IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the job's GPUs
   IFS=';' read -ra variants <<< "${SERVING_VARIANTS:-=${SERVING_SPARSE_EXTRA:-}}"  # one unnamed variant by default
-  if [ $((${#variants[@]} + 1)) -gt ${#devices[@]} ]; then
-    echo "serving_pair: ${#variants[@]} variants and vanilla need $((${#variants[@]} + 1)) GPUs, the job has ${#devices[@]}"; return 1
+  per_round=$((${#devices[@]} - 1))
+  if [ "$per_round" -lt 1 ]; then
+    echo "serving_pair: vanilla and a sparse server need two GPUs, the job has ${#devices[@]}"; return 1
   fi
+  rounds=$(((${#variants[@]} + per_round - 1) / per_round))
+  vanilla_file() { if [ "$rounds" -gt 1 ]; then echo "/root/o/serving-vanilla-r$1.json"; else echo /root/o/serving-vanilla.json; fi; }
   IFS=',' read -ra pairs <<< "${PAIR_TRACES:-long-generation 2.0,long-prompt 0.8}"
   for trace in "${pairs[@]}"; do
     read -r trace rate <<< "$trace"
-    # vanilla takes the sparse servers' KV dtype and scales from --sparse-server-args
-    CUDA_VISIBLE_DEVICES=${devices[0]} python3 -m benchmark.serving --systems vanilla --traces "$trace" "--rates-$trace" "$rate" \
-      "${common[@]}" --sparse-server-args "$base" --log-dir /root/o/serving-logs --merge-into /root/o/serving-vanilla.json \
-      > "/root/o/serving-vanilla-$trace.log" 2>&1 &
-    gpu=1
-    for variant in "${variants[@]}"; do
-      name=${variant%%=*}; flags=${variant#*=}; tag=sparse${name:+-$name}
-      CUDA_VISIBLE_DEVICES=${devices[$gpu]} python3 -m benchmark.serving --systems sparse --traces "$trace" "--rates-$trace" "$rate" \
-        "${common[@]}" --sparse-server-args "$base $flags" --log-dir "/root/o/serving-logs${name:+/$name}" \
-        --merge-into "/root/o/serving-$tag.json" > "/root/o/serving-$tag-$trace.log" 2>&1 &
-      gpu=$((gpu + 1))
+    for ((round = 0; round < rounds; round++)); do
+      # vanilla takes the sparse servers' KV dtype and scales from --sparse-server-args
+      CUDA_VISIBLE_DEVICES=${devices[0]} python3 -m benchmark.serving --systems vanilla --traces "$trace" "--rates-$trace" "$rate" \
+        "${common[@]}" --sparse-server-args "$base" --log-dir /root/o/serving-logs --merge-into "$(vanilla_file "$round")" \
+        > "/root/o/serving-vanilla-$trace-r$round.log" 2>&1 &
+      gpu=1
+      for variant in "${variants[@]:$((round * per_round)):$per_round}"; do
+        name=${variant%%=*}; flags=${variant#*=}; tag=sparse${name:+-$name}
+        CUDA_VISIBLE_DEVICES=${devices[$gpu]} python3 -m benchmark.serving --systems sparse --traces "$trace" "--rates-$trace" "$rate" \
+          "${common[@]}" --sparse-server-args "$base $flags" --log-dir "/root/o/serving-logs${name:+/$name}" \
+          --merge-into "/root/o/serving-$tag.json" > "/root/o/serving-$tag-$trace.log" 2>&1 &
+        gpu=$((gpu + 1))
+      done
+      wait
     done
-    wait
   done
-  for variant in "${variants[@]}"; do
-    name=${variant%%=*}; tag=sparse${name:+-$name}
-    python3 -m benchmark.serving --combine "/root/o/${SERVING_FILE:-serving}${name:+-$name}.json" /root/o/serving-vanilla.json \
-      "/root/o/serving-$tag.json"
+  for i in "${!variants[@]}"; do
+    name=${variants[$i]%%=*}; tag=sparse${name:+-$name}
+    python3 -m benchmark.serving --combine "/root/o/${SERVING_FILE:-serving}${name:+-$name}.json" \
+      "$(vanilla_file $((i / per_round)))" "/root/o/serving-$tag.json"
   done
   # variants named default and quest: the default's ratio over quest's (summary ratio_vs_quest_default)
   local f=/root/o/${SERVING_FILE:-serving}
