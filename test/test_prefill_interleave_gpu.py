@@ -111,6 +111,7 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
     if paced:  # after the chunks it timed, the pacer cut the prompt into chunks smaller than SGLang's
         assert all(n <= CHUNK_TOKENS for n in chunks), summary
         assert any(n % 64 == 0 and n not in (CHUNK_TOKENS, CHUNK_TOKENS // 2) for n in chunks[:-1]), summary
-    # two prompts of 2,048 + 2,048 + 1,904 tokens: their second and third chunks attend 64 and
-    # 128 resident pages (the first chunk's pages come from the host at the second)
+    # the prompt, sent twice (while others decode, then alone), in chunks of 2,048 + 2,048 + 1,904
+    # tokens: each time its second and third chunks attend 64 and 128 resident pages (the first
+    # chunk's pages reach the buffer from the host at the second)
     assert resident_pages == (2 * (64 + 128) if variant == "resident" else None), summary
