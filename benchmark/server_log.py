@@ -161,6 +161,19 @@ def decoded_tokens(text: str, since: datetime.datetime, until: datetime.datetime
     return tokens
 
 
+def sparse_lines(text: str):
+    """Each "Sparse KV" line (one log interval) with the running requests of the "Decode batch"
+    line before it: ``(running, line)``; a line with no decode line since the one before it is
+    skipped."""
+    running = None
+    for line in text.splitlines():
+        if m := DECODE.search(line):
+            running = int(m.group(1))
+        elif "Sparse KV, " in line and running is not None:
+            yield running, line
+            running = None
+
+
 def host_fill(text: str, since: datetime.datetime | None = None) -> dict | None:
     """How full the running requests keep the host store, from the "Sparse KV" lines stamped at
     or after ``since`` (each paired with the running requests of the "Decode batch" line before
@@ -173,11 +186,8 @@ def host_fill(text: str, since: datetime.datetime | None = None) -> dict | None:
     their count), so the store holds ``requests_host_holds`` such requests, and a host with
     twice the RAM ``2 x`` that, unless the server's request slots (SGLang's request pool, a GPU
     page-cache row each) stop it first: ``requests_twice_the_host_holds``."""
-    rows, running = [], None
-    for line in text.splitlines():
-        if m := DECODE.search(line):
-            running = int(m.group(1))
-            continue
+    rows = []
+    for running, line in sparse_lines(text):
         if not ((m := HOST.search(line)) and running):
             continue
         stamp = STAMP.match(line)
@@ -187,7 +197,6 @@ def host_fill(text: str, since: datetime.datetime | None = None) -> dict | None:
             continue
         slots, total, of_running = int(m.group(1)), int(m.group(3)), int(m.group(4))
         rows.append((running, of_running, total, slots))
-        running = None
     if not rows or not any(r[1] for r in rows):
         return None
     n = len(rows)
@@ -213,13 +222,10 @@ def hit_ratio_by_batch(text: str, bin_width: int = 8) -> list[dict]:
     (one log interval) paired with the running requests of the "Decode batch" line before it, the
     intervals binned by running requests (``[lo, lo + bin_width)``), their means per bin."""
     bins: dict[int, list[tuple[float, float]]] = {}
-    running = None
-    for line in text.splitlines():
-        if m := DECODE.search(line):
-            running = int(m.group(1))
-        elif (m := SPARSE.search(line)) and running is not None:
-            bins.setdefault(running // bin_width * bin_width, []).append((float(m.group(1)), float(m.group(2))))
-            running = None
+    for running, line in sparse_lines(text):
+        if not (m := SPARSE.search(line)):  # an interval with no selection ("cache hit: -")
+            continue
+        bins.setdefault(running // bin_width * bin_width, []).append((float(m.group(1)), float(m.group(2))))
     return [{"batch_lo": lo, "batch_hi": lo + bin_width - 1, "intervals": len(v),
              "cache_hit_ratio": round(sum(h for h, _ in v) / len(v), 4),
              "h2d_pages_per_step": round(sum(p for _, p in v) / len(v))} for lo, v in sorted(bins.items())]  # fmt: skip
