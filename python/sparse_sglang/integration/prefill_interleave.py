@@ -32,7 +32,14 @@ import time
 from sparse_sglang.integration.memory_pool import runtime_of
 from sparse_sglang.integration.registry import relies_on, wrap_once
 from sparse_sglang.integration.segmented_prefill import agreed_across_tp
-from sparse_sglang.prefill.chunk_pacing import CHUNK_WINDOW, MIN_CHUNKS, BatchClock, ChunkPacer, ChunkShape
+from sparse_sglang.prefill.chunk_pacing import (
+    CHUNK_WINDOW,
+    MIN_CHUNKS,
+    BatchClock,
+    ChunkPacer,
+    ChunkShape,
+    chunk_unit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +66,7 @@ class InterleavedChunkPacing:
     ``last_batch``). The scheduler holds it as ``sparse_chunk_pacing``."""
 
     def __init__(self, target_ms: float, max_chunk_tokens: int, page_size: int, overlap: bool):
-        self.pacer = ChunkPacer(target_ms / 1000, max_chunk_tokens, align=max(page_size, 64))
+        self.pacer = ChunkPacer(target_ms / 1000, max_chunk_tokens, align=chunk_unit(page_size))
         self.clock = BatchClock(overlap)
         self.prefill: tuple[object, ChunkShape] | None = None
         self.chunks_timed = 0

@@ -31,6 +31,7 @@ from sparse_sglang.config import (
 )
 from sparse_sglang.integration.attention_backend import BACKEND_NAME, add_sparse_backend_choice
 from sparse_sglang.integration.registry import relies_on
+from sparse_sglang.prefill.chunk_pacing import chunk_unit
 from sparse_sglang.sparse_flags import PROG, CLIError, OneLineErrorParser, add_sparse_cli_args, sparse_config_from_args
 
 
@@ -95,7 +96,7 @@ class SparseServerArgs(ServerArgs):
         if segmented and not chunk_given and self.chunked_prefill_size > SEGMENTED_CHUNK_TOKENS:
             self.chunked_prefill_size = SEGMENTED_CHUNK_TOKENS
         paced_chunks = self.sparse.enabled and self.sparse.interleave_prefill and self.sparse.tbt_target_ms is not None
-        smallest = max(self.sparse.page_size, 64)  # a paced chunk's unit (prefill/chunk_pacing.py)
+        smallest = chunk_unit(self.sparse.page_size)
         if paced_chunks and (self.chunked_prefill_size is None or self.chunked_prefill_size < smallest):
             raise ServerArgRefused("chunked_prefill_size", self.chunked_prefill_size, f"{mention('tbt_target_ms')} "
                                    f"with {mention('interleave_prefill')} paces chunks of at most this many tokens; "

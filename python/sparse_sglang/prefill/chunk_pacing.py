@@ -60,6 +60,11 @@ MIN_CHUNKS = 4
 MAX_SLOWDOWN = 2.0
 
 
+def chunk_unit(page_size: int) -> int:
+    """Tokens a paced chunk comes in multiples of: whole pages, and at least 64 tokens."""
+    return max(page_size, 64)
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkShape:
     """A prefill batch's work in the cost model's terms, summed over its requests."""
