@@ -154,7 +154,7 @@ def run(args) -> dict:
                                 selector=args.selector, page_bounds=pb, bound_spread=args.bound_spread,
                                 # quest's side of --versus-minmax is quest's own step: no re-rank
                                 rerank_factor=args.rerank_factor if pb == args.page_bounds else 1,
-                                rerank_by=args.rerank_by,
+                                rerank_by=args.rerank_by, reselect_interval=args.reselect_interval,
                                 budget_share=args.budget_share and pb == args.page_bounds) for pb in page_bounds}  # fmt: skip
     cells = [(c, b) for c in args.contexts for b in args.batches]
     if args.cells:
@@ -174,7 +174,8 @@ def run(args) -> dict:
         b.fill_summaries_randomly(gen)
         plan = b.plan()
         q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
-        row = {"context": context, "batch": batch, "budget": args.budget, "layers": layers, "page_bounds": pb}
+        row = {"context": context, "batch": batch, "budget": args.budget, "layers": layers, "page_bounds": pb,
+               "reselect_interval": args.reselect_interval}  # fmt: skip
         row["dense_ms"] = time_graph(dense_step(batch, context, workspace, dense_kv, q, layers), args.iters, per=layers)
 
         def step():
@@ -183,6 +184,8 @@ def run(args) -> dict:
 
         log = b.decoder.log_selections(batch) if b.decoder.share else None  # a shared budget's pages
         step()  # loads every selected page: the cache is warm from here on
+        if args.reselect_interval > 1:  # from here one request in N selects, the others reuse their rows
+            plan = b.plan(staggered=True)
         if log is not None:
             pages = [log[:, layer].clone() for layer in range(layers)]
             b.decoder.selection_log = None
@@ -310,6 +313,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--page-bounds", choices=PAGE_BOUNDS, default=DEFAULTS.page_bounds, help="--sparse-page-bounds")
     parser.add_argument("--bound-spread", type=float, default=DEFAULTS.bound_spread, help="--sparse-bound-spread")
     parser.add_argument("--budget-share", action="store_true", help="--sparse-budget-share (the timed default's side)")
+    parser.add_argument("--reselect-interval", type=int, default=1,
+                        help="--sparse-reselect-interval, both sides: the steady state's step, one request in N "
+                             "selecting from all its pages and the others reusing their rows")  # fmt: skip
     parser.add_argument("--versus-minmax", action="store_true",
                         help="also time quest's min/max bounds in each cell: the summary's step_ratio_vs_quest_max")  # fmt: skip
     parser.add_argument("--cells", default="", help="CONTEXTxBATCH,... instead of --contexts x --batches")
@@ -332,7 +338,7 @@ def main(argv=None) -> dict:
               "bound_format": bounds, "coarse_pages": args.coarse_pages, "coarse_candidates": args.coarse_candidates,
               "rerank_factor": args.rerank_factor, "rerank_by": args.rerank_by, "layers_per_graph": args.layers_per_graph,
               "page_bounds": args.page_bounds, "bound_spread": args.bound_spread, "versus_minmax": args.versus_minmax,
-              "budget_share": args.budget_share, "l2_flushed": True}  # fmt: skip
+              "budget_share": args.budget_share, "reselect_interval": args.reselect_interval, "l2_flushed": True}  # fmt: skip
     name = (
         "decode-{date}"
         + ("" if args.kv_dtype == "bf16" else "-fp8")
@@ -344,6 +350,7 @@ def main(argv=None) -> dict:
     name += "-share" if args.budget_share else ""
     name += f"-rerank{args.rerank_factor}" if args.rerank_factor > 1 else ""
     name += f"-by-{args.rerank_by}" if args.rerank_factor > 1 and args.rerank_by != "keys" else ""
+    name += f"-reselect{args.reselect_interval}" if args.reselect_interval > 1 else ""
     return finish_run(
         "benchmark.decode", argv, {"config": config, **result, "summary": summary}, args.out_dir, name + ".json"
     )

@@ -256,6 +256,24 @@ def test_fused_and_reference_paths_give_the_same_steps(interval, coarse, selecto
     assert (loaded[-1] > loaded[0]) if interval == 1 else (loaded[-1] == loaded[0] > 0)
 
 
+@pytest.mark.parametrize("batch,interval,due", [(32, 8, 4), (8, 8, 1), (5, 2, 3)])
+def test_a_staggered_bench_plan_selects_for_one_request_in_interval(batch, interval, due):
+    """``benchmark/decode.py --reselect-interval``: after the first step, which fills every row, the
+    timed plan has the server's steady state, ``ceil(batch / interval)`` requests due for a full
+    selection and the rest reusing rows that hold the whole budget."""
+    config = SparseConfig(token_budget=256, host_cache_gb=1.0, reselect_interval=interval)
+    b = bench(config, batch=batch, context=1500)
+    q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+    first = b.plan()
+    assert bool(first.reselect.all())
+    for layer in range(SHAPE.num_layers):
+        b.decoder.run(layer, q, first)
+    plan = b.plan(staggered=True)
+    assert int(plan.reselect.sum()) == due and bool(plan.reselect[0])
+    held = b.store.cache.cached_pages(0, b.req_slots, b.num_pages)  # [B, Hkv, pages]
+    assert (held.sum(-1) == config.token_budget // 32).all()  # 32-token pages
+
+
 def test_a_step_does_not_depend_on_the_order_the_top_k_returns_its_pages():
     """FlashInfer's top-k returns its picks in no fixed order; the step sorts them, so FlashInfer's
     decode sums a row's pages in one order and the same step gives bit-identical outputs (greedy

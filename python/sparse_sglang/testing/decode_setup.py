@@ -80,8 +80,18 @@ class DecodeBench:
         self.decoder = make_decoder(store, config, num_q_heads, workspace, batch, **decoder_options)
         self.positions = torch.full((batch,), context, device="cuda")
 
-    def plan(self) -> DecodePlan:
-        """The bench's own step (every request at ``seq_len``), its save runs bound."""
+    def plan(self, staggered: bool = False) -> DecodePlan:
+        """The bench's own step (every request at ``seq_len``), its save runs bound.
+
+        ``staggered`` (``--sparse-reselect-interval`` N > 1): the steady state a server reaches,
+        where the requests' phases are spread and one in N of them selects from all its pages
+        this step while the others reuse their cached rows. Without it every request is due (the
+        first step of each, which fills the rows: run one before timing a staggered plan)."""
+        interval = self.decoder.interval
+        if staggered and interval > 1:
+            due = torch.arange(self.batch, device=self.req_slots.device) % interval == 0
+            # due_for_selection counts tokens since each request's last full selection
+            self.store.cache.selected_at[self.req_slots] = torch.where(due, self.seq_len - interval, self.seq_len - 1)
         plan = self.step(self.req_slots, torch.full((self.batch,), self.seq_len), self.host_pages)
         self.store.bind_runs(SaveRuns.for_decode(self.req_slots, self.positions + 1, self.store.shape.page_size))
         return plan
