@@ -1,5 +1,5 @@
 """Prefill chunks sized to a time between tokens: the cost model, its fit, the chunk it picks, and
-the batch durations read from the scheduler's round starts (``prefill/chunk_pacing.py``)."""
+the batches' times read from events on the GPU (``prefill/chunk_pacing.py``)."""
 
 import numpy as np
 import pytest
@@ -7,11 +7,12 @@ import pytest
 from sparse_sglang.prefill.chunk_pacing import (
     MAX_SLOWDOWN,
     MIN_CHUNKS,
-    BatchClock,
+    BatchTimer,
     ChunkPacer,
     ChunkShape,
     nonnegative_fit,
 )
+from sparse_sglang.testing.simulated_gpu import SimulatedGpu
 
 TRUE_COST = np.array([0.002, 1e-7, 8e-6, 1e-9])  # fixed, per prefix token staged, per new token, per pair
 
@@ -111,17 +112,19 @@ def test_a_pacer_that_cannot_pace_is_refused(target, largest):
         ChunkPacer(target, max_chunk_tokens=largest, align=64)
 
 
-def test_the_clock_times_the_batch_the_round_before_formed_or_with_overlap_the_one_before_that():
-    # batches A (3 s), B (5 s), C (2 s) back to back; a round starts when the batch it waits for ends
-    plain = BatchClock(overlap=False)  # round k + 1 starts when batch k ends
-    assert plain.round_started(0.0, None) is None
-    assert plain.round_started(3.0, "A") == ("A", 3.0)
-    assert plain.round_started(8.0, "B") == ("B", 5.0)
-    assert plain.round_started(10.0, None) is None  # the round formed nothing: nothing to time
-    overlap = BatchClock(overlap=True)  # round k + 1 starts when batch k - 1 ends
-    starts = [(0.0, None), (0.1, "A"), (3.0, "B"), (8.0, "C"), (10.0, None)]
-    timed = [overlap.round_started(t, formed) for t, formed in starts]
-    assert timed == [None, None, ("A", pytest.approx(2.9)), ("B", 5.0), ("C", 2.0)]
+def test_the_timer_gives_each_batch_its_gpu_time_once_the_gpu_has_run_it():
+    # batches A (3 s) and B (5 s) launched back to back; the host reads the timer at 4 s, then at 9 s
+    gpu = SimulatedGpu()
+    timer = BatchTimer(gpu.event)
+    for label, seconds in (("A", 3.0), ("B", 5.0)):
+        start = timer.started()
+        gpu.run(seconds)
+        timer.ended(label, start)
+    assert timer.finished() == []  # the GPU has run neither yet
+    gpu.now = 4.0
+    assert timer.finished() == [("A", 3.0)]
+    gpu.now = 9.0
+    assert timer.finished() == [("B", 5.0)] and timer.finished() == []
 
 
 def test_with_noisy_times_the_waits_stay_near_the_target():

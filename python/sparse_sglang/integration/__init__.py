@@ -34,7 +34,7 @@ def install() -> None:
     from sparse_sglang.integration.forward_batch import patch_forward_batch_init_new
     from sparse_sglang.integration.memory_pool import patch_alloc_memory_pool
     from sparse_sglang.integration.metrics import patch_report_decode_stats
-    from sparse_sglang.integration.prefill_interleave import patch_get_new_batch_prefill
+    from sparse_sglang.integration.prefill_interleave import patch_get_new_batch_prefill, patch_run_batch
     from sparse_sglang.integration.request_intake import patch_handle_generate_request
     from sparse_sglang.integration.request_validation import (
         patch_normalize_batch_and_arguments,
@@ -62,6 +62,7 @@ def install() -> None:
     patch_check_decode_mem()
     patch_event_loop_normal()
     patch_get_new_batch_prefill()
+    patch_run_batch()
     patch_release_req()
     patch_flashinfer_decode_max()
     _installed = True

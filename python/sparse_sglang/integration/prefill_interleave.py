@@ -19,15 +19,15 @@ normal loop), this keeps SGLang's overlap scheduler.
 With ``--sparse-tbt-target-ms`` a round's prefill, while requests decode, is at most as many
 tokens as :class:`~sparse_sglang.prefill.chunk_pacing.ChunkPacer` predicts fit the target beside
 one decode step (SGLang's ``chunked_prefill_size`` for that round; it bounds the batch's new
-tokens), learned from the batches' times (:class:`~sparse_sglang.prefill.chunk_pacing.BatchClock`
-over the rounds' starts). Each rank measures its own clock, so under tensor parallelism the ranks
-take the smallest of their sizes.
+tokens), learned from the batches' times on the GPU
+(:class:`~sparse_sglang.prefill.chunk_pacing.BatchTimer`, events around ``Scheduler.run_batch``).
+Each rank times its own batches, so under tensor parallelism the ranks take the smallest of their
+sizes.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 from sparse_sglang.integration.memory_pool import runtime_of
 from sparse_sglang.integration.registry import relies_on, wrap_once
@@ -35,7 +35,7 @@ from sparse_sglang.integration.segmented_prefill import agreed_across_tp
 from sparse_sglang.prefill.chunk_pacing import (
     CHUNK_WINDOW,
     MIN_CHUNKS,
-    BatchClock,
+    BatchTimer,
     ChunkPacer,
     ChunkShape,
     chunk_unit,
@@ -43,7 +43,7 @@ from sparse_sglang.prefill.chunk_pacing import (
 
 logger = logging.getLogger(__name__)
 
-DECODE = "decode"  # BatchClock's label of a decode step
+DECODE = "decode"  # BatchTimer's label of a decode step
 
 
 def decode_goes_first(last_batch, running_batch, prefill_pending: bool) -> bool:
@@ -60,55 +60,60 @@ def decoding(running_batch) -> bool:
     return not running_batch.is_empty() and not running_batch.is_prefill_only
 
 
+def batch_label(batch):
+    """What the pacer learns from ``batch``'s time: :data:`DECODE` for a decode step, the
+    :class:`ChunkShape` of a prefill batch, None for anything else (not timed)."""
+    mode = batch.forward_mode
+    if mode.is_decode():
+        return DECODE
+    if mode.is_extend() and batch.extend_lens is not None:
+        return ChunkShape.of(zip(batch.extend_lens, batch.prefix_lens))
+    return None
+
+
+def cuda_timing_event():
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
+
+
 class InterleavedChunkPacing:
     """One scheduler's chunk pacing (``--sparse-tbt-target-ms`` with interleaved prefill): the
-    clock over its rounds, the pacer, and the prefill batch it formed last (to know it again as
-    ``last_batch``). The scheduler holds it as ``sparse_chunk_pacing``."""
+    timer over its batches and the pacer it teaches. The scheduler holds it as
+    ``sparse_chunk_pacing``."""
 
-    def __init__(self, target_ms: float, max_chunk_tokens: int, page_size: int, overlap: bool):
+    def __init__(self, target_ms: float, max_chunk_tokens: int, page_size: int, make_event=cuda_timing_event):
         self.pacer = ChunkPacer(target_ms / 1000, max_chunk_tokens, align=chunk_unit(page_size))
-        self.clock = BatchClock(overlap)
-        self.prefill: tuple[object, ChunkShape] | None = None
+        self.timer = BatchTimer(make_event)
         self.chunks_timed = 0
 
-    def round_started(self, last_batch, now: float | None = None) -> None:
-        """A round starts after ``last_batch`` (the batch the round before formed) was formed:
-        time whatever batch the clock can now time, and teach the pacer."""
-        label = None
-        if last_batch is not None and self.prefill is not None and last_batch is self.prefill[0]:
-            label = self.prefill[1]
-        elif last_batch is not None and last_batch.forward_mode.is_decode():
-            label = DECODE
-        timed = self.clock.round_started(time.perf_counter() if now is None else now, label)
-        if timed is None:
-            return
-        what, seconds = timed
-        if what is DECODE:
-            self.pacer.note_decode(seconds)
-            return
-        self.pacer.note_chunk(what, seconds)
-        self.chunks_timed += 1
-        if self.chunks_timed % CHUNK_WINDOW == MIN_CHUNKS:  # the first fit, then once a window
-            logger.info(self.pacer.describe())
-
-    def formed(self, batch) -> None:
-        """The round formed ``batch`` (a prefill batch, or None)."""
-        if batch is not None and batch.extend_lens is not None:
-            self.prefill = (batch, ChunkShape.of(zip(batch.extend_lens, batch.prefix_lens)))
+    def learn(self) -> None:
+        """Teach the pacer every batch the GPU has finished since the last call (no waiting)."""
+        for label, seconds in self.timer.finished():
+            if label is DECODE:
+                self.pacer.note_decode(seconds)
+                continue
+            self.pacer.note_chunk(label, seconds)
+            self.chunks_timed += 1
+            if self.chunks_timed % CHUNK_WINDOW == MIN_CHUNKS:  # the first fit, then once a window
+                logger.info(self.pacer.describe())
 
 
 @relies_on("sglang.srt.managers.scheduler:Scheduler.init_chunked_prefill", at="sglang/srt/managers/scheduler.py:1136")
 def chunk_pacing_of(scheduler) -> InterleavedChunkPacing | None:
-    """The scheduler's :class:`InterleavedChunkPacing` (made on first use, once its chunk size
-    and overlap setting are final); None without ``--sparse-tbt-target-ms`` or chunked prefill
-    (``server_args`` refuses that pair)."""
-    target = scheduler.server_args.sparse.tbt_target_ms
+    """The scheduler's :class:`InterleavedChunkPacing` (made on first use, once its chunk size is
+    final); None without interleaved prefill, ``--sparse-tbt-target-ms`` or chunked prefill
+    (``server_args`` refuses the target without the other two)."""
+    sparse = getattr(scheduler.server_args, "sparse", None)
+    if sparse is None or not sparse.enabled or not sparse.interleave_prefill:
+        return None
+    target = sparse.tbt_target_ms
     if target is None or scheduler.chunked_prefill_size is None:
         return None
     pacing = getattr(scheduler, "sparse_chunk_pacing", None)
     if pacing is None:
         pacing = scheduler.sparse_chunk_pacing = InterleavedChunkPacing(
-            target, scheduler.chunked_prefill_size, scheduler.page_size, scheduler.enable_overlap
+            target, scheduler.chunked_prefill_size, scheduler.page_size
         )
     return pacing
 
@@ -124,7 +129,7 @@ def hold_prefill_for_decodes(original):
             return original(self, running_batch)
         pacing = chunk_pacing_of(self)
         if pacing is not None:
-            pacing.round_started(self.last_batch)
+            pacing.learn()
         pending = self.chunked_req is not None or len(self.waiting_queue) > 0
         if decode_goes_first(self.last_batch, running_batch, pending):
             runtime = runtime_of(self.token_to_kv_pool_allocator)
@@ -141,8 +146,6 @@ def hold_prefill_for_decodes(original):
                 plan = original(self, running_batch)
             finally:
                 self.chunked_prefill_size = sglang_chunk
-        if pacing is not None:
-            pacing.formed(plan.batch_to_run)
         return plan
 
     return get_new_batch_prefill
@@ -155,3 +158,30 @@ def patch_get_new_batch_prefill() -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
     wrap_once(Scheduler, "get_new_batch_prefill", hold_prefill_for_decodes)
+
+
+def time_each_batch(original):
+    """``Scheduler.run_batch`` between two events on the stream the batch runs on, for the chunk
+    pacer (under ``--sparse-tbt-target-ms``; otherwise SGLang's, untouched)."""
+
+    def run_batch(self, batch, *args, **kwargs):
+        pacing = chunk_pacing_of(self)
+        label = None if pacing is None else batch_label(batch)
+        if label is None:
+            return original(self, batch, *args, **kwargs)
+        # the overlap loop launches forwards on its forward stream, the plain one on the current
+        stream = self.forward_stream if self.enable_overlap else None
+        start = pacing.timer.started(stream)
+        result = original(self, batch, *args, **kwargs)
+        pacing.timer.ended(label, start, stream)
+        return result
+
+    return run_batch
+
+
+@relies_on("sglang.srt.managers.scheduler:Scheduler.run_batch", at="sglang/srt/managers/scheduler.py:3527")
+def patch_run_batch() -> None:
+    """Time ``Scheduler.run_batch``'s batches on the GPU for the chunk pacer."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    wrap_once(Scheduler, "run_batch", time_each_batch)

@@ -8,7 +8,7 @@ prompt attends to (and stages from host memory) the whole prefix before it, so i
 the prompt's first. Here each round's prefill budget is a number of tokens chosen from a cost
 model of the chunk, learned from what the server measures:
 
-- :class:`BatchClock` turns the scheduler's round starts into each batch's duration;
+- :class:`BatchTimer` times each batch on the GPU, from events recorded around its launch;
 - :class:`ChunkPacer` keeps a decode step's time (a moving average) and fits a chunk's cost as
   ``a + b P + c x + d x (P + x / 2)`` over its recent chunks (``x`` new tokens after ``P`` tokens
   of prefix: a fixed cost, staging the prefix, the new tokens' own work, and attention over
@@ -174,32 +174,42 @@ class ChunkPacer:
                 f"(over its last {len(self.chunks)} chunks)")  # fmt: skip
 
 
-class BatchClock:
-    """Each batch's duration from the times SGLang's scheduler starts its rounds.
+class BatchTimer:
+    """Each batch's time on the GPU, from two events on its stream, one recorded before the
+    scheduler launches it and one after.
 
-    A round forms one batch. Without overlap scheduling a round runs its batch and reads its result
-    before the next round starts, so the time between two round starts is the earlier round's
-    batch. With overlap a round launches its batch and then reads the *previous* one's result, so
-    round ``k + 1`` starts when batch ``k - 1`` ends, and round ``k`` when batch ``k - 1`` could
-    start (batch ``k - 2`` ended, or it was launched after a round that formed nothing): the time
-    between rounds ``k`` and ``k + 1`` is batch ``k - 1``'s.
+    The time between the scheduler's rounds is not a batch's time: under overlap scheduling a
+    round waits for the batch before the one it launched, but a launch that itself waits for the
+    GPU (a forward that synchronizes with the host) shifts which round waits for what, and the
+    gaps between rounds then hold the chunk and the decode step together under the decode
+    step's name (decision 19). Events time the batch's own work on the GPU, whatever the host
+    does meanwhile; the GPU's idle gaps between batches are counted in neither.
 
-    :meth:`round_started` takes what the round before formed (a label; ``None``: nothing, or a
-    batch not to time) and returns ``(label, seconds)`` for the batch whose time just became
-    known, or ``None``."""
+    ``make_event()`` returns an object with ``record(stream)``, ``query()`` (True once the GPU has
+    passed it) and ``start.elapsed_time(end)`` in ms: ``torch.cuda.Event(enable_timing=True)`` in
+    the server. :meth:`finished` never waits: it returns the batches whose end event has passed,
+    oldest first, and keeps the rest for a later call."""
 
-    def __init__(self, overlap: bool):
-        self.overlap = overlap
-        self.last_start: float | None = None
-        self.formed: deque = deque(maxlen=2)  # what the last two rounds formed, newest last
+    def __init__(self, make_event):
+        self.make_event = make_event
+        self.pending: deque = deque()  # (label, start event, end event), launch order
 
-    def round_started(self, now: float, formed_before) -> tuple[object, float] | None:
-        previous, self.last_start = self.last_start, now
-        self.formed.append(formed_before)
-        if previous is None:
-            return None
-        if self.overlap:
-            timed = self.formed[0] if len(self.formed) == 2 else None
-        else:
-            timed = formed_before
-        return None if timed is None else (timed, now - previous)
+    def started(self, stream=None):
+        """The event a batch's launch is preceded by (on ``stream``; None: the current one)."""
+        event = self.make_event()
+        event.record(stream)
+        return event
+
+    def ended(self, label, start, stream=None) -> None:
+        """The batch ``label`` launched since ``start``: time it once the GPU has run it."""
+        end = self.make_event()
+        end.record(stream)
+        self.pending.append((label, start, end))
+
+    def finished(self) -> list[tuple[object, float]]:
+        """``(label, seconds)`` of every batch timed since the last call whose end has passed."""
+        done = []
+        while self.pending and self.pending[0][2].query():
+            label, start, end = self.pending.popleft()
+            done.append((label, start.elapsed_time(end) / 1000))
+        return done
