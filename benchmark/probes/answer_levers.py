@@ -134,6 +134,18 @@ class ReusedRerankDecoder(RerankDecoder):
         return ranked
 
 
+class LayerRerankDecoder(RerankDecoder):
+    """The exact re-rank in the layers of ``layers`` only, the corners alone in the others: what
+    a step that re-ranks a share of its layers keeps (its cost grows with that share)."""
+
+    layers: frozenset = frozenset()
+
+    def rank(self, layer, scores, q, key, seq_len, scaling):
+        if layer not in self.layers:
+            return scores
+        return super().rank(layer, scores, q, key, seq_len, scaling)
+
+
 class ShareDecoder(QuestStepDecoder):
     """The layer's page budget shared among its kv heads by estimated attention mass (a budget
     set by mass, not a count per head): every head keeps its ``floor`` x the budget's best pages
@@ -374,6 +386,8 @@ def key_basis(keys: torch.Tensor, rank: int) -> torch.Tensor:
     return torch.linalg.svd(keys.float(), full_matrices=False).Vh[:, :rank].transpose(-1, -2).contiguous()
 
 
+# Layer spans the layer-restricted re-rank is tried on (SmolLM2-135M has 30 layers): thirds, halves
+LAYER_SPANS = ((0, 10), (10, 20), (20, 30), (0, 15), (15, 30), (0, 5), (5, 10))
 WINDOW = 32  # the prompt's last queries whose attention picks the pages a request keeps (SnapKV's window)
 
 
@@ -544,6 +558,8 @@ def main() -> None:
         **{f"ms-shared{p}": quality.Policy(budget=args.budget) for p in ("", "-probs")},  # --sparse-budget-share
         **{f"ms-rerank{f}": quality.Policy(budget=args.budget) for f in (1.25, 1.5, 2, 3)},
         **{f"ms-rerank2-every{n}": quality.Policy(budget=args.budget) for n in (2, 4, 8)},
+        # ms-rerank2-layers<a>-<b>: the re-rank in layers a .. b - 1 only
+        **{f"ms-rerank2-layers{a}-{b}": quality.Policy(budget=args.budget) for a, b in LAYER_SPANS},
         **{f"ms-rerank2-int{b}": quality.Policy(budget=args.budget) for b in (1, 2, 3, 4)},
         **{f"ms-rerank2-int2-c{c}{g}": quality.Policy(budget=args.budget) for c in (8, 16, 32) for g in ("", "g")},
         **{f"ms-rerank2{b}-share0.5": quality.Policy(budget=args.budget) for b in ("", "-int2")},
@@ -612,6 +628,11 @@ def main() -> None:
                 factor, _, bits = spec.partition("-int")
                 hook.__class__ = ShareRerankDecoder
                 hook.factor, hook.bits, hook.floor, hook.pool = float(factor), int(bits or 0), float(floor), "probs"
+            elif name.startswith("ms-rerank2-layers"):
+                first, last = (int(x) for x in name.removeprefix("ms-rerank2-layers").split("-"))
+                hook.__class__ = LayerRerankDecoder
+                hook.factor, hook.bits, hook.channels, hook.fixed = 2.0, 0, 0, False
+                hook.layers = frozenset(range(first, last))
             elif name.startswith(("quest-rerank", "ms-rerank")):
                 factor, _, every = name.rpartition("rerank")[2].partition("-every")
                 factor, _, bits = factor.partition("-int")
