@@ -44,6 +44,9 @@ ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--mem-fraction-stati
 # then size the rest, a target below what a full chunk deep in it costs beside a decode step.
 PACED_PROMPT_TOKENS, PACED_TARGET_MS = 24000, 40
 PREFILL_LINE = re.compile(r"Prefill batch, #new-seq: 1, #new-token: (\d+)")
+# The pacer's fitted decode step (it logs its model): four requests decode in well under half the
+# target, so a fit near the target has put chunks' time under the decode step's name
+PACER_DECODE_LINE = re.compile(r"chunk pacing: decode step ([\d.]+) ms")
 
 
 # Resident (--sparse-resident-prefix-tokens): the prompt's chunks after the first attend their
@@ -77,6 +80,7 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
             background_out = [f.result() for f in decoding]
         leaked = settled(server, idle)
         chunks = [int(n) for n in PREFILL_LINE.findall(log.read_text())]  # the background's, then the prompt's
+        fitted_decode_ms = [float(ms) for ms in PACER_DECODE_LINE.findall(log.read_text())]
         held_before_alone = sparse_state(url)["prefills_held"]
         alone = generate_ids(url, prompt, NEW_TOKENS, logprobs=True)  # nothing decodes: SGLang's rounds
         held_alone = sparse_state(url)["prefills_held"] - held_before_alone
@@ -96,6 +100,7 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
         "prompt_logprob_max_abs_diff": max(diffs),
         "background_tokens": [len(o["output_ids"]) for o in background_out],
         "resident_prefix_pages": resident_pages,
+        "pacer_fitted_decode_step_ms": fitted_decode_ms,
         **leaked,
     }
     name = {"chunks": "prefill-interleave-gpu-test.json", "paced-chunks": "prefill-interleave-paced-gpu-test.json",
@@ -108,6 +113,8 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
     assert summary["prompt_logprob_max_abs_diff"] <= 1e-3 and summary["greedy_equal"], summary
     assert all(n == BACKGROUND_NEW for n in summary["background_tokens"]), summary
     assert not any(leaked.values()), summary
+    if paced:
+        assert fitted_decode_ms and max(fitted_decode_ms) < PACED_TARGET_MS / 2, summary
     if paced:  # after the chunks it timed, the pacer cut the prompt into chunks smaller than SGLang's
         assert all(n <= CHUNK_TOKENS for n in chunks), summary
         assert any(n % 64 == 0 and n not in (CHUNK_TOKENS, CHUNK_TOKENS // 2) for n in chunks[:-1]), summary
