@@ -182,8 +182,11 @@ class BatchTimer:
     round waits for the batch before the one it launched, but a launch that itself waits for the
     GPU (a forward that synchronizes with the host) shifts which round waits for what, and the
     gaps between rounds then hold the chunk and the decode step together under the decode
-    step's name (decision 19). Events time the batch's own work on the GPU, whatever the host
-    does meanwhile; the GPU's idle gaps between batches are counted in neither.
+    step's name (decision 19). Events time the batch on the GPU, whatever the host does after
+    launching it: from when its stream reaches the first event (the batch before it done, or the
+    launch beginning, whichever is later) to its last kernel, so a GPU left idle while the host
+    prepares the batch counts to the batch, and an idle stream before its launch begins counts
+    to none.
 
     ``make_event()`` returns an object with ``record(stream)``, ``query()`` (True once the GPU has
     passed it) and ``start.elapsed_time(end)`` in ms: ``torch.cuda.Event(enable_timing=True)`` in
