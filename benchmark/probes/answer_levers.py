@@ -629,10 +629,10 @@ def main() -> None:
                 hook.__class__ = ShareRerankDecoder
                 hook.factor, hook.bits, hook.floor, hook.pool = float(factor), int(bits or 0), float(floor), "probs"
             elif name.startswith("ms-rerank2-layers"):
-                first, last = (int(x) for x in name.removeprefix("ms-rerank2-layers").split("-"))
+                lo, hi = (int(x) for x in name.removeprefix("ms-rerank2-layers").split("-"))
                 hook.__class__ = LayerRerankDecoder
                 hook.factor, hook.bits, hook.channels, hook.fixed = 2.0, 0, 0, False
-                hook.layers = frozenset(range(first, last))
+                hook.layers = frozenset(range(lo, hi))
             elif name.startswith(("quest-rerank", "ms-rerank")):
                 factor, _, every = name.rpartition("rerank")[2].partition("-every")
                 factor, _, bits = factor.partition("-int")
