@@ -9,6 +9,10 @@ For each context (8K/32K/128K) and batch (1/8/32), in the same process:
   so FlashH2D loads them from pinned host memory;
 - **select**: scoring + top-k alone (its share of the all-hit step).
 
+With ``--reselect-interval N`` (``--sparse-reselect-interval``, both sides) the timed steps are the
+steady state a server reaches: after one step that fills every request's cache row, one request in
+N selects from all its pages and the others choose among the pages their rows hold.
+
 Every timed step is a CUDA graph replay (the sparse step is built to be captured: no host
 synchronization, fixed shapes), timed with CUDA events, median of ``--iters``, with L2 flushed
 before each replay (in a server the layer's weights pass through L2 between two attentions). As
