@@ -1,6 +1,6 @@
 """The only package that touches SGLang internals.
 
-One module per hooked SGLang symbol; each hook is marked with
+One module per mechanism, one function per hooked SGLang symbol; each hook is marked with
 :func:`~sparse_sglang.integration.registry.relies_on` naming the SGLang 0.5.17
 ``file:line`` it relies on (``HOOKS`` lists them; a test checks each one).
 
