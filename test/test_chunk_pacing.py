@@ -147,3 +147,21 @@ def test_with_noisy_times_the_waits_stay_near_the_target():
             done += x
     settled = sorted(waits[MIN_CHUNKS + 2 :])
     assert 0.09 <= settled[len(settled) // 2] <= 0.1 and settled[-1] <= 0.1 * 1.15
+
+
+def test_a_few_chunks_far_off_the_model_do_not_move_the_fit():
+    """The server's two warm-up batches (32 tokens, cold: about 95 ms each on an H200) among
+    chunks that follow the model exactly: the fit is the model's, not one dragged toward them."""
+    pacer = ChunkPacer(0.1, max_chunk_tokens=8192, align=64)
+    for _ in range(2):
+        pacer.note_chunk(ChunkShape.of([(32, 0)]), 0.095)
+    for x, p in [(4096, 0), (8192, 0), (3712, 8192), (2048, 12000), (1024, 14000), (2048, 15000), (512, 20000)]:
+        pacer.note_chunk(ChunkShape.of([(x, p)]), cost(x, p))
+    np.testing.assert_allclose(pacer.cost, TRUE_COST, rtol=1e-6)
+
+
+def test_the_log_gives_the_cost_by_size_beside_the_fit():
+    pacer = fitted_pacer()
+    logged = pacer.describe()
+    assert "(fitted on 1 of ~512 tokens " in logged and "; 2 of ~2048 tokens " in logged
+    assert f"2 of ~2048 tokens {np.median([cost(2048, 0), cost(2048, 7168)]) * 1e3:.1f} ms" in logged

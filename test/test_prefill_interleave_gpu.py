@@ -47,6 +47,7 @@ PREFILL_LINE = re.compile(r"Prefill batch, #new-seq: 1, #new-token: (\d+)")
 # The pacer's fitted decode step (it logs its model): four requests decode in well under half the
 # target, so a fit near the target has put chunks' time under the decode step's name
 PACER_DECODE_LINE = re.compile(r"chunk pacing: decode step ([\d.]+) ms")
+PACER_LINE = re.compile(r"chunk pacing: (.*)")  # the fits and the times by chunk size they rest on
 
 
 # Resident (--sparse-resident-prefix-tokens): the prompt's chunks after the first attend their
@@ -81,6 +82,7 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
         leaked = settled(server, idle)
         chunks = [int(n) for n in PREFILL_LINE.findall(log.read_text())]  # the background's, then the prompt's
         fitted_decode_ms = [float(ms) for ms in PACER_DECODE_LINE.findall(log.read_text())]
+        pacer_fits = PACER_LINE.findall(log.read_text())
         held_before_alone = sparse_state(url)["prefills_held"]
         alone = generate_ids(url, prompt, NEW_TOKENS, logprobs=True)  # nothing decodes: SGLang's rounds
         held_alone = sparse_state(url)["prefills_held"] - held_before_alone
@@ -101,6 +103,7 @@ def test_chunks_interleaved_with_decode_steps_give_the_prompts_normal_result(tmp
         "background_tokens": [len(o["output_ids"]) for o in background_out],
         "resident_prefix_pages": resident_pages,
         "pacer_fitted_decode_step_ms": fitted_decode_ms,
+        "pacer_fits": pacer_fits,
         **leaked,
     }
     name = {"chunks": "prefill-interleave-gpu-test.json", "paced-chunks": "prefill-interleave-paced-gpu-test.json",

@@ -16,6 +16,13 @@ model of the chunk, learned from what the server measures:
   ``x`` whose cost fits the target less a decode step, but never one that prefills more than
   :data:`MAX_SLOWDOWN` times slower per token than SGLang's chunk would at the same point.
 
+A chunk more than :data:`OUTLIER_RATIO` times slower or faster than a fit robust to it predicts
+(a cold first forward, a host stall) is left out (:func:`robust_fit`). Once paced, nearly every
+chunk is about one size, and chunks of one size tell a fixed cost from a per-token one poorly: the
+fit may trade the two for each other while predicting the chunks it saw as well, so the server
+logs, beside each fit, the median chunk and time of each size class it rests on (sizes within a
+factor of two), which show the cost by size without the model.
+
 The floor is there because a chunk's fixed cost and its prefix's staging do not shrink with it:
 deep into a prompt whose prefix is staged from host memory, a chunk that fits the target may hold
 a few tokens and spend its whole time re-staging. A prompt cut into such chunks prefills at a
@@ -53,11 +60,19 @@ import numpy as np
 DECODE_EMA = 0.2
 # Chunks the cost model is fitted on: the newest ones (the prompts in flight change).
 CHUNK_WINDOW = 64
+# A chunk this many times slower or faster than a fit robust to it predicts (a cold first
+# forward, a host stall) is left out of the fit.
+OUTLIER_RATIO = 3.0
 # Chunks seen, of at least two sizes, before the model sizes a chunk.
 MIN_CHUNKS = 4
 # A paced chunk's predicted seconds per token over SGLang's chunk's at the same prefix, at most
 # (module doc): however the target cuts a prompt, its prefill takes at most twice SGLang's time.
 MAX_SLOWDOWN = 2.0
+
+
+def size_class(tokens: int) -> int:
+    """Chunks within a factor of two of each other share a class: 1, 2-3, 4-7, ... tokens."""
+    return max(tokens, 1).bit_length()
 
 
 def chunk_unit(page_size: int) -> int:
@@ -104,6 +119,23 @@ def nonnegative_fit(rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return best / scale
 
 
+def robust_fit(rows: np.ndarray, seconds: np.ndarray, rounds: int = 10) -> np.ndarray:
+    """:func:`nonnegative_fit` over the chunks within :data:`OUTLIER_RATIO` of a least-absolute
+    fit of each chunk's time relative to itself (iteratively reweighted; a chunk far off its
+    prediction pulls that fit no harder than one slightly off, so a few outliers cannot drag the
+    fit that finds them), or over all of them if fewer than :data:`MIN_CHUNKS` of two sizes would
+    remain (column 2 is the size)."""
+    weights = 1 / seconds
+    for _ in range(rounds):
+        cost = nonnegative_fit(rows * weights[:, None], seconds * weights)
+        weights = 1 / seconds / np.sqrt(np.maximum(np.abs(rows @ cost / seconds - 1), 0.01))
+    predicted = rows @ cost
+    kept = (seconds <= OUTLIER_RATIO * predicted) & (seconds * OUTLIER_RATIO >= predicted)
+    if kept.sum() < MIN_CHUNKS or len(set(rows[kept, 2])) < 2:
+        kept[:] = True
+    return nonnegative_fit(rows[kept], seconds[kept])
+
+
 class ChunkPacer:
     """A decode step's time and a chunk's cost, as measured; the next chunk's tokens from them."""
 
@@ -130,7 +162,7 @@ class ChunkPacer:
         self.chunks.append((shape, seconds))
         if len(self.chunks) >= MIN_CHUNKS and len({s.new_tokens for s, _ in self.chunks}) >= 2:
             rows = np.array([s.features() for s, _ in self.chunks])
-            self.cost = nonnegative_fit(rows, np.array([t for _, t in self.chunks]))
+            self.cost = robust_fit(rows, np.array([t for _, t in self.chunks]))
 
     def chunk_tokens(self, prefix_tokens: int) -> int:
         """Tokens the next chunk of a prompt ``prefix_tokens`` in prefills: a multiple of ``align``
@@ -169,9 +201,17 @@ class ChunkPacer:
         if self.cost is None or self.decode_s is None:
             return f"chunk pacing: fitting ({len(self.chunks)} chunks timed)"
         a, b, c, d = (float(v) for v in self.cost)
+        by_size: dict[int, list[tuple[ChunkShape, float]]] = {}
+        for shape, seconds in self.chunks:
+            by_size.setdefault(size_class(shape.new_tokens), []).append((shape, seconds))
+        measured = "; ".join(  # what the fit rests on: each size class's median chunk and time
+            f"{len(chunks)} of ~{np.median([s.new_tokens for s, _ in chunks]):.0f} tokens "
+            f"{np.median([t for _, t in chunks]) * 1e3:.1f} ms"
+            for chunks in (by_size[size] for size in sorted(by_size))
+        )
         return (f"chunk pacing: decode step {self.decode_s * 1e3:.1f} ms; a chunk {a * 1e3:.2f} ms + {b * 1e6:.2f} ms "
                 f"per 1K prefix tokens + {c * 1e6:.2f} ms per 1K tokens + {d * 1e9:.3f} ms per 1M pairs "
-                f"(over its last {len(self.chunks)} chunks)")  # fmt: skip
+                f"(fitted on {measured})")  # fmt: skip
 
 
 class BatchTimer:
