@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_sglang.attention.constants import LayerConstants
+from sparse_sglang.mem_cache.host_pool import host_block
 from sparse_sglang.mem_cache.kv_store import SparseKVStore
 from sparse_sglang.mem_cache.plan import STAGING_BUFFERS, staging_buffer_pages
 from sparse_sglang.mem_cache.utils import host_to_device, kv_compute_dtype
@@ -158,13 +159,12 @@ def resident_fill_blocks(host_pages: torch.Tensor, first_page: int, num_layers: 
                          num_host_pages: int, capacity_pages: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """FlashH2D's ``(src_blocks, dst_slots)`` staging a request's prefix pages ``first_page,
     first_page + 1, ...`` (host pages ``host_pages``) into the resident buffer, every layer and kv
-    head: host block ``(layer * Hkv + head) * num_host_pages + host page``, buffer slot
-    ``(layer * capacity_pages + page) * Hkv + head``."""
+    head: the host page's :func:`host_block`, buffer slot ``(layer * capacity_pages + page) * Hkv + head``."""
     device = host_pages.device
     pages = torch.arange(first_page, first_page + len(host_pages), device=device).view(1, -1, 1)
     layer = torch.arange(num_layers, device=device).view(-1, 1, 1)
     head = torch.arange(num_kv_heads, device=device).view(1, 1, -1)
-    src = ((layer * num_kv_heads + head) * num_host_pages + host_pages.long().view(1, -1, 1)).reshape(-1)
+    src = host_block(layer, head, host_pages.long().view(1, -1, 1), num_kv_heads, num_host_pages).reshape(-1)
     dst = ((layer * capacity_pages + pages) * num_kv_heads + head).reshape(-1)
     return src, dst
 
@@ -296,8 +296,8 @@ class PrefixAttention:
         request, prefix_page = (host_to_device(t, device) for t in staged_pages(prefix_lens_cpu, skip, page))
         host_page = req_to_token[req_slots.long()[request], prefix_page * page].long() // page  # [staged pages]
         head = torch.arange(heads, device=device)
-        # Host block of every (prefix page, kv head), + layer * H * N at run time.
-        self.src_base = (head.view(1, -1) * s.num_host_pages + host_page.view(-1, 1)).reshape(-1)
+        # Host block of every (prefix page, kv head) in layer 0; a layer's are these shifted (host_block)
+        self.src_base = host_block(0, head.view(1, -1), host_page.view(-1, 1), heads, s.num_host_pages).reshape(-1)
         self.src_base.record_stream(self.load_stream)  # read there: not reused before those loads are done
         if not self.replans:
             for i, (wrapper, piece) in enumerate(zip(self.wrappers, self.pieces)):
@@ -393,7 +393,8 @@ class PrefixAttention:
         first = b * self.capacity * heads
         self.load_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.load_stream):
-            src = self.src_base[piece.pages.start * heads : piece.pages.stop * heads] + layer * heads * s.num_host_pages
+            layer_shift = host_block(layer, 0, 0, heads, s.num_host_pages)
+            src = self.src_base[piece.pages.start * heads : piece.pages.stop * heads] + layer_shift
             self.load(src, self.slots[first : first + units])
             if self.k_attend is not self.k:
                 self.k_attend[first : first + units].copy_(self.k[first : first + units])

@@ -46,6 +46,7 @@ from sparse_sglang.attention.selection import force_pages, keep_cached
 from sparse_sglang.attention.selectors import DEFAULT_GROUP_REDUCE, get_selector
 from sparse_sglang.mem_cache.bounds import dequantize_bounds
 from sparse_sglang.mem_cache.gpu_cache import CachedRows, GPUPageCache
+from sparse_sglang.mem_cache.host_pool import host_block
 from sparse_sglang.mem_cache.key_codes import decode_codes
 from sparse_sglang.mem_cache.key_sketch import project_query, sketch_page_scores
 
@@ -240,7 +241,7 @@ def retrieve_reference(
     cache.slot_page[cache.scratch(dst)] = torch.where(miss, page, -1)
     cache.last_used[cache.scratch(dst)] = cache.step
     host_page = host_pages.long().gather(1, page.clamp_min(0).view(batch, -1)).view(batch, heads, width)
-    src = (layer * cache.num_kv_heads + head) * num_host_pages + host_page
+    src = host_block(layer, head, host_page, cache.num_kv_heads, num_host_pages)
     load(src.reshape(-1), dst.reshape(-1))
     return torch.where(miss, dst, hit)
 

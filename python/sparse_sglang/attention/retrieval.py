@@ -112,7 +112,7 @@ if triton is not None:
             span = tl.load(indptr_ptr + bh + 1) - base
             tl.store(indices_ptr + base + j, tl.zeros([KP], tl.int32), mask=j < span)
 
-        # FlashH2D's copy list: flat host block (layer, head, host page) -> slot; -1 = nothing.
+        # FlashH2D's copy list: flat host block (mem_cache.host_pool.host_block) -> slot; -1 = nothing.
         host_page = tl.load(host_pages_ptr + b * host_pages_stride + page, mask=miss, other=0).to(tl.int64)
         tl.store(miss_src_ptr + bh * K + j, ((layer * num_heads + h) * num_host_pages + host_page), mask=j < K)
         tl.store(miss_dst_ptr + bh * K + j, tl.where(miss, dst, -1), mask=j < K)

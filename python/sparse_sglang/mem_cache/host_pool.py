@@ -29,6 +29,14 @@ def host_page_bytes(num_layers: int, num_kv_heads: int, page_size: int, head_dim
     return 2 * num_layers * num_kv_heads * page_size * head_dim * dtype.itemsize
 
 
+def host_block(layer, head, page, num_kv_heads: int, num_pages: int):
+    """Flat index of host page ``page``'s block of ``(layer, head)``: blocks are laid out layer by
+    layer, kv head by kv head, page by page (FlashH2D's ``src_blocks``; the Triton retrieval kernel
+    computes the same). Ints or int64 tensors, broadcast. Layer ``l``'s blocks are layer 0's shifted
+    by ``host_block(l, 0, 0, ...)``."""
+    return (layer * num_kv_heads + head) * num_pages + page
+
+
 def pages_for_budget(
     gb: float,
     num_layers: int,
@@ -134,7 +142,8 @@ class HostKVPool:
         return self.num_pages * self.page_bytes
 
     def block_index(self, layer: int | torch.Tensor, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """Flat block index ``(layer * num_kv_heads + head) * num_pages + page`` (FlashH2D's
-        ``src_blocks``); arguments broadcast, result int64."""
+        """:func:`host_block` of this pool; arguments broadcast, result int64."""
         heads = torch.as_tensor(heads).long()
-        return (layer * self.num_kv_heads + heads) * self.num_pages + torch.as_tensor(pages, device=heads.device).long()
+        return host_block(
+            layer, heads, torch.as_tensor(pages, device=heads.device).long(), self.num_kv_heads, self.num_pages
+        )
