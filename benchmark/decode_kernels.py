@@ -7,9 +7,13 @@ graph replays with L2 flushed as in ``benchmark/decode.py`` (``--layers-per-grap
 - **score**: the score kernel (quest, forced pages, rows left unwritten past each request's pages
   as the decoder runs it) at every ``--block-n`` x ``--warps`` x ``--programs`` choice;
 - **attention**: FlashInfer's paged decode over the selected pages, and the whole all-hit step,
-  with its tensor-core kernel and with its CUDA-core one.
+  with its tensor-core kernel and with its CUDA-core one; with the bandwidth the attention reaches
+  (the selected pages' K and V bytes over its time), which says how far a faster kernel could take
+  the step.
 
-Writes ``benchmark/results/decode-kernels-<date>.json``::
+Writes ``benchmark/results/decode-kernels-<date>.json`` (``--kv-dtype fp8_e4m3``: the serving
+flags' KV; a serving server's batch, e.g. ``--contexts 32768 --batches 80``, and one score
+launch, ``--block-n 32 --warps 4 --programs 2048``, time what a loaded server's step runs)::
 
     python -m benchmark.decode_kernels
 """
@@ -23,7 +27,7 @@ import json
 
 import torch
 
-from benchmark.decode import SHAPE, add_grid_args, layers_for, time_graph
+from benchmark.decode import KV_DTYPE_CHOICES, SHAPE, add_grid_args, layers_for, time_graph
 from sparse_sglang.attention import scoring
 from sparse_sglang.attention.scoring import score_pages
 from sparse_sglang.config import SparseConfig
@@ -51,6 +55,13 @@ def score_times(b: DecodeBench, plan, q: torch.Tensor, layers: int, args) -> dic
     return out
 
 
+def attended_bytes(store, batch: int, budget: int) -> int:
+    """K and V bytes one layer's attention reads over the selected pages: ``budget`` tokens of
+    every request and kv head."""
+    shape = store.shape
+    return batch * shape.num_kv_heads * budget * shape.head_dim * 2 * shape.dtype.itemsize
+
+
 def attention_times(store, config, batch: int, context: int, workspace, q, layers: int, args) -> dict[str, float]:
     out = {}
     for tensor_cores in (True, False):
@@ -71,6 +82,7 @@ def attention_times(store, config, batch: int, context: int, workspace, q, layer
                 plan.wrapper.run(qs, d.kv)  # planned with the decoder's scale
 
         out[f"attention_{name}_us"] = time_graph(attend, args.iters, per=layers) * 1e3
+        out[f"attention_{name}_gbps"] = attended_bytes(store, batch, args.budget) / out[f"attention_{name}_us"] / 1e3
         out[f"step_{name}_us"] = time_graph(step, args.iters, per=layers) * 1e3
     return out
 
@@ -83,7 +95,9 @@ def run(args) -> list[dict]:
     for context in args.contexts:
         for batch in args.batches:
             layers = layers_for(batch, context, max(args.batches), args.layers_per_graph)
-            store = make_store(Llama8BShape(num_layers=layers), config, batch, context)
+            store = make_store(
+                Llama8BShape(num_layers=layers), config, batch, context, dtype=KV_DTYPE_CHOICES[args.kv_dtype]
+            )
             b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace)
             b.fill_summaries_randomly(gen)
             plan = b.plan()
@@ -114,6 +128,7 @@ def run(args) -> list[dict]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_grid_args(parser)
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_CHOICES), default="bf16")
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--programs", type=int, nargs="+", default=[1024, 2048, 4096])
@@ -123,9 +138,10 @@ def main(argv=None) -> dict:
         "score_best": r["score_best"], "score_best_us": r["score_us"][r["score_best"]],
         "score_default_us": r["score_us"].get("block{}_warps{}_programs{}".format(*scoring.score_launch(), scoring.SCORE_PROGRAMS)),
         "attention_tensor_cores_us": r["attention_tensor_cores_us"], "attention_cuda_cores_us": r["attention_cuda_cores_us"],
+        "attention_tensor_cores_gbps": r["attention_tensor_cores_gbps"], "attention_cuda_cores_gbps": r["attention_cuda_cores_gbps"],
         "step_tensor_cores_us": r["step_tensor_cores_us"], "step_cuda_cores_us": r["step_cuda_cores_us"],
     } for r in rows}  # fmt: skip
-    config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest",
+    config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest", "kv_dtype": args.kv_dtype,
               "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip
     return finish_run("benchmark.decode_kernels", argv, {"config": config, "rows": rows, "summary": summary},
                       args.out_dir, "decode-kernels-{date}.json")  # fmt: skip
