@@ -15,7 +15,7 @@
 # Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
 # its sparse servers; $GRID_VARIANTS: several sets of them side by side; $GRID_CONFIGS: accuracy.py
 # grid --configs, more configurations in the same grid), decode_bounds (the default page bounds'
-# decode step against min/max, bf16 and fp8), decode_rerank (the same with --sparse-rerank-factor 2), kernels (the Triton kernel tests and the decode GPU
+# decode step against min/max, bf16 and fp8), attention (decode_kernels at a loaded server's batch, fp8 and bf16), decode_rerank (the same with --sparse-rerank-factor 2), kernels (the Triton kernel tests and the decode GPU
 # tests), tiles (the quantized re-rank's launches by tile), answers (decode_bounds, then kernels beside grid), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
 # flags), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
@@ -103,6 +103,15 @@ job_kernels() {  # the Triton kernels against their references (compiled here), 
   python3 -m pytest -m gpu -q -s -p no:cacheprovider ${KERNEL_GPU_TESTS:-test/test_sparse_decode_gpu.py test/test_selection_real_kv_gpu.py} \
     >> /root/o/kernels.log 2>&1
   tail -n 5 /root/o/kernels.log
+}
+job_attention() {  # the attention over the selected pages at a loaded server's batch, each KV dtype, the GPU alone
+  local kv
+  for kv in fp8_e4m3 bf16; do
+    python3 -m benchmark.decode_kernels --contexts 32768 --batches 32 80 --kv-dtype "$kv" --block-n 32 --warps 4 \
+      --programs 2048 --out-dir /root/o > "/root/o/attention-$kv.log" 2>&1
+    mv /root/o/decode-kernels-*.json "/root/o/attention-$kv.json" 2>/dev/null
+  done
+  tail -n 4 /root/o/attention-*.log
 }
 job_tiles() {  # the quantized re-rank's launches by tile (benchmark.probes.code_rerank_tiles), the GPU alone
   python3 -m benchmark.probes.code_rerank_tiles --out /root/o/code-rerank-tiles.json > /root/o/tiles.log 2>&1
