@@ -119,18 +119,22 @@ def nonnegative_fit(rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return best / scale
 
 
-def robust_fit(rows: np.ndarray, seconds: np.ndarray, rounds: int = 10) -> np.ndarray:
-    """:func:`nonnegative_fit` over the chunks within :data:`OUTLIER_RATIO` of a least-absolute
-    fit of each chunk's time relative to itself (iteratively reweighted; a chunk far off its
-    prediction pulls that fit no harder than one slightly off, so a few outliers cannot drag the
-    fit that finds them), or over all of them if fewer than :data:`MIN_CHUNKS` of two sizes would
-    remain (column 2 is the size)."""
+def within(seconds: np.ndarray, predicted: np.ndarray) -> np.ndarray:
+    """Which chunks took within :data:`OUTLIER_RATIO` of their predicted time."""
+    return (seconds <= OUTLIER_RATIO * predicted) & (seconds * OUTLIER_RATIO >= predicted)
+
+
+def robust_fit(rows: np.ndarray, seconds: np.ndarray, rounds: int = 2) -> np.ndarray:
+    """:func:`nonnegative_fit` over the chunks within :data:`OUTLIER_RATIO` of a fit of each
+    chunk's time relative to itself, reweighted toward least absolute deviations (a chunk far off
+    its prediction pulls that fit no harder than one slightly off, so a few outliers cannot drag
+    the fit that finds them; two rounds find the server's cold warm-up batches), or over all of
+    them if fewer than :data:`MIN_CHUNKS` of two sizes would remain (column 2 is the size)."""
     weights = 1 / seconds
     for _ in range(rounds):
         cost = nonnegative_fit(rows * weights[:, None], seconds * weights)
         weights = 1 / seconds / np.sqrt(np.maximum(np.abs(rows @ cost / seconds - 1), 0.01))
-    predicted = rows @ cost
-    kept = (seconds <= OUTLIER_RATIO * predicted) & (seconds * OUTLIER_RATIO >= predicted)
+    kept = within(seconds, rows @ cost)
     if kept.sum() < MIN_CHUNKS or len(set(rows[kept, 2])) < 2:
         kept[:] = True
     return nonnegative_fit(rows[kept], seconds[kept])
