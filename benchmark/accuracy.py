@@ -30,7 +30,10 @@ dense gets fully right and sparse not, a *new correct* the reverse. For the mult
 output holds, the share sparse's holds too, pooled over values. A family is *judged* when dense
 answers at least ``JUDGED_SHARE`` of its items fully right; pooled numbers are over judged families
 only. The CPU reference's ``oracle`` policy (the pages with the most true attention mass) is held
-against the dense server's answers the same way: the ceiling of page selection. The summary
+against the dense server's answers the same way: the ceiling of page selection. Plain SGLang under
+other flags (``grid --vanilla-configs``, e.g. fp8 KV) is held against dense the same way, over all
+its items (``retention_by_vanilla_config``): what those flags alone cost a user, apart from page
+selection (the serving headline's fp8 KV, for one). The summary
 reports the held-out items (``--seed 1``, ``HELD_OUT_SEED``; ``DEV_SEED`` 0 is what changes were
 tried on), each run's missing items, and ``check`` holds it to ``BARS``. Every run records what it
 is (``config``, ``alone``, ``budget``, ``vanilla``) and runs are paired by that, not by their names.
@@ -863,6 +866,15 @@ def config_pairs(server: list[dict], config: str, dense: dict[str, str], by_id: 
     return out
 
 
+def vanilla_config_pairs(server: list[dict], config: str, dense: dict[str, str], by_id: dict[str, Item]) -> list[tuple]:
+    """The same for plain SGLang's one-at-a-time runs under ``config``'s flags, compression 1."""
+    out = []
+    for run in server:
+        if run["vanilla"] and run["config"] == config and run["alone"]:
+            out += [(by_id[i], 1, o["output"], dense[i]) for i, o in _outputs(run).items() if i in dense]
+    return out
+
+
 def reference_pairs(ref: dict, policy: str, dense: dict[str, str], by_id: dict[str, Item]) -> list[tuple]:
     """The same for one policy of a reference run, against the dense server's one-at-a-time answers."""
     compressions = tuple(ref.get("compressions") or COMPRESSIONS)
@@ -1019,12 +1031,14 @@ def summarize(paths: list[str], items_path: str) -> dict:
     references = [r for r in runs if r["kind"] == "reference"]
     dense = {}  # item id -> dense's one-at-a-time answer
     for run in server:
-        if run["vanilla"] and run["alone"]:
+        if run["vanilla"] and run["alone"] and run["config"] == "dense":
             dense.update((i, o["output"]) for i, o in _outputs(run).items())
     families = family_judgement(items, dense)
     judged = [f for f, j in families.items() if j["judged"]]
     configs = sorted({r["config"] for r in server if not r["vanilla"] and r["alone"]})
     pairs = {c: config_pairs(server, c, dense, by_id) for c in configs}
+    vanilla_configs = sorted({r["config"] for r in server if r["vanilla"] and r["alone"] and r["config"] != "dense"})
+    vanilla_pairs = {c: vanilla_config_pairs(server, c, dense, by_id) for c in vanilla_configs}
     with_oracle = [r for r in references if any("oracle" in row for row in r["outputs"])]
 
     def reference_4x(policy: str) -> dict:
@@ -1043,6 +1057,7 @@ def summarize(paths: list[str], items_path: str) -> dict:
             for c in configs
         },
         "value_retention_4x_by_config": {c: pooled(pairs[c], 4, MULTI_VALUE).get("value_retention") for c in configs},
+        "retention_by_vanilla_config": {c: _brief(pooled(vanilla_pairs[c], 1, judged)) for c in vanilla_configs},
         "held_out": meta.get("seed") is not None and meta["seed"] != DEV_SEED,
         "items_seed": meta.get("seed"),
         "items": len(items),
@@ -1169,10 +1184,13 @@ RETENTION_BUDGETS = {(512, 2048): (2048,), (512, 8000): (8000,), (1024, 4096): (
 HEADLINE_BUDGETS = {512: (2048,), 1024: (4096,), 2048: (8000,)}  # 4x only
 
 
-def _grid_retention(configs: dict[str, str]) -> list[Run]:
+def _grid_retention(configs: dict[str, str], vanilla_configs: dict[str, str]) -> list[Run]:
     """One request at a time only: dense at every length, the default and each of ``configs``
-    (name -> flags) over ``RETENTION_BUDGETS``, the serving headline's flags at 4x."""
+    (name -> flags) over ``RETENTION_BUDGETS``, the serving headline's flags at 4x, and plain SGLang
+    under each of ``vanilla_configs`` at every length."""
     runs = [Run(f"dense-alone-{n}", config="dense", vanilla=True, lengths=(n,), alone=True) for n in LENGTHS]
+    runs += [Run(f"{config}-alone-{n}", config=config, vanilla=True, flags=flags, lengths=(n,), alone=True)
+             for config, flags in vanilla_configs.items() for n in LENGTHS]  # fmt: skip
     for config, flags in {"default": "", **configs}.items():
         runs += [Run(f"{config}-alone-{b}-{n}", config=config, budget=b, flags=flags, lengths=lengths, alone=True)
                  for (b, n), lengths in RETENTION_BUDGETS.items()]  # fmt: skip
@@ -1181,11 +1199,11 @@ def _grid_retention(configs: dict[str, str]) -> list[Run]:
     return runs
 
 
-def _grid_final(configs: dict[str, str]) -> list[Run]:
+def _grid_final(configs: dict[str, str], vanilla_configs: dict[str, str]) -> list[Run]:
     """The grid of the first results: batched runs at every budget and variants beside the 4x
     one-at-a-time runs (no ``--configs``)."""
-    if configs:
-        raise SystemExit("--configs goes with --grid retention")
+    if configs or vanilla_configs:
+        raise SystemExit("--configs and --vanilla-configs go with --grid retention")
     runs = [Run("dense", config="dense", vanilla=True, repeat=True)]
     runs += [Run(f"dense-alone-{n}", config="dense", vanilla=True, lengths=(n,), alone=True, repeat=n == 2048)
              for n in LENGTHS]  # fmt: skip
@@ -1204,14 +1222,15 @@ GRIDS = {"retention": _grid_retention, "final": _grid_final}
 RESERVED_CONFIGS = ("dense", "default", "headline", "reference")  # what runs the grid or the summary name themselves
 
 
-def parse_configs(text: str) -> dict[str, str]:
-    """``"name=flags;name=flags"`` -> {name: flags}: configurations run beside the default."""
+def parse_configs(text: str, flag: str = "--configs", taken=()) -> dict[str, str]:
+    """``"name=flags;name=flags"`` -> {name: flags}: configurations run beside the default (or
+    beside dense, ``--vanilla-configs``); ``taken``: names another flag already gave."""
     configs = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         name, _, flags = part.partition("=")
         name = name.strip()
-        if not re.fullmatch(r"[A-Za-z0-9_.]+", name) or name in RESERVED_CONFIGS or name in configs:
-            raise SystemExit(f"--configs: {name!r} is not a free configuration name (letters, digits, _ and .)")
+        if not re.fullmatch(r"[A-Za-z0-9_.]+", name) or name in RESERVED_CONFIGS or name in configs or name in taken:
+            raise SystemExit(f"{flag}: {name!r} is not a free configuration name (letters, digits, _ and .)")
         configs[name] = flags.strip()
     return configs
 
@@ -1232,7 +1251,9 @@ def grid(args) -> None:
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runs = [r for r in GRIDS[args.grid](parse_configs(args.configs)) if not args.only or r.name in args.only.split(",")]
+    configs = parse_configs(args.configs)
+    vanilla_configs = parse_configs(args.vanilla_configs, "--vanilla-configs", taken=configs)
+    runs = [r for r in GRIDS[args.grid](configs, vanilla_configs) if not args.only or r.name in args.only.split(",")]
     # the longest first: one-at-a-time runs, those of the most prompt tokens first
     runs = sorted(runs, key=lambda r: (not r.alone, -sum(r.lengths)))
     index, _, count = args.shard.partition("/")
@@ -1327,6 +1348,8 @@ def main(argv: list[str] | None = None) -> None:
     gr.add_argument("--grid", default="retention", choices=sorted(GRIDS))
     gr.add_argument("--configs", default="",
                     help='more configurations beside the default, "name=flags;name=flags": each runs the default\'s budgets')  # fmt: skip
+    gr.add_argument("--vanilla-configs", default="",
+                    help='plain SGLang under other flags beside dense, "name=flags;name=flags" (e.g. fp8 KV): every length')  # fmt: skip
     gr.add_argument("--only", default="", help="comma-separated run names")
     gr.add_argument("--out-dir", required=True)
     gr.add_argument("--parallel", type=int, default=6)

@@ -113,7 +113,16 @@ def result(tmp_path):
                        {"niah_multivalue-2048-0": MULTI_DENSE["niah_multivalue-2048-0"]})  # fmt: skip
     # a candidate answering as dense, but two items never came back
     quest = answers(DENSE_RIGHT, AT_2048, {**MULTI_DENSE, "qa-2048-8": None, "qa-2048-9": None})
+    # plain SGLang under other flags (fp8 KV): dense's answers but for niah_single 7 at 2K
+    fp8 = dict(config="densefp8", alone=True, vanilla=True, budget=None)
     runs = dense_runs(tmp_path) + [
+        write_run(
+            tmp_path,
+            "densefp8-alone-2048",
+            answers(DENSE_RIGHT, AT_2048, {**MULTI_DENSE, "niah_single-2048-7": WRONG}),
+            **fp8,
+        ),
+        write_run(tmp_path, "densefp8-alone-8000", answers(DENSE_RIGHT, AT_8000), **fp8),
         write_run(tmp_path, "default-alone-512", default, config="default", budget=512, **sparse),
         write_run(tmp_path, "headline-alone-512", headline, config="headline", budget=512, **sparse),
         write_run(tmp_path, "quest-alone-512", quest, config="quest", budget=512, **sparse),
@@ -142,6 +151,15 @@ def test_retention_counts_what_dense_gets_fully_right_and_sparse_keeps(result):
     assert summary["retention_4x_headline"] == pytest.approx(9 / 10)
     # the candidate answers as dense on every item it answered
     assert summary["retention_by_config"]["quest"]["4"]["retention"] == 1.0
+
+
+def test_plain_sglang_under_other_flags_is_held_against_dense_over_all_its_items(result):
+    """The fp8 run is no dense baseline (the default's numbers above are dense's), and it keeps
+    13 of the 14 judged items dense gets fully right: niah_single 0-7 at 2K and 0-3 at 8K, qa 0,
+    multi-value item 0."""
+    brief = result["summary"]["retention_by_vanilla_config"]["densefp8"]
+    assert brief == {"retention": round(13 / 14, 4), "n_dense_right": 14, "new_errors": 1, "new_corrects": 0}
+    assert "densefp8" not in result["summary"]["retention_by_config"]
 
 
 def test_value_retention_pools_the_values_dense_found(result):
@@ -262,7 +280,7 @@ def grid_commands(tmp_path, monkeypatch):
 
     def run(**args) -> list[list[str]]:
         defaults = dict(out_dir=str(tmp_path), grid="retention", only="", items="items.json.gz", parallel=9,
-                        stagger=0, sparse_args="", configs="", shard="0/1")  # fmt: skip
+                        stagger=0, sparse_args="", configs="", vanilla_configs="", shard="0/1")  # fmt: skip
         started.clear()
         accuracy.grid(argparse.Namespace(**{**defaults, **args}))
         return list(started)
@@ -315,6 +333,21 @@ def test_the_retention_grid_runs_one_at_a_time_and_covers_4x_and_long_16x(grid_c
     assert {(n, c) for config, n, c in cells if config == "headline"} == {(2048, 4), (4096, 4), (8000, 4)}
 
 
+def test_the_retention_grid_runs_plain_sglang_under_other_flags_at_every_length(grid_commands):
+    started = grid_commands(vanilla_configs="densefp8=--kv-cache-dtype fp8_e4m3")
+    fp8 = {flag_value(cmd, "--name"): cmd for cmd in started if flag_value(cmd, "--config") == "densefp8"}
+    assert sorted(fp8) == ["densefp8-alone-2048", "densefp8-alone-4096", "densefp8-alone-8000"]
+    for cmd in fp8.values():
+        flags = flag_value(cmd, "--server-args")
+        assert "--vanilla" in cmd and "--alone" in cmd and flag_value(cmd, "--budget") is None
+        assert "--kv-cache-dtype fp8_e4m3" in flags and accuracy.GRID_VANILLA_ARGS in flags
+        assert "--sparse" not in flags
+    with pytest.raises(SystemExit, match="--vanilla-configs: 'quest' is not a free configuration name"):
+        grid_commands(configs="quest=--sparse-selector quest", vanilla_configs="quest=--kv-cache-dtype fp8_e4m3")
+    with pytest.raises(SystemExit, match="--vanilla-configs: 'dense' is not a free"):
+        grid_commands(vanilla_configs="dense=--kv-cache-dtype fp8_e4m3")
+
+
 def test_the_final_grid_runs_agreement_cold_and_accuracy_batched(grid_commands):
     """The first results' grid: its one-at-a-time runs prefill every request cold, its batched runs
     keep SGLang's defaults; each run says what it is."""
@@ -330,7 +363,7 @@ def test_the_final_grid_runs_agreement_cold_and_accuracy_batched(grid_commands):
     configs = {flag_value(cmd, "--name"): (flag_value(cmd, "--config"), "--alone" in cmd) for cmd in started}
     assert configs == {"dense": ("dense", False), "dense-alone-2048": ("dense", True),
                        "sparse-alone-512": ("default", True)}  # fmt: skip
-    with pytest.raises(SystemExit, match="--configs goes with --grid retention"):
+    with pytest.raises(SystemExit, match="--configs and --vanilla-configs go with --grid retention"):
         grid_commands(grid="final", configs="quest=--sparse-selector quest")
 
 

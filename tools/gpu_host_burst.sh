@@ -14,7 +14,8 @@
 # may carry no git data, or other git data than this checkout's.
 # Jobs: grid (the accuracy grid; carry .accuracy, the suite's items; $GRID_SPARSE_ARGS: flags for
 # its sparse servers; $GRID_VARIANTS: several sets of them side by side; $GRID_CONFIGS: accuracy.py
-# grid --configs, more configurations in the same grid), decode_bounds (the default page bounds'
+# grid --configs, more configurations in the same grid; $GRID_VANILLA_CONFIGS: --vanilla-configs, plain SGLang
+# under other flags, e.g. densefp8=--kv-cache-dtype fp8_e4m3), decode_bounds (the default page bounds'
 # decode step against min/max, bf16 and fp8), attention (decode_kernels at a loaded server's batch, fp8 and bf16), decode_rerank (the same with --sparse-rerank-factor 2), kernels (the Triton kernel tests and the decode GPU
 # tests), tiles (the quantized re-rank's launches by tile), answers (decode_bounds, then kernels beside grid), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
 # flags), tests ($GPU_TESTS), fuzz,
@@ -70,7 +71,8 @@ job_grid() {
     for i in "${!devices[@]}"; do
       CUDA_VISIBLE_DEVICES=${devices[$i]} python3 -m benchmark.accuracy grid --items .accuracy/items.json.gz \
         --out-dir "/root/o/acc${name:+-$name}" --shard "$i/${#devices[@]}" --parallel "${GRID_PARALLEL:-9}" --stagger "${GRID_STAGGER:-15}" \
-        --sparse-args "${GRID_SPARSE_ARGS:-} ${variant#*=}" ${GRID_CONFIGS:+--configs "$GRID_CONFIGS"} ${GRID_ARGS:-} &
+        --sparse-args "${GRID_SPARSE_ARGS:-} ${variant#*=}" ${GRID_CONFIGS:+--configs "$GRID_CONFIGS"} \
+        ${GRID_VANILLA_CONFIGS:+--vanilla-configs "$GRID_VANILLA_CONFIGS"} ${GRID_ARGS:-} &
     done
   done
   wait
@@ -313,7 +315,7 @@ job_serving_tp() {
 source tools/gpu_host_stages.sh  # run_stages: $JOBS in stages, $STAGE_LIMITS
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages run_job_chain descendants stop_trees tp_variant_flags sample_host_cpu $(compgen -A function job_)
-export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS GRID_CONFIGS GRID_STAGGER DECODE_CELLS KERNEL_GPU_TESTS STARTUP_REPEATS \
+export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS GRID_CONFIGS GRID_VANILLA_CONFIGS GRID_STAGGER DECODE_CELLS KERNEL_GPU_TESTS STARTUP_REPEATS \
   STAGE_LIMITS DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_VARIANTS TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS TP2_INTO
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
