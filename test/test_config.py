@@ -66,6 +66,8 @@ BAD_VALUES = [
     ({"host_cache_gb": -math.inf}, "host_cache_gb", "finite"),
     ({"host_cache_gb": 1e7}, "host_cache_gb", "more than this machine's RAM"),
     ({"max_inject_tokens": 0}, "max_inject_tokens", "positive"),
+    ({"save_staging_buffers": 0}, "save_staging_buffers", "must be 1-256"),
+    ({"save_staging_buffers": 257}, "save_staging_buffers", "must be 1-256"),
     ({"page_size": "32"}, "page_size", "must be int"),
     ({"enabled": 1}, "enabled", "must be bool"),
     ({"token_budget": 2048.0}, "token_budget", "must be int"),

@@ -28,6 +28,17 @@ def test_the_store_is_laid_out_by_the_plan_as_the_config_says():
     assert (store.cache.lru_buckets, store.cache.lru_steps_per_bucket) == (4, 2)
 
 
+def test_the_save_staging_buffers_reach_the_store(monkeypatch):
+    """``--sparse-save-staging-buffers`` is the store's FlashD2H ring (its engine exists on a GPU
+    only: ``test_attention_parts_write_the_runtimes_stats_and_start_once`` checks the ring there)."""
+    from sparse_sglang.mem_cache import kv_store
+
+    built = {}
+    monkeypatch.setattr(kv_store, "SparseKVStore", lambda shape, device, **kwargs: built.update(kwargs))
+    small_runtime("cpu", save_staging_buffers=32)
+    assert built["d2h_buffers"] == 32
+
+
 def test_before_attention_starts_the_report_has_the_store_and_no_decoder_counts():
     runtime = small_runtime("cpu", segmented_prefill=True)
     report = runtime.report(window=12)
@@ -43,9 +54,10 @@ def test_before_attention_starts_the_report_has_the_store_and_no_decoder_counts(
 def test_attention_parts_write_the_runtimes_stats_and_start_once():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run on the GPU host: pytest -m gpu)")
-    runtime = small_runtime("cuda", working_set_admission=True)
+    runtime = small_runtime("cuda", working_set_admission=True, save_staging_buffers=6)
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     max_batch = runtime.plan.max_running_requests + 1
+    assert runtime.store.flash_d2h.num_buffers == 6
     runtime.start_attention(num_q_heads=8, workspace=workspace, max_batch=max_batch, staging_tokens=4096)
     assert runtime.decoder.stats is runtime.stats
     assert runtime.gate.counts is runtime.stats.working_set and runtime.gate.tracker is runtime.tracker
@@ -56,6 +68,7 @@ def test_attention_parts_write_the_runtimes_stats_and_start_once():
     off = small_runtime("cuda")
     off.start_attention(num_q_heads=8, workspace=workspace, max_batch=max_batch, staging_tokens=4096)
     assert off.gate is None and off.tracker is None
+    assert off.store.flash_d2h.num_buffers == SparseConfig().save_staging_buffers
 
 
 class NoWrapper:

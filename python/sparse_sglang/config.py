@@ -50,6 +50,10 @@ SEGMENTED_CHUNK_TOKENS = 4096
 
 GIB = 1 << 30
 
+# --sparse-save-staging-buffers at most: one per layer of the deepest models served, well past
+# what lets a prefill's launch run a whole forward ahead of the host's scatter.
+MAX_SAVE_STAGING_BUFFERS = 256
+
 # --sparse-budget-share (sparse_sglang.attention.budget_share): a head's budget counts UNITS units
 # of pages; every head keeps SHARE_FLOOR_UNITS of them and takes at most SHARE_CAP_UNITS.
 SHARE_UNITS, SHARE_FLOOR_UNITS, SHARE_CAP_UNITS = 4, 2, 5
@@ -261,6 +265,10 @@ class SparseConfig:
         0,
         help="Prefix tokens of the prompt being prefilled kept in GPU memory between its chunks (every layer, whole pages), so each chunk stages from the host only what the chunk before it added instead of its whole prefix; the bytes come out of the page cache. 0: off.",
     )
+    save_staging_buffers: int = knob(
+        4,
+        help="Pinned host buffers a prefill's new K/V passes through on its way into host pages, one layer each: a prefill's launch runs at most this many layers ahead of the threads that scatter them (each buffer holds one layer's K and V of up to 8192 tokens).",
+    )
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -394,6 +402,10 @@ class SparseConfig:
         if self.prefix_staging_tokens < 2 * self.page_size:  # two buffers of a page at least
             raise SparseConfigError("prefix_staging_tokens",
                                     f"must hold at least two pages ({2 * self.page_size} tokens), got {self.prefix_staging_tokens}")  # fmt: skip
+        if not 1 <= self.save_staging_buffers <= MAX_SAVE_STAGING_BUFFERS:
+            raise SparseConfigError(
+                "save_staging_buffers", f"must be 1-{MAX_SAVE_STAGING_BUFFERS}, got {self.save_staging_buffers}"
+            )
         if self.resident_prefix_tokens < 0 or self.resident_prefix_tokens % self.page_size:
             raise SparseConfigError("resident_prefix_tokens", f"must be 0 or whole pages of {self.page_size} tokens, "
                                                               f"got {self.resident_prefix_tokens}")  # fmt: skip

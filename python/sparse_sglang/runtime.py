@@ -263,7 +263,7 @@ def build_store(config: SparseConfig, shape: StoreShape, device: torch.device | 
                          lru_steps_per_bucket=config.cache_lru_steps_per_bucket, bound_format=config.bound_format,
                          page_bounds=config.page_bounds, bound_spread=config.bound_spread,
                          coarse_pages=config.coarse_pages, key_basis=key_basis, key_bits=config.key_code_bits,
-                         d2h_threads=d2h_threads)  # fmt: skip
+                         d2h_threads=d2h_threads, d2h_buffers=config.save_staging_buffers)  # fmt: skip
 
 
 def build_runtime(config: SparseConfig, plan: MemoryPlan, device: torch.device | str,

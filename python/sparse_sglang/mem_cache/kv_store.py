@@ -86,6 +86,9 @@ class SparseKVStore:
         Keep every key's low-bit code (the quantized re-rank; :class:`PageSummaries`); 0 = none.
     d2h_threads : int, optional
         FlashD2H's scatter threads (default: the transfer module's, for one scheduler per host).
+    d2h_buffers : int
+        FlashD2H's staging buffers (``--sparse-save-staging-buffers``): how many layers' saves a
+        prefill can have in flight before its launch waits for the scatter.
     """
 
     def __init__(self, shape: StoreShape, device: torch.device | str, *, with_radius: bool = False,
@@ -93,7 +96,7 @@ class SparseKVStore:
                  lru_steps_per_bucket: int = 1, bound_format: str = "auto", page_bounds: str = "minmax",
                  bound_spread: float = 1.0, coarse_pages: int = 0,
                  key_basis: KeyBasis | None = None, key_bits: int = 0,
-                 d2h_threads: int | None = None):  # fmt: skip
+                 d2h_threads: int | None = None, d2h_buffers: int = 4):  # fmt: skip
         self.shape = shape
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
@@ -117,7 +120,7 @@ class SparseKVStore:
 
             self.load = FlashH2D(self.host.k, self.host.v, self.cache.k, self.cache.v)
             self.flash_d2h = FlashD2H(self.host.k, self.host.v, s.max_save_tokens, device=self.device,
-                                      num_threads=d2h_threads)  # fmt: skip
+                                      num_threads=d2h_threads, num_buffers=d2h_buffers)  # fmt: skip
             self.direct_d2h = DirectD2H(self.host.k, self.host.v, device=self.device)
         else:
             self.load = lambda src, dst: gather_blocks_reference(

@@ -162,6 +162,10 @@ class FlashD2H:
     def num_threads(self) -> int:
         return self._pool.num_threads
 
+    @property
+    def num_buffers(self) -> int:
+        return len(self._ring)
+
     def submit(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_slots: torch.Tensor) -> int:
         """Start saving one layer's new K/V; returns a ticket for :meth:`wait`.
 
