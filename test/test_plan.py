@@ -32,6 +32,12 @@ def test_plan_for_the_8b_shape_splits_gpu_memory_into_summaries_cache_and_rows()
     assert plan.summary_bytes + plan.cache_bytes + plan.staging_bytes < 40 * GIB
     assert plan.max_running_requests == s.num_slots // (32 * 8 * 80) and s.max_requests == plan.max_running_requests + 1
     assert "requests at once" in plan.describe()
+    # FlashD2H's ring, pinned: 4 buffers of one layer's K and V (bf16) and the slots of 8,192 tokens
+    assert (
+        plan.save_staging_bytes == 4 * 8192 * (2 * 8 * 128 * 2 + 8) and "save staging 128 MiB pinned" in plan.describe()
+    )
+    deeper = plan_memory(SparseConfig(host_cache_gb=16, save_staging_buffers=32), gpu_kv_bytes=40 * GIB, **LLAMA8B)
+    assert deeper.save_staging_bytes == 8 * plan.save_staging_bytes
     capped = plan_memory(SparseConfig(host_cache_gb=16), gpu_kv_bytes=40 * GIB, max_running_requests=4,
                          max_total_tokens=1000, **LLAMA8B)  # fmt: skip
     assert capped.max_running_requests == 4 and capped.shape.num_host_pages == 33

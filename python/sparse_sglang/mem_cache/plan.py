@@ -47,6 +47,12 @@ MAX_AUTO_ROW_RATIO = 4
 SAVE_CHUNK_TOKENS = 8192  # tokens per FlashD2H staging buffer (larger prefill batches go in parts)
 
 
+def save_staging_bytes(buffers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Pinned bytes of FlashD2H's ring: each buffer one layer's K and V of :data:`SAVE_CHUNK_TOKENS`
+    tokens and their int64 slots."""
+    return buffers * SAVE_CHUNK_TOKENS * (2 * num_kv_heads * head_dim * dtype.itemsize + 8)
+
+
 class MemoryPlanError(ValueError):
     """The memory budgets cannot hold the model's sparse KV; one line naming the flag."""
 
@@ -64,6 +70,7 @@ class MemoryPlan:
     table_bytes: int  # the page table's directory and segments (an upper estimate)
     host_store_reason: str = ""  # how the host store was sized: the flag, or the need and its cap
     resident_bytes: int = 0  # the prefilling prompt's prefix kept between its chunks, out of the page cache's share
+    save_staging_bytes: int = 0  # pinned host memory of FlashD2H's staging ring (--sparse-save-staging-buffers)
 
     @property
     def max_total_tokens(self) -> int:
@@ -73,7 +80,8 @@ class MemoryPlan:
     def describe(self) -> str:
         s = self.shape
         return (
-            f"host store {s.num_host_pages - 1} pages ({self.max_total_tokens} tokens; {self.host_store_reason}); GPU: summaries "
+            f"host store {s.num_host_pages - 1} pages ({self.max_total_tokens} tokens; {self.host_store_reason}), "
+            f"save staging {self.save_staging_bytes / 2**20:.0f} MiB pinned; GPU: summaries "
             f"{self.summary_bytes / GIB:.2f} GiB, page cache {self.cache_bytes / GIB:.2f} GiB ({s.num_slots} slots, "
             f"rows of {s.min_row_width}-{s.row_width} pages), prefix staging {self.staging_bytes / GIB:.2f} GiB"
             + (f", resident prefix {self.resident_bytes / GIB:.2f} GiB" if self.resident_bytes else "")
@@ -336,5 +344,6 @@ class _Layout:
             num_host_pages=host_pages, num_slots=num_slots, max_requests=running + 1, row_width=row_width,
             max_pages=max_pages, max_save_tokens=SAVE_CHUNK_TOKENS, min_row_width=min_row_width,
         )  # fmt: skip
+        save_staging = save_staging_bytes(config.save_staging_buffers, num_kv_heads, head_dim, dtype)
         return MemoryPlan(shape, running, selection, summary_bytes, num_slots * slot_bytes(page, head_dim, dtype),
-                          staging_bytes, table_bytes, host_store_reason, resident_bytes)  # fmt: skip
+                          staging_bytes, table_bytes, host_store_reason, resident_bytes, save_staging)  # fmt: skip
