@@ -852,26 +852,19 @@ def _brief(cell: dict) -> dict:
     return {k: cell[k] for k in ("retention", "n_dense_right", "new_errors", "new_corrects")}
 
 
-def config_pairs(server: list[dict], config: str, dense: dict[str, str], by_id: dict[str, Item]) -> list[tuple]:
+def config_pairs(server: list[dict], config: str, dense: dict[str, str], by_id: dict[str, Item],
+                 vanilla: bool = False) -> list[tuple]:  # fmt: skip
     """``(item, compression, sparse output, dense output)`` for each item a one-at-a-time run of
-    ``config`` answered that dense's one-at-a-time runs answered too."""
+    ``config`` answered that dense's one-at-a-time runs answered too (``vanilla``: plain SGLang's
+    runs under that config's flags, compression 1)."""
     out = []
     for run in server:
-        if run["vanilla"] or run["config"] != config or not run["alone"]:
+        if run["vanilla"] != vanilla or run["config"] != config or not run["alone"]:
             continue
-        ratios = budget_lengths(run["budget"])
+        ratios = {} if vanilla else budget_lengths(run["budget"])
         for i, o in _outputs(run).items():
             if i in dense:
-                out.append((by_id[i], nominal(ratios[by_id[i].length]), o["output"], dense[i]))
-    return out
-
-
-def vanilla_config_pairs(server: list[dict], config: str, dense: dict[str, str], by_id: dict[str, Item]) -> list[tuple]:
-    """The same for plain SGLang's one-at-a-time runs under ``config``'s flags, compression 1."""
-    out = []
-    for run in server:
-        if run["vanilla"] and run["config"] == config and run["alone"]:
-            out += [(by_id[i], 1, o["output"], dense[i]) for i, o in _outputs(run).items() if i in dense]
+                out.append((by_id[i], 1 if vanilla else nominal(ratios[by_id[i].length]), o["output"], dense[i]))
     return out
 
 
@@ -1038,7 +1031,7 @@ def summarize(paths: list[str], items_path: str) -> dict:
     configs = sorted({r["config"] for r in server if not r["vanilla"] and r["alone"]})
     pairs = {c: config_pairs(server, c, dense, by_id) for c in configs}
     vanilla_configs = sorted({r["config"] for r in server if r["vanilla"] and r["alone"] and r["config"] != "dense"})
-    vanilla_pairs = {c: vanilla_config_pairs(server, c, dense, by_id) for c in vanilla_configs}
+    vanilla_pairs = {c: config_pairs(server, c, dense, by_id, vanilla=True) for c in vanilla_configs}
     with_oracle = [r for r in references if any("oracle" in row for row in r["outputs"])]
 
     def reference_4x(policy: str) -> dict:
