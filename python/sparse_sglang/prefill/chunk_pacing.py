@@ -119,11 +119,6 @@ def nonnegative_fit(rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return best / scale
 
 
-def within(seconds: np.ndarray, predicted: np.ndarray) -> np.ndarray:
-    """Which chunks took within :data:`OUTLIER_RATIO` of their predicted time."""
-    return (seconds <= OUTLIER_RATIO * predicted) & (seconds * OUTLIER_RATIO >= predicted)
-
-
 def robust_fit(rows: np.ndarray, seconds: np.ndarray, rounds: int = 2) -> np.ndarray:
     """:func:`nonnegative_fit` over the chunks within :data:`OUTLIER_RATIO` of a fit of each
     chunk's time relative to itself, reweighted toward least absolute deviations (a chunk far off
@@ -134,7 +129,8 @@ def robust_fit(rows: np.ndarray, seconds: np.ndarray, rounds: int = 2) -> np.nda
     for _ in range(rounds):
         cost = nonnegative_fit(rows * weights[:, None], seconds * weights)
         weights = 1 / seconds / np.sqrt(np.maximum(np.abs(rows @ cost / seconds - 1), 0.01))
-    kept = within(seconds, rows @ cost)
+    predicted = rows @ cost
+    kept = (seconds <= OUTLIER_RATIO * predicted) & (seconds * OUTLIER_RATIO >= predicted)
     if kept.sum() < MIN_CHUNKS or len(set(rows[kept, 2])) < 2:
         kept[:] = True
     return nonnegative_fit(rows[kept], seconds[kept])
