@@ -28,6 +28,7 @@ import json
 import torch
 
 from benchmark.decode import KV_DTYPE_CHOICES, SHAPE, add_grid_args, layers_for, time_graph
+from benchmark.transfer import gbps
 from sparse_sglang.attention import scoring
 from sparse_sglang.attention.scoring import score_pages
 from sparse_sglang.config import SparseConfig
@@ -82,7 +83,9 @@ def attention_times(store, config, batch: int, context: int, workspace, q, layer
                 plan.wrapper.run(qs, d.kv)  # planned with the decoder's scale
 
         out[f"attention_{name}_us"] = time_graph(attend, args.iters, per=layers) * 1e3
-        out[f"attention_{name}_gbps"] = attended_bytes(store, batch, args.budget) / out[f"attention_{name}_us"] / 1e3
+        out[f"attention_{name}_gbps"] = gbps(
+            attended_bytes(store, batch, args.budget), out[f"attention_{name}_us"] / 1e6
+        )
         out[f"step_{name}_us"] = time_graph(step, args.iters, per=layers) * 1e3
     return out
 
