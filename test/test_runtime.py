@@ -58,6 +58,7 @@ def test_attention_parts_write_the_runtimes_stats_and_start_once():
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     max_batch = runtime.plan.max_running_requests + 1
     assert runtime.store.flash_d2h.num_buffers == 6
+    assert runtime.store.flash_d2h.staging_bytes == runtime.plan.save_staging_bytes  # what the plan reports
     runtime.start_attention(num_q_heads=8, workspace=workspace, max_batch=max_batch, staging_tokens=4096)
     assert runtime.decoder.stats is runtime.stats
     assert runtime.gate.counts is runtime.stats.working_set and runtime.gate.tracker is runtime.tracker

@@ -166,6 +166,11 @@ class FlashD2H:
     def num_buffers(self) -> int:
         return len(self._ring)
 
+    @property
+    def staging_bytes(self) -> int:
+        """Pinned bytes of the ring (its K, V and slot buffers)."""
+        return sum(b.k.nbytes + b.v.nbytes + b.slots.nbytes for b in self._ring)
+
     def submit(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_slots: torch.Tensor) -> int:
         """Start saving one layer's new K/V; returns a ticket for :meth:`wait`.
 
