@@ -184,13 +184,17 @@ job_serving_pair() {
   # the same windows (files serving-<name>.json, server logs in serving-logs/<name>/). More
   # variants than GPUs beside vanilla's run in rounds, each round beside a vanilla run of its own
   # (serving-vanilla-r<round>.json): on two GPUs "default=;paced=<flags>" is two pairs in turn.
+  # PAIR_VANILLA=0: no vanilla server, a sparse variant on every GPU (two configurations in the same
+  # windows, to be combined later with a vanilla run of the same session: serving.py --combine).
   local base="--cuda-graph-max-bs-decode 96 $HEADLINE_KV $SCALES_TP1"
   local common=(--sparse-host-cache-gb 92 --vanilla-server-args "--cuda-graph-max-bs-decode 64"
     --max-seconds-per-rate "${SERVING_WINDOW:-400}" --profile-steps "${SERVING_PROFILE_STEPS:-0}" --out-dir /root/o)
   local trace rate gpu devices variants variant name flags tag per_round rounds round i
   IFS=',' read -ra devices <<< "${CUDA_VISIBLE_DEVICES:-0,1}"  # the job's GPUs
   IFS=';' read -ra variants <<< "${SERVING_VARIANTS:-=${SERVING_SPARSE_EXTRA:-}}"  # one unnamed variant by default
-  per_round=$((${#devices[@]} - 1))
+  local with_vanilla=${PAIR_VANILLA:-1} first_sparse=1
+  [ "$with_vanilla" = 0 ] && first_sparse=0
+  per_round=$((${#devices[@]} - first_sparse))
   if [ "$per_round" -lt 1 ]; then
     echo "serving_pair: vanilla and a sparse server need two GPUs, the job has ${#devices[@]}"; return 1
   fi
@@ -201,10 +205,10 @@ job_serving_pair() {
     read -r trace rate <<< "$trace"
     for ((round = 0; round < rounds; round++)); do
       # vanilla takes the sparse servers' KV dtype and scales from --sparse-server-args
-      CUDA_VISIBLE_DEVICES=${devices[0]} python3 -m benchmark.serving --systems vanilla --traces "$trace" "--rates-$trace" "$rate" \
+      [ "$with_vanilla" = 0 ] || CUDA_VISIBLE_DEVICES=${devices[0]} python3 -m benchmark.serving --systems vanilla --traces "$trace" "--rates-$trace" "$rate" \
         "${common[@]}" --sparse-server-args "$base" --log-dir /root/o/serving-logs --merge-into "$(vanilla_file "$round")" \
         > "/root/o/serving-vanilla-$trace-r$round.log" 2>&1 &
-      gpu=1
+      gpu=$first_sparse
       for variant in "${variants[@]:$((round * per_round)):$per_round}"; do
         name=${variant%%=*}; flags=${variant#*=}; tag=sparse${name:+-$name}
         CUDA_VISIBLE_DEVICES=${devices[$gpu]} python3 -m benchmark.serving --systems sparse --traces "$trace" "--rates-$trace" "$rate" \
@@ -215,6 +219,7 @@ job_serving_pair() {
       wait
     done
   done
+  [ "$with_vanilla" = 0 ] && return 0
   for i in "${!variants[@]}"; do
     name=${variants[$i]%%=*}; tag=sparse${name:+-$name}
     python3 -m benchmark.serving --combine "/root/o/${SERVING_FILE:-serving}${name:+-$name}.json" \
@@ -316,6 +321,6 @@ source tools/gpu_host_stages.sh  # run_stages: $JOBS in stages, $STAGE_LIMITS
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages run_job_chain descendants stop_trees tp_variant_flags sample_host_cpu $(compgen -A function job_)
 export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS GRID_CONFIGS GRID_VANILLA_CONFIGS GRID_STAGGER DECODE_CELLS KERNEL_GPU_TESTS STARTUP_REPEATS \
-  STAGE_LIMITS DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES TP_SPARSE_EXTRA TP_VARIANTS TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS TP2_INTO
+  STAGE_LIMITS DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES PAIR_VANILLA TP_SPARSE_EXTRA TP_VARIANTS TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS TP2_INTO
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
