@@ -7,9 +7,9 @@ graph replays with L2 flushed as in ``benchmark/decode.py`` (``--layers-per-grap
 - **score**: the score kernel (quest, forced pages, rows left unwritten past each request's pages
   as the decoder runs it) at every ``--block-n`` x ``--warps`` x ``--programs`` choice;
 - **attention**: FlashInfer's paged decode over the selected pages, and the whole all-hit step,
-  with its tensor-core kernel and with its CUDA-core one; with the bandwidth the attention reaches
-  (the selected pages' K and V bytes over its time), which says how far a faster kernel could take
-  the step.
+  with its tensor-core kernel and with its CUDA-core one, and with fp8 KV on Hopper XQA's
+  (``--sparse-decode-kernel xqa``); with the bandwidth the attention reaches (the selected pages'
+  K and V bytes over its time), which says how far a faster kernel could take the step.
 
 Writes ``benchmark/results/decode-kernels-<date>.json`` (``--kv-dtype fp8_e4m3``: the serving
 flags' KV; a serving server's batch, e.g. ``--contexts 32768 --batches 80``, and one score
@@ -21,6 +21,7 @@ launch, ``--block-n 32 --warps 4 --programs 2048``, time what a loaded server's 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import json
@@ -31,6 +32,7 @@ from benchmark.decode import KV_DTYPE_CHOICES, SHAPE, add_grid_args, layers_for,
 from benchmark.transfer import gbps
 from sparse_sglang.attention import scoring
 from sparse_sglang.attention.scoring import score_pages
+from sparse_sglang.attention.xqa import ARCHS
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import finish_run
@@ -63,10 +65,20 @@ def attended_bytes(store, batch: int, budget: int) -> int:
     return batch * shape.num_kv_heads * budget * shape.head_dim * 2 * shape.dtype.itemsize
 
 
+def attention_kernels(kv_dtype: torch.dtype) -> list[tuple[str, str, bool]]:
+    """(name, ``--sparse-decode-kernel``, FlashInfer tensor cores) of each attention kernel timed:
+    FlashInfer's two, and XQA where it runs (fp8 KV on Hopper and newer)."""
+    kernels = [("tensor_cores", "flashinfer", True), ("cuda_cores", "flashinfer", False)]
+    if kv_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability()[0] in ARCHS:
+        kernels.append(("xqa", "xqa", True))
+    return kernels
+
+
 def attention_times(store, config, batch: int, context: int, workspace, q, layers: int, args) -> dict[str, float]:
     out = {}
-    for tensor_cores in (True, False):
-        b = DecodeBench(store, config, SHAPE.num_q_heads, batch, context, workspace, use_tensor_cores=tensor_cores)
+    for name, kernel, tensor_cores in attention_kernels(store.shape.dtype):
+        b = DecodeBench(store, dataclasses.replace(config, decode_kernel=kernel), SHAPE.num_q_heads, batch, context,
+                        workspace, use_tensor_cores=tensor_cores)  # fmt: skip
         plan = b.plan()
         d = b.decoder
 
@@ -76,7 +88,6 @@ def attention_times(store, config, batch: int, context: int, workspace, q, layer
 
         step()  # the cache is warm from here on, and the indices hold the selection
         qs = q.reshape(batch * d.num_kv_heads, d.group, d.head_dim)
-        name = "tensor_cores" if tensor_cores else "cuda_cores"
 
         def attend():
             for _ in range(layers):

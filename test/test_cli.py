@@ -287,6 +287,13 @@ def test_fp8_kv_scales_must_cover_every_tp_rank(model_dir):
     assert SparseServerArgs(model_path=model_dir, device="cpu", quantization_param_path=two).tp_size == 1
 
 
+def test_the_xqa_kernel_needs_fp8_kv(model_dir):
+    xqa = {"model_path": model_dir, "device": "cpu", "sparse": {"decode_kernel": "xqa"}}
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype='auto': sparse\.decode_kernel xqa attends fp8 KV only"):
+        SparseServerArgs(**xqa)
+    assert SparseServerArgs(**xqa, kv_cache_dtype="fp8_e4m3").sparse.decode_kernel == "xqa"
+
+
 def test_engine_is_sglangs_engine_with_our_args_and_scheduler():
     from sglang.srt.entrypoints.engine import Engine as SGLangEngine
 

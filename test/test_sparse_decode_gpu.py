@@ -632,3 +632,67 @@ def test_shared_budget_with_requests_within_the_budget_in_the_batch():
             torch.testing.assert_close(
                 out.float(), want.float(), atol=2e-2, rtol=2e-2, msg=f"step {step} layer {layer}"
             )
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_xqa_attends_the_selected_fp8_pages_like_the_reference(mode):
+    """``--sparse-decode-kernel xqa`` (fp8 KV): rows laid out K pages apart are XQA's page table,
+    and each row's token count its length. Over steps whose selections move (misses loading,
+    older pages evicted), eagerly and replayed from a CUDA graph with SGLang's padding row, the
+    output is attention over exactly the selected pages of the stored fp8 KV, within what XQA's
+    fp8 queries and probabilities round away (a few percent of the output's scale)."""
+    if torch.cuda.get_device_capability()[0] not in (9, 10, 12):
+        pytest.skip("XQA runs on Hopper and newer")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    config = SparseConfig(token_budget=512, host_cache_gb=1.0, decode_kernel="xqa")
+    store = make_store(SHAPE, config, 3, 3000, dtype=torch.float8_e4m3fn)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    b = DecodeBench(store, config, SHAPE.num_q_heads, 3, 3000, workspace)
+    assert b.decoder.xqa_attention is not None
+    kv = []
+    for layer in range(SHAPE.num_layers):
+        k, v = random_kv(3, b.seq_len, gen)
+        k, v = store.to_store_dtype(k), store.to_store_dtype(v)
+        b.write_kv(layer, k, v)
+        kv.append((k.float(), v.float()))  # what the reference attends: the stored fp8 values
+    selected: dict = {}
+    record_selections(b.decoder, selected, mode)
+    q_static = torch.zeros(4, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
+    outs = [None] * SHAPE.num_layers
+    seq = torch.full((3,), b.seq_len, device="cuda")
+    graph = None
+    if mode == "graph":
+        b.decoder.init_cuda_graph(max_batch=4)
+        slots = torch.cat([b.req_slots, torch.zeros(1, dtype=b.req_slots.dtype, device="cuda")])  # + padding slot 0
+        seq_lens = torch.tensor([b.seq_len] * 3 + [1])
+        host_pages = torch.cat([b.host_pages, torch.zeros_like(b.host_pages[:1])])
+    for i in range(4):
+        qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        if mode == "eager":
+            plan = b.plan()
+            for layer in range(SHAPE.num_layers):
+                outs[layer] = b.decoder.run(layer, qs, plan)
+        else:
+            plan = b.step(slots, seq_lens, host_pages, graph=True)
+            q_static[:3].copy_(qs)
+
+            def step(plan=plan):
+                for layer in range(SHAPE.num_layers):
+                    outs[layer] = b.decoder.run(layer, q_static, plan)
+
+            if graph is None:  # the first step runs eagerly (compiles the kernels), then is captured
+                step()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+            graph.replay()
+        for layer, (k, v) in enumerate(kv):
+            ids = selected[mode, layer][:3]
+            pages = torch.where(ids < b.num_pages, ids, -1)
+            assert ((pages >= 0).sum(-1) == 16).all(), f"step {i} layer {layer}"
+            want = sparse_attention_reference(qs, k.transpose(1, 2), v.transpose(1, 2), pages, 32, seq).float()
+            out = outs[layer][:3].float()
+            scale = want.abs().max()
+            assert (out - want).abs().max() <= 0.05 * scale, f"step {i} layer {layer}: {(out - want).abs().max()}"
+            assert (out - want).norm() <= 0.03 * want.norm(), f"step {i} layer {layer}"
+    store.close()

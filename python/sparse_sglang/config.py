@@ -32,6 +32,9 @@ PAGE_BOUNDS = ("minmax", "meanstd")
 RERANK_BY = ("keys", "sketch", "quantized")
 # Bits per channel the quantized re-rank's key codes may have (sparse_sglang.mem_cache.key_codes).
 KEY_CODE_BITS = (2, 4)
+# The kernel attending the selected pages (sparse_sglang.attention.sparse_decode, .xqa).
+DECODE_KERNELS = ("flashinfer", "xqa")
+XQA_PAGE_SIZES = (16, 32, 64, 128)  # the page sizes XQA's kernels take
 
 # Without --sparse-host-cache-gb the host KV store takes what its requests can use, at most this
 # share of the RAM available at start-up: the rest stays for the OS, the tokenizer and detokenizer
@@ -216,6 +219,10 @@ class SparseConfig:
         False,
         help="Share each layer's pages among its kv heads by estimated attention mass: every head keeps its best half of the budget, and the layer's other pages go, a quarter budget at a time, to the heads whose next pages hold the most mass (up to 1.25x the budget per head); the same pages per layer in total, the same summaries.",
     )
+    decode_kernel: str = knob(
+        "flashinfer",
+        help=f"The kernel attending the selected pages: {' | '.join(DECODE_KERNELS)}. flashinfer = FlashInfer's paged decode; xqa = FlashInfer's XQA decode (fp8 KV on Hopper and newer GPUs: it reads half the bytes of bf16 KV in about half FlashInfer's time there, but rounds the queries and the attention probabilities to fp8 as well).",
+    )
     cache_row_ratio: float = knob(
         1.25,
         help="Fewest GPU page-cache slots a running request keeps per (layer, kv head), as a multiple of one step's selection: it sets how many requests fit; rows grow into free slots (up to 4x) while fewer run.",
@@ -354,6 +361,12 @@ class SparseConfig:
                 "cache_row_ratio",
                 f"must be >= 1 (a row holds at least one step's selection), got {self.cache_row_ratio}",
             )
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise SparseConfigError("decode_kernel", f"must be one of {', '.join(DECODE_KERNELS)}; "
+                                                     f"got {self.decode_kernel!r}")  # fmt: skip
+        if self.decode_kernel == "xqa" and self.page_size not in XQA_PAGE_SIZES:
+            raise SparseConfigError("page_size", f"{mention('decode_kernel')} xqa takes pages of "
+                                                 f"{', '.join(map(str, XQA_PAGE_SIZES))} tokens; got {self.page_size}")  # fmt: skip
         if self.budget_share:
             self._check_budget_share(budget_pages)
         # multiples of the budget's pages, as int32 widths
@@ -422,7 +435,8 @@ class SparseConfig:
         if self.cache_row_ratio * SHARE_UNITS < SHARE_CAP_UNITS:
             raise SparseConfigError("cache_row_ratio", f"{share} attends up to {SHARE_CAP_UNITS / SHARE_UNITS:g}x "
                                                        f"the budget per head: must be >= that, got {self.cache_row_ratio:g}")  # fmt: skip
-        for name, off, value in (("rerank_factor", 1, self.rerank_factor), ("coarse_pages", 0, self.coarse_pages)):
+        for name, off, value in (("rerank_factor", 1, self.rerank_factor), ("coarse_pages", 0, self.coarse_pages),
+                                 ("decode_kernel", "flashinfer", self.decode_kernel)):  # fmt: skip
             if value != off:
                 raise SparseConfigError(name, f"{share} runs without it: must be {off}, got {value}")
         if self.selector == "sketch":

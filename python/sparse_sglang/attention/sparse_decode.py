@@ -35,7 +35,9 @@ Per layer:
    chosen are loaded;
 4. **Attend** with FlashInfer's paged decode: every (request, kv head) is its own sequence of
    one kv head and its group's ``G`` query heads over its ``K`` cache slots (HND layout), the
-   newest page last so ``last_page_len`` covers the partial page.
+   newest page last so ``last_page_len`` covers the partial page. With ``decode_kernel`` xqa
+   (fp8 KV) FlashInfer's XQA kernel attends instead, over the same rows laid out ``K`` apart
+   (:mod:`~sparse_sglang.attention.xqa`).
 
 With ``budget_share`` (``--sparse-budget-share``) steps 1, 2 and 4 change: the score kernel runs
 once per query head, a request's ``Hkv x K`` pages of a layer are shared among its kv heads by
@@ -61,6 +63,7 @@ from sparse_sglang.attention.retrieval import MAX_RETRIEVE_CELLS, fits_fused_ret
 from sparse_sglang.attention.scoring import candidate_pages, score_candidates, score_coarse, score_pages
 from sparse_sglang.attention.selection import keep_cached, select_pages
 from sparse_sglang.attention.unit_rows import UnitBuffers, UnitRows, attend_units, plan_unit_rows
+from sparse_sglang.attention.xqa import XqaAttention, check_xqa, row_tokens, strided_indptr
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.mem_cache.kernels import build_coarse
 from sparse_sglang.mem_cache.key_sketch import project_query
@@ -238,6 +241,11 @@ class SparseDecoder:
         if topk not in TOPK_IMPLS:
             raise ValueError(f"topk must be one of {TOPK_IMPLS}, got {topk!r}")
         self.topk = topk
+        # --sparse-decode-kernel xqa: rows at a fixed stride of K pages, so that the indices
+        # buffer is XQA's page table (:mod:`~sparse_sglang.attention.xqa`)
+        self.xqa = config.decode_kernel == "xqa"
+        if self.xqa:
+            check_xqa(shape.dtype, self.constants.logits_soft_cap, store.device)
         self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector, self.group_reduce = config.selector, config.group_reduce
@@ -278,6 +286,12 @@ class SparseDecoder:
         self.topk_offsets = torch.zeros(rows, dtype=torch.int32, device=device)  # ragged top-k: rows start at 0
         self.unit_buffers = (
             UnitBuffers.allocate(rows // self.num_kv_heads, self.num_kv_heads, device) if self.share else None
+        )
+        self.xqa_indptr = strided_indptr(rows, self.width, device) if self.xqa else None
+        self.xqa_attention = (
+            XqaAttention(self.indices, rows, self.width, self.page_size, self.constants.sm_scale, device)
+            if self.xqa
+            else None
         )
 
     def log_selections(self, max_batch: int) -> torch.Tensor:
@@ -372,17 +386,23 @@ class SparseDecoder:
             units = UnitRows.build(num_pages_dev, seq_lens, width, heads, page, self.unit_buffers, batch)
         else:
             selected_cpu = num_pages_cpu.clamp(max=width).to(torch.int32)  # pages per (request, head)
-            indptr = torch.zeros(batch * heads + 1, dtype=torch.int32)
-            torch.cumsum(selected_cpu.repeat_interleave(heads), 0, out=indptr[1:])
+            if self.xqa:  # rows K apart: the indices buffer is XQA's page table
+                indptr = strided_indptr(batch * heads, width)
+            else:
+                indptr = torch.zeros(batch * heads + 1, dtype=torch.int32)
+                torch.cumsum(selected_cpu.repeat_interleave(heads), 0, out=indptr[1:])
             last_page_len = ((seq_lens_cpu - 1) % page + 1).to(torch.int32).repeat_interleave(heads)
             dest = self._plan_indices(indptr, selected_cpu, device)
-            wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
-        wrapper.plan(
-            indptr, self.indices[: int(indptr[-1])], last_page_len, self.group, 1, self.head_dim, page,
-            q_data_type=self.q_data_type,
-            kv_data_type=self.store.shape.dtype,
-            sm_scale=self.constants.sm_scale, logits_soft_cap=self.constants.logits_soft_cap,
-        )  # fmt: skip
+            wrapper = self.xqa_attention if self.xqa else self._graph_wrapper(batch) if graph else self.eager_wrapper
+        if self.xqa:  # each row's token count, computed on the device into XQA's static buffer
+            wrapper.plan(row_tokens(num_pages_dev, seq_lens, width, page, heads))
+        else:
+            wrapper.plan(
+                indptr, self.indices[: int(indptr[-1])], last_page_len, self.group, 1, self.head_dim, page,
+                q_data_type=self.q_data_type,
+                kv_data_type=self.store.shape.dtype,
+                sm_scale=self.constants.sm_scale, logits_soft_cap=self.constants.logits_soft_cap,
+            )  # fmt: skip
         g = self.graph if graph else None
         if graph:  # into the static buffers the captured kernels read (the same at capture and every replay)
             g.host_pages[:batch, : host_pages.shape[1]].copy_(host_pages)
@@ -392,7 +412,8 @@ class SparseDecoder:
                 batch=batch, req_slots=req_slots, num_pages=g.num_pages[:batch].copy_(num_pages_dev),
                 row_pages=g.row_pages[: batch * heads].copy_(num_pages_dev.repeat_interleave(heads)),
                 host_pages=g.host_pages[:batch], max_pages=max_pages,
-                indptr=g.indptr[: batch * heads + 1],  # the graph wrapper's: its plan filled it
+                # the graph wrapper's (its plan filled it), or XQA's fixed strides
+                indptr=self.xqa_indptr[: batch * heads + 1] if self.xqa else g.indptr[: batch * heads + 1],
                 wrapper=wrapper, exact=False, all_pages=None, dest=dest,
                 reselect=None if reselect is None else g.reselect[:batch].copy_(reselect), units=units, **coarse,
             )  # fmt: skip
@@ -402,8 +423,9 @@ class SparseDecoder:
             pages = torch.arange(width, device=device).view(1, 1, width)
             all_pages = torch.where(pages < num_pages_dev.view(-1, 1, 1), pages, -1).expand(batch, heads, width)
         row_pages = num_pages_dev.repeat_interleave(heads)
+        step_indptr = self.xqa_indptr[: batch * heads + 1] if self.xqa else _indptr(row_pages.clamp(max=width))
         return DecodePlan(batch=batch, req_slots=req_slots, num_pages=num_pages_dev, row_pages=row_pages,
-                          host_pages=host_pages, max_pages=max_pages, indptr=_indptr(row_pages.clamp(max=width)),
+                          host_pages=host_pages, max_pages=max_pages, indptr=step_indptr,
                           wrapper=wrapper, exact=exact, all_pages=all_pages, reselect=reselect, dest=dest,
                           units=units, **coarse)  # fmt: skip
 
