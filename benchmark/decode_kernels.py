@@ -7,8 +7,8 @@ graph replays with L2 flushed as in ``benchmark/decode.py`` (``--layers-per-grap
 - **score**: the score kernel (quest, forced pages, rows left unwritten past each request's pages
   as the decoder runs it) at every ``--block-n`` x ``--warps`` x ``--programs`` choice;
 - **attention**: FlashInfer's paged decode over the selected pages, and the whole all-hit step,
-  with its tensor-core kernel and with its CUDA-core one, and with fp8 KV on Hopper XQA's
-  (``--sparse-decode-kernel xqa``); with the bandwidth the attention reaches (the selected pages'
+  with its tensor-core kernel and with its CUDA-core one, and with ``--xqa`` (fp8 KV, Hopper
+  and newer) XQA's (``--sparse-decode-kernel xqa``); with the bandwidth the attention reaches (the selected pages'
   K and V bytes over its time), which says how far a faster kernel could take the step.
 
 Writes ``benchmark/results/decode-kernels-<date>.json`` (``--kv-dtype fp8_e4m3``: the serving
@@ -32,7 +32,6 @@ from benchmark.decode import KV_DTYPE_CHOICES, SHAPE, add_grid_args, layers_for,
 from benchmark.transfer import gbps
 from sparse_sglang.attention import scoring
 from sparse_sglang.attention.scoring import score_pages
-from sparse_sglang.attention.xqa import ARCHS
 from sparse_sglang.config import SparseConfig
 from sparse_sglang.testing.decode_setup import DecodeBench, Llama8BShape, make_store
 from sparse_sglang.testing.provenance import finish_run
@@ -65,18 +64,16 @@ def attended_bytes(store, batch: int, budget: int) -> int:
     return batch * shape.num_kv_heads * budget * shape.head_dim * 2 * shape.dtype.itemsize
 
 
-def attention_kernels(kv_dtype: torch.dtype) -> list[tuple[str, str, bool]]:
+def attention_kernels(with_xqa: bool) -> list[tuple[str, str, bool]]:
     """(name, ``--sparse-decode-kernel``, FlashInfer tensor cores) of each attention kernel timed:
-    FlashInfer's two, and XQA where it runs (fp8 KV on Hopper and newer)."""
+    FlashInfer's two, and with ``--xqa`` XQA's."""
     kernels = [("tensor_cores", "flashinfer", True), ("cuda_cores", "flashinfer", False)]
-    if kv_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability()[0] in ARCHS:
-        kernels.append(("xqa", "xqa", True))
-    return kernels
+    return kernels + [("xqa", "xqa", True)] if with_xqa else kernels
 
 
 def attention_times(store, config, batch: int, context: int, workspace, q, layers: int, args) -> dict[str, float]:
     out = {}
-    for name, kernel, tensor_cores in attention_kernels(store.shape.dtype):
+    for name, kernel, tensor_cores in attention_kernels(args.xqa):
         b = DecodeBench(store, dataclasses.replace(config, decode_kernel=kernel), SHAPE.num_q_heads, batch, context,
                         workspace, use_tensor_cores=tensor_cores)  # fmt: skip
         plan = b.plan()
@@ -146,7 +143,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--programs", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--xqa", action="store_true", help="time XQA's attention too (fp8_e4m3 KV; Hopper and newer)")
     args = parser.parse_args(argv)
+    if args.xqa and args.kv_dtype != "fp8_e4m3":
+        parser.error("--xqa attends fp8 KV only: add --kv-dtype fp8_e4m3")
     rows = run(args)
     summary = {f"{r['context'] // 1024}k_b{r['batch']}": {
         "score_best": r["score_best"], "score_best_us": r["score_us"][r["score_best"]],
@@ -154,6 +154,7 @@ def main(argv=None) -> dict:
         "attention_tensor_cores_us": r["attention_tensor_cores_us"], "attention_cuda_cores_us": r["attention_cuda_cores_us"],
         "attention_tensor_cores_gbps": r["attention_tensor_cores_gbps"], "attention_cuda_cores_gbps": r["attention_cuda_cores_gbps"],
         "step_tensor_cores_us": r["step_tensor_cores_us"], "step_cuda_cores_us": r["step_cuda_cores_us"],
+        **{k: r[k] for k in ("attention_xqa_us", "attention_xqa_gbps", "step_xqa_us") if k in r},
     } for r in rows}  # fmt: skip
     config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": "quest", "kv_dtype": args.kv_dtype,
               "layers_per_graph": args.layers_per_graph, "l2_flushed": True}  # fmt: skip

@@ -38,6 +38,8 @@ def test_the_plan_writes_the_static_buffer_and_refuses_more_rows_than_it_holds()
 
 def test_what_xqa_cannot_attend_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match=r"^--sparse-decode-kernel xqa attends fp8_e4m3 KV only"):
-        check_xqa(torch.bfloat16, None, "cpu")
+        check_xqa(torch.bfloat16, 128, None, "cpu")
+    with pytest.raises(ValueError, match=r"^--sparse-decode-kernel xqa takes head dimensions of 16-256 .* is 72"):
+        check_xqa(torch.float8_e4m3fn, 72, None, "cpu")
     with pytest.raises(ValueError, match=r"^--sparse-decode-kernel xqa has no logits soft cap"):
-        check_xqa(torch.float8_e4m3fn, 30.0, "cpu")
+        check_xqa(torch.float8_e4m3fn, 128, 30.0, "cpu")

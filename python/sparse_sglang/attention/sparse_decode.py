@@ -245,7 +245,7 @@ class SparseDecoder:
         # buffer is XQA's page table (:mod:`~sparse_sglang.attention.xqa`)
         self.xqa = config.decode_kernel == "xqa"
         if self.xqa:
-            check_xqa(shape.dtype, self.constants.logits_soft_cap, store.device)
+            check_xqa(shape.dtype, shape.head_dim, self.constants.logits_soft_cap, store.device)
         self._alloc_row_buffers(max_batch * shape.num_kv_heads)
         self.kv = (store.cache.k.unsqueeze(1), store.cache.v.unsqueeze(1))  # [S, 1, P, D] HND
         self.selector, self.group_reduce = config.selector, config.group_reduce

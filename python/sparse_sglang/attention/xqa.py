@@ -110,12 +110,15 @@ class XqaAttention:
         )  # fmt: skip
 
 
-def check_xqa(kv_dtype: torch.dtype, logits_soft_cap: float | None, device: torch.device | str) -> None:
-    """Refuse, in one line naming the flag, what XQA cannot attend: KV other than fp8 e4m3, a
-    logits soft cap (XQA has none), a GPU older than Hopper."""
+def check_xqa(kv_dtype: torch.dtype, head_dim: int, logits_soft_cap: float | None, device: torch.device | str) -> None:
+    """Refuse, in one line naming the flag, what XQA cannot attend: KV other than fp8 e4m3, a head
+    dimension its kernels are not built for, a logits soft cap (XQA has none), a GPU older than
+    Hopper."""
     flag = "--sparse-decode-kernel xqa"
     if kv_dtype != torch.float8_e4m3fn:
         raise ValueError(f"{flag} attends fp8_e4m3 KV only, this KV is {kv_dtype} (set --kv-cache-dtype fp8_e4m3)")
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        raise ValueError(f"{flag} takes head dimensions of 16-256 in steps of 16; this model's is {head_dim}")
     if logits_soft_cap:
         raise ValueError(f"{flag} has no logits soft cap, which this model's attention needs: use flashinfer")
     major = torch.cuda.get_device_capability(device)[0]
