@@ -10,6 +10,8 @@ order, the newest (partial) page last, and :func:`row_tokens` says how many toke
 What XQA changes: with fp8 KV on an SM90 GPU it runs its fp8 kernel, which rounds the queries and
 the attention probabilities to e4m3 before the tensor cores take them (FlashInfer's paged decode
 converts the keys and values to 16 bits instead and keeps queries and probabilities in 16 bits).
+The queries are rounded as they are, their scale applied to the products after: a query entry
+beyond e4m3's 448 saturates, one below about 2e-3 loses bits or vanishes.
 That is a precision change, so the answers suite judges it before it could be a default. Its
 reference is the same as FlashInfer's: :func:`~sparse_sglang.attention.reference.sparse_attention_reference`
 over the selected pages (``test/test_sparse_decode_gpu.py``).
