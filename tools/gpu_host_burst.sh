@@ -16,7 +16,7 @@
 # its sparse servers; $GRID_VARIANTS: several sets of them side by side; $GRID_CONFIGS: accuracy.py
 # grid --configs, more configurations in the same grid; $GRID_VANILLA_CONFIGS: --vanilla-configs, plain SGLang
 # under other flags, e.g. densefp8=--kv-cache-dtype fp8_e4m3), decode_bounds (the default page bounds'
-# decode step against min/max, bf16 and fp8), attention (decode_kernels at a loaded server's batch, fp8 and bf16), decode_rerank (the same with --sparse-rerank-factor 2), kernels (the Triton kernel tests and the decode GPU
+# decode step against min/max, bf16 and fp8), attention (decode_kernels at a loaded server's batch, fp8 and bf16, then fp8 with XQA), decode_rerank (the same with --sparse-rerank-factor 2), kernels (the Triton kernel tests and the decode GPU
 # tests), tiles (the quantized re-rank's launches by tile), answers (decode_bounds, then kernels beside grid), decode (benchmark/decode.py, quest and sketch; $DECODE_ARGS: more of its
 # flags), tests ($GPU_TESTS), fuzz,
 # soak (the full 32-layer model, the fuzzer's bad requests mixed in), pin (the pinning probe and
@@ -107,10 +107,11 @@ job_kernels() {  # the Triton kernels against their references (compiled here), 
   tail -n 5 /root/o/kernels.log
 }
 job_attention() {  # the attention over the selected pages at a loaded server's batch, each KV dtype, the GPU alone
-  local kv
-  for kv in fp8_e4m3 bf16; do
-    python3 -m benchmark.decode_kernels --contexts 32768 --batches 32 80 --kv-dtype "$kv" --block-n 32 --warps 4 \
-      --programs 2048 --out-dir /root/o > "/root/o/attention-$kv.log" 2>&1
+  local kv xqa
+  for kv in fp8_e4m3 bf16 fp8_e4m3-xqa; do
+    xqa=; [[ $kv == *-xqa ]] && xqa=--xqa  # XQA beside FlashInfer's kernels, a run of its own
+    python3 -m benchmark.decode_kernels --contexts 32768 --batches 32 80 --kv-dtype "${kv%-xqa}" --block-n 32 --warps 4 \
+      --programs 2048 $xqa --out-dir /root/o > "/root/o/attention-$kv.log" 2>&1
     mv /root/o/decode-kernels-*.json "/root/o/attention-$kv.json" 2>/dev/null
   done
   tail -n 4 /root/o/attention-*.log
