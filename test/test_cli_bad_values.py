@@ -23,6 +23,7 @@ with warnings.catch_warnings():
     from sparse_sglang import launch_server
 from sparse_sglang.config import (
     BOUND_FORMATS,
+    DECODE_KERNELS,
     GROUP_REDUCES,
     INT32_MAX,
     PAGE_BOUNDS,
@@ -36,7 +37,7 @@ from sparse_sglang.config import (
 FIELDS = {f.name: field_type(f) for f in dataclasses.fields(SparseConfig)}
 BOOL_WORDS = {"1", "true", "yes", "on", "0", "false", "no", "off"}
 CHOICES = {"selector": set(SELECTORS), "bound_format": set(BOUND_FORMATS), "group_reduce": set(GROUP_REDUCES),
-           "page_bounds": set(PAGE_BOUNDS), "rerank_by": set(RERANK_BY)}  # fmt: skip
+           "page_bounds": set(PAGE_BOUNDS), "rerank_by": set(RERANK_BY), "decode_kernel": set(DECODE_KERNELS)}  # fmt: skip
 
 non_numeric = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12).filter(
     lambda text: not _is_number(text) and text.strip() != "" and "\x00" not in text
