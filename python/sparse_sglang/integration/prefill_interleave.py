@@ -99,15 +99,20 @@ class InterleavedChunkPacing:
                 logger.info(self.pacer.describe())
 
 
+def interleaving(scheduler) -> bool:
+    """Whether the scheduler runs ``--sparse-interleave-prefill`` (sparse decode on)."""
+    sparse = getattr(scheduler.server_args, "sparse", None)
+    return sparse is not None and sparse.enabled and sparse.interleave_prefill
+
+
 @relies_on("sglang.srt.managers.scheduler:Scheduler.init_chunked_prefill", at="sglang/srt/managers/scheduler.py:1136")
 def chunk_pacing_of(scheduler) -> InterleavedChunkPacing | None:
     """The scheduler's :class:`InterleavedChunkPacing` (made on first use, once its chunk size is
     final); None without interleaved prefill, ``--sparse-tbt-target-ms`` or chunked prefill
     (``server_args`` refuses the target without the other two)."""
-    sparse = getattr(scheduler.server_args, "sparse", None)
-    if sparse is None or not sparse.enabled or not sparse.interleave_prefill:
+    if not interleaving(scheduler):
         return None
-    target = sparse.tbt_target_ms
+    target = scheduler.server_args.sparse.tbt_target_ms
     if target is None or scheduler.chunked_prefill_size is None:
         return None
     pacing = getattr(scheduler, "sparse_chunk_pacing", None)
@@ -124,8 +129,7 @@ def hold_prefill_for_decodes(original):
     from sglang.srt.managers.schedule_batch import NextBatchPlan
 
     def get_new_batch_prefill(self, running_batch):
-        sparse = getattr(self.server_args, "sparse", None)
-        if sparse is None or not sparse.enabled or not sparse.interleave_prefill:
+        if not interleaving(self):
             return original(self, running_batch)
         pacing = chunk_pacing_of(self)
         if pacing is not None:
