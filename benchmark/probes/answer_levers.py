@@ -18,9 +18,11 @@ import torch
 from benchmark import accuracy, quality
 from sparse_sglang.attention import select_pages
 from sparse_sglang.attention.budget_share import head_log_shares, share_budget
-from sparse_sglang.attention.reference import sparse_attention_reference
+from sparse_sglang.attention.reference import selected_token_mask, sparse_attention_reference
 from sparse_sglang.mem_cache.key_sketch import KeyBasis
 from sparse_sglang.testing.provenance import run_header, save_result
+
+E4M3_MAX = 448.0  # e4m3's largest finite value: XQA scales probabilities to it before rounding
 
 
 class OracleDecoder(quality.SparseDecoder):
@@ -50,7 +52,11 @@ class QuestStepDecoder(quality.SparseDecoder):
         n = -(-tokens // quality.PAGE_SIZE)
         kmin, kmax = (getattr(self.summaries, name)[layer, :, :n].unsqueeze(0) for name in ("kmin", "kmax"))
         pages = self.select(layer, q, key, seq_len, scaling, kmin, kmax)
-        return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling).unsqueeze(1)
+        return self.attend(q, key, value, pages, seq_len, scaling).unsqueeze(1)
+
+    def attend(self, q, key, value, pages, seq_len, scaling):
+        """``[1, Hq, D]`` the step's attention over the pages selected."""
+        return sparse_attention_reference(q, key, value, pages, quality.PAGE_SIZE, seq_len, scaling)
 
     def select(self, layer, q, key, seq_len, scaling, kmin, kmax):
         """``[1, Hkv, width]`` pages attended (``-1`` padded), from the corners ``kmin``/``kmax``."""
@@ -65,6 +71,29 @@ class QuestStepDecoder(quality.SparseDecoder):
 
     def rank(self, layer, scores, q, key, seq_len, scaling):
         return scores
+
+
+class Fp8AttentionDecoder(QuestStepDecoder):
+    """The default's selection, its decode attention over fp8 keys and values (the serving flags'
+    KV, at scale 1 as the server keeps this model's: ``ms-kv8``), and with ``xqa`` as XQA's fp8
+    kernel computes it (``ms-xqa``: ``--sparse-decode-kernel xqa``): the queries rounded to e4m3 as
+    they are, each probability (relative to its row's largest) times 448 rounded to e4m3 before its
+    product with the values, the denominator summed unrounded. Prefill stays as it is."""
+
+    xqa: bool = False
+
+    def attend(self, q, key, value, pages, seq_len, scaling):
+        k, v = (x.to(torch.float8_e4m3fn).to(q.dtype) for x in (key, value))
+        if not self.xqa:
+            return sparse_attention_reference(q, k, v, pages, quality.PAGE_SIZE, seq_len, scaling)
+        batch, q_heads, dim = q.shape
+        q8 = q.to(torch.bfloat16).to(torch.float8_e4m3fn).to(q.dtype).view(batch, k.shape[1], -1, dim)
+        logits = (q8 @ k.transpose(-1, -2)) * (dim**-0.5 if scaling is None else scaling)
+        keep = selected_token_mask(pages, quality.PAGE_SIZE, seq_len, k.shape[2]).unsqueeze(2)
+        logits = logits.masked_fill(~keep, -math.inf)
+        probs = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        rounded = (probs * E4M3_MAX).to(torch.float8_e4m3fn).to(q.dtype) / E4M3_MAX
+        return ((rounded @ v) / probs.sum(dim=-1, keepdim=True)).reshape(batch, q_heads, dim)
 
 
 class RerankDecoder(QuestStepDecoder):
@@ -555,6 +584,7 @@ def main() -> None:
         "quest-dense2": quality.Policy(budget=args.budget, dense_layers=2, page_bounds="minmax"),  # Quest's own
         **{f"quest-rerank{f}": quality.Policy(budget=args.budget, page_bounds="minmax") for f in (2, 3, 4)},
         "ms": quality.Policy(budget=args.budget),
+        **{f"ms-{a}": quality.Policy(budget=args.budget) for a in ("kv8", "xqa")},  # fp8 KV, and XQA's kernel
         **{f"ms-shared{p}": quality.Policy(budget=args.budget) for p in ("", "-probs")},  # --sparse-budget-share
         **{f"ms-rerank{f}": quality.Policy(budget=args.budget) for f in (1.25, 1.5, 2, 3)},
         **{f"ms-rerank2-every{n}": quality.Policy(budget=args.budget) for n in (2, 4, 8)},
@@ -623,6 +653,9 @@ def main() -> None:
                 hook.__class__ = OracleDecoder
             if name == "ms":
                 hook.__class__ = QuestStepDecoder
+            if name in ("ms-kv8", "ms-xqa"):
+                hook.__class__ = Fp8AttentionDecoder
+                hook.xqa = name == "ms-xqa"
             if name.startswith("ms-rerank") and "-share" in name:  # ms-rerank<F>[-int<b>]-share<floor>
                 spec, _, floor = name.removeprefix("ms-rerank").partition("-share")
                 factor, _, bits = spec.partition("-int")
