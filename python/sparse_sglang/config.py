@@ -221,7 +221,7 @@ class SparseConfig:
     )
     decode_kernel: str = knob(
         "flashinfer",
-        help=f"The kernel attending the selected pages: {' | '.join(DECODE_KERNELS)}. flashinfer = FlashInfer's paged decode; xqa = FlashInfer's XQA decode (fp8 KV on Hopper and newer GPUs: it reads half the bytes of bf16 KV in about half FlashInfer's time there, but rounds the queries and the attention probabilities to fp8 as well).",
+        help=f"The kernel attending the selected pages: {' | '.join(DECODE_KERNELS)}. flashinfer = FlashInfer's paged decode; xqa = FlashInfer's XQA decode (fp8 KV, Hopper and newer GPUs): faster over fp8 pages, but it rounds the queries and the attention probabilities to fp8 as well.",
     )
     cache_row_ratio: float = knob(
         1.25,

@@ -130,7 +130,7 @@ class SparseServerArgs(ServerArgs):
         self._check_kv_scales()
         if self.sparse.decode_kernel == "xqa" and self.kv_cache_dtype != "fp8_e4m3":
             raise ServerArgRefused("kv_cache_dtype", self.kv_cache_dtype, f"{mention('decode_kernel')} xqa attends "
-                                   "fp8 KV only: give fp8_e4m3 (its 16-bit kernel is no faster than FlashInfer's)")  # fmt: skip
+                                   "fp8 KV only: give fp8_e4m3")  # fmt: skip
         if self.sparse.keeps_key_sketches:
             self._resolve_key_basis()
         # SGLang's overlap scheduler plans step N+1 while step N runs: the backend reads request
