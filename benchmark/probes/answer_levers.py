@@ -78,21 +78,26 @@ class Fp8AttentionDecoder(QuestStepDecoder):
     KV, at scale 1 as the server keeps this model's: ``ms-kv8``), and with ``xqa`` as XQA's fp8
     kernel computes it (``ms-xqa``: ``--sparse-decode-kernel xqa``): the queries rounded to e4m3 as
     they are, each probability (relative to its row's largest) times 448 rounded to e4m3 before its
-    product with the values, the denominator summed unrounded. Prefill stays as it is."""
+    product with the values, the denominator summed unrounded; ``ms-xqaq`` and ``ms-xqap`` round
+    only the queries or only the probabilities. Prefill stays as it is."""
 
-    xqa: bool = False
+    round_queries: bool = False
+    round_probs: bool = False
 
     def attend(self, q, key, value, pages, seq_len, scaling):
         k, v = (x.to(torch.float8_e4m3fn).to(q.dtype) for x in (key, value))
-        if not self.xqa:
+        if not (self.round_queries or self.round_probs):
             return sparse_attention_reference(q, k, v, pages, quality.PAGE_SIZE, seq_len, scaling)
         batch, q_heads, dim = q.shape
-        q8 = q.to(torch.bfloat16).to(torch.float8_e4m3fn).to(q.dtype).view(batch, k.shape[1], -1, dim)
-        logits = (q8 @ k.transpose(-1, -2)) * (dim**-0.5 if scaling is None else scaling)
+        if self.round_queries:
+            q = q.to(torch.bfloat16).to(torch.float8_e4m3fn).to(k.dtype)
+        logits = (q.view(batch, k.shape[1], -1, dim) @ k.transpose(-1, -2)) * (
+            dim**-0.5 if scaling is None else scaling
+        )
         keep = selected_token_mask(pages, quality.PAGE_SIZE, seq_len, k.shape[2]).unsqueeze(2)
         logits = logits.masked_fill(~keep, -math.inf)
         probs = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
-        rounded = (probs * E4M3_MAX).to(torch.float8_e4m3fn).to(q.dtype) / E4M3_MAX
+        rounded = (probs * E4M3_MAX).to(torch.float8_e4m3fn).to(k.dtype) / E4M3_MAX if self.round_probs else probs
         return ((rounded @ v) / probs.sum(dim=-1, keepdim=True)).reshape(batch, q_heads, dim)
 
 
@@ -584,7 +589,8 @@ def main() -> None:
         "quest-dense2": quality.Policy(budget=args.budget, dense_layers=2, page_bounds="minmax"),  # Quest's own
         **{f"quest-rerank{f}": quality.Policy(budget=args.budget, page_bounds="minmax") for f in (2, 3, 4)},
         "ms": quality.Policy(budget=args.budget),
-        **{f"ms-{a}": quality.Policy(budget=args.budget) for a in ("kv8", "xqa")},  # fp8 KV, and XQA's kernel
+        # fp8 KV, and XQA's kernel (its query and probability roundings, and each alone)
+        **{f"ms-{a}": quality.Policy(budget=args.budget) for a in ("kv8", "xqa", "xqaq", "xqap")},
         **{f"ms-shared{p}": quality.Policy(budget=args.budget) for p in ("", "-probs")},  # --sparse-budget-share
         **{f"ms-rerank{f}": quality.Policy(budget=args.budget) for f in (1.25, 1.5, 2, 3)},
         **{f"ms-rerank2-every{n}": quality.Policy(budget=args.budget) for n in (2, 4, 8)},
@@ -653,9 +659,9 @@ def main() -> None:
                 hook.__class__ = OracleDecoder
             if name == "ms":
                 hook.__class__ = QuestStepDecoder
-            if name in ("ms-kv8", "ms-xqa"):
+            if name in ("ms-kv8", "ms-xqa", "ms-xqaq", "ms-xqap"):
                 hook.__class__ = Fp8AttentionDecoder
-                hook.xqa = name == "ms-xqa"
+                hook.round_queries, hook.round_probs = name in ("ms-xqa", "ms-xqaq"), name in ("ms-xqa", "ms-xqap")
             if name.startswith("ms-rerank") and "-share" in name:  # ms-rerank<F>[-int<b>]-share<floor>
                 spec, _, floor = name.removeprefix("ms-rerank").partition("-share")
                 factor, _, bits = spec.partition("-int")
