@@ -2,9 +2,10 @@
 kernel, alone, over the selected pages of a serving batch: 80 requests x 8 kv heads = 640 rows of
 4 query heads (the Llama-3-8B shape), 64 random pages of 32 tokens per row (the 2,048-token
 budget), head_dim 128, bf16 queries, fp8 and bf16 KV. Each kernel's time (ten launches a CUDA
-graph, replayed) and its largest difference from float32 attention over the same stored values:
-XQA's fp8 kernel rounds the queries and probabilities to fp8 too. What
-``--sparse-decode-kernel xqa`` stands on (docs/decisions, the XQA decision).
+graph, timed as the decode benchmark times a step: ``benchmark.decode.time_graph``) and its
+largest difference from float32 attention over the same stored values: XQA's fp8 kernel rounds
+the queries and probabilities to fp8 too. What ``--sparse-decode-kernel xqa`` stands on
+(docs/decisions, the XQA decision).
 
     python -m benchmark.probes.xqa_attention --out xqa-attention.json
 """
@@ -16,28 +17,10 @@ import time
 
 import torch
 
+from benchmark.decode import time_graph
 from sparse_sglang.testing.provenance import run_header, save_result
 
 GROUP, HEAD_DIM, PAGE = 4, 128, 32
-
-
-def timed_us(fn, iters: int) -> float:
-    """Microseconds per launch of ``fn``: ten launches captured in a CUDA graph, replayed."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters // 10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (iters // 10 * 10) * 1e3
 
 
 def main(argv=None) -> dict:
@@ -89,7 +72,8 @@ def main(argv=None) -> dict:
         out = fn()
         torch.cuda.synchronize()
         row = {"kernel": name, "kv_dtype": "fp8_e4m3" if kv is kv8 else "bf16",
-               "first_call_s": round(time.time() - started, 1), "us": round(timed_us(fn, args.iters), 1),
+               "first_call_s": round(time.time() - started, 1),
+               "us": round(time_graph(lambda: [fn() for _ in range(10)], args.iters, per=10) * 1e3, 1),
                "max_abs_error": (out[sample].float() - want).abs().max().item()}  # fmt: skip
         row["gbps"] = round(rows * pages * PAGE * HEAD_DIM * 2 * kv.element_size() / row["us"] / 1e3, 1)
         result_rows.append(row)
