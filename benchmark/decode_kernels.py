@@ -8,8 +8,9 @@ graph replays with L2 flushed as in ``benchmark/decode.py`` (``--layers-per-grap
   as the decoder runs it) at every ``--block-n`` x ``--warps`` x ``--programs`` choice;
 - **attention**: FlashInfer's paged decode over the selected pages, and the whole all-hit step,
   with its tensor-core kernel and with its CUDA-core one, and with ``--xqa`` (fp8 KV, Hopper
-  and newer) XQA's (``--sparse-decode-kernel xqa``); with the bandwidth the attention reaches (the selected pages'
-  K and V bytes over its time), which says how far a faster kernel could take the step.
+  and newer) XQA's (``--sparse-decode-kernel xqa``); with the bandwidth the attention reaches
+  (the selected pages' K and V bytes over its time), which says how far a faster kernel could
+  take the step.
 
 Writes ``benchmark/results/decode-kernels-<date>.json`` (``--kv-dtype fp8_e4m3``: the serving
 flags' KV; a serving server's batch, e.g. ``--contexts 32768 --batches 80``, and one score
