@@ -673,7 +673,9 @@ def test_xqa_attends_the_selected_fp8_pages_like_the_reference(mode):
         host_pages = torch.cat([b.host_pages, torch.zeros_like(b.host_pages[:1])])
     for i in range(6):
         qs = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
-        exact = i % 2 == 0
+        # zero queries on odd steps: the first step runs twice in graph mode (eagerly, then
+        # replayed), and under a zero query every page ties, so the replay could choose others
+        exact = i % 2 == 1
         if exact:
             qs.zero_()
         if mode == "eager":

@@ -108,7 +108,7 @@ job_kernels() {  # the Triton kernels against their references (compiled here), 
 }
 job_attention() {  # the attention over the selected pages at a loaded server's batch, each KV dtype, the GPU alone
   local kv xqa
-  for kv in fp8_e4m3 bf16 fp8_e4m3-xqa; do
+  for kv in ${ATTENTION_KVS:-fp8_e4m3 bf16 fp8_e4m3-xqa}; do  # $ATTENTION_KVS: fewer of them
     xqa=; [[ $kv == *-xqa ]] && xqa=--xqa  # XQA beside FlashInfer's kernels, a run of its own
     python3 -m benchmark.decode_kernels --contexts 32768 --batches 32 80 --kv-dtype "${kv%-xqa}" --block-n 32 --warps 4 \
       --programs 2048 $xqa --out-dir /root/o > "/root/o/attention-$kv.log" 2>&1
@@ -321,7 +321,7 @@ job_serving_tp() {
 source tools/gpu_host_stages.sh  # run_stages: $JOBS in stages, $STAGE_LIMITS
 JOBS=${JOBS:-"grid tests fuzz"}
 export -f run_stages run_job_chain descendants stop_trees tp_variant_flags sample_host_cpu $(compgen -A function job_)
-export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS GRID_CONFIGS GRID_VANILLA_CONFIGS GRID_STAGGER DECODE_CELLS KERNEL_GPU_TESTS STARTUP_REPEATS \
+export HEADLINE_KV SCALES_TP1 SCALES_TP2 JOBS ATTENTION_KVS GPU_TESTS TESTS_GPUS FUZZ_REQUESTS SOAK_REQUESTS SOAK_CRASHERS GRID_PARALLEL GRID_ARGS GRID_SPARSE_ARGS GRID_VARIANTS GRID_CONFIGS GRID_VANILLA_CONFIGS GRID_STAGGER DECODE_CELLS KERNEL_GPU_TESTS STARTUP_REPEATS \
   STAGE_LIMITS DECODE_CONTEXTS DECODE_BATCHES DECODE_ARGS SERVING_SPARSE_EXTRA SERVING_SYSTEMS SERVING_FILE SERVING_WINDOW SERVING_PROFILE_STEPS SERVING_VARIANTS PAIR_TRACES PAIR_VANILLA TP_SPARSE_EXTRA TP_VARIANTS TP_WINDOW TP_TEST_ARGS TP2_HOST_GB TP2_RATE TP1_RATE TP1_JSON TP2_SYSTEMS TP2_INTO
 setsid nohup bash -c run_stages > /root/o/burst.log 2>&1 < /dev/null &
 sleep 2; echo started
