@@ -159,6 +159,7 @@ def run(args) -> dict:
                                 # quest's side of --versus-minmax is quest's own step: no re-rank
                                 rerank_factor=args.rerank_factor if pb == args.page_bounds else 1,
                                 rerank_by=args.rerank_by, reselect_interval=args.reselect_interval,
+                                page_size=args.page_size if pb == args.page_bounds else DEFAULTS.page_size,
                                 budget_share=args.budget_share and pb == args.page_bounds) for pb in page_bounds}  # fmt: skip
     cells = [(c, b) for c in args.contexts for b in args.batches]
     if args.cells:
@@ -178,7 +179,7 @@ def run(args) -> dict:
         b.fill_summaries_randomly(gen)
         plan = b.plan()
         q = torch.randn(batch, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", dtype=torch.bfloat16)
-        row = {"context": context, "batch": batch, "budget": args.budget, "layers": layers, "page_bounds": pb,
+        row = {"context": context, "batch": batch, "budget": args.budget, "layers": layers, "page_bounds": pb, "page_size": config.page_size,
                "reselect_interval": args.reselect_interval}  # fmt: skip
         row["dense_ms"] = time_graph(dense_step(batch, context, workspace, dense_kv, q, layers), args.iters, per=layers)
 
@@ -316,6 +317,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--rerank-by", choices=RERANK_BY, default=DEFAULTS.rerank_by, help="--sparse-rerank-by")
     parser.add_argument("--page-bounds", choices=PAGE_BOUNDS, default=DEFAULTS.page_bounds, help="--sparse-page-bounds")
     parser.add_argument("--bound-spread", type=float, default=DEFAULTS.bound_spread, help="--sparse-bound-spread")
+    parser.add_argument("--page-size", type=int, default=DEFAULTS.page_size,
+                        help="--sparse-page-size of the timed default's side (quest's side of --versus-minmax keeps the default's)")  # fmt: skip
     parser.add_argument("--budget-share", action="store_true", help="--sparse-budget-share (the timed default's side)")
     parser.add_argument("--reselect-interval", type=int, default=1,
                         help="--sparse-reselect-interval, both sides: the steady state's step, one request in N "
@@ -338,7 +341,7 @@ def main(argv=None) -> dict:
         summary.update(json.loads(args.q1.read_text()))
     summary.update(quality_summary())
     bounds = resolve_bound_format(args.bound_format, KV_DTYPE_CHOICES[args.kv_dtype], args.page_bounds)
-    config = {"shape": SHAPE.__dict__, "page_size": 32, "budget": args.budget, "selector": args.selector, "kv_dtype": args.kv_dtype,
+    config = {"shape": SHAPE.__dict__, "page_size": args.page_size, "budget": args.budget, "selector": args.selector, "kv_dtype": args.kv_dtype,
               "bound_format": bounds, "coarse_pages": args.coarse_pages, "coarse_candidates": args.coarse_candidates,
               "rerank_factor": args.rerank_factor, "rerank_by": args.rerank_by, "layers_per_graph": args.layers_per_graph,
               "page_bounds": args.page_bounds, "bound_spread": args.bound_spread, "versus_minmax": args.versus_minmax,

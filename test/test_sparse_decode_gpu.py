@@ -198,6 +198,31 @@ def test_small_budget_steps_equal_the_reference_over_the_selected_pages(selector
             torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_other_page_sizes_attend_the_selected_pages_like_the_reference(page_size):
+    """``--sparse-page-size``: the same budget in pages of another size (the default's corners, the
+    fused path), eagerly, over steps whose selections move."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    config = SparseConfig(token_budget=512, page_size=page_size, host_cache_gb=1.0)
+    b = bench(config, batch=3, context=3000)
+    assert b.num_pages == -(-b.seq_len // page_size)
+    kv = [random_kv(3, b.seq_len, gen) for _ in range(SHAPE.num_layers)]
+    for layer, (k, v) in enumerate(kv):
+        b.write_kv(layer, k, v)
+    seq = torch.full((3,), b.seq_len, device="cuda")
+    for _ in range(4):
+        plan = b.plan()
+        for layer, (k, v) in enumerate(kv):
+            q = torch.randn(3, SHAPE.num_q_heads, SHAPE.head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+            pages = b.decoder.select(layer, q, plan)
+            assert ((pages >= 0).sum(-1) == 512 // page_size).all()
+            assert (pages == b.num_pages - 1).any(-1).all() and (pages == 0).any(-1).all()  # recent, sink
+            out = b.decoder.run(layer, q, plan)
+            want = sparse_attention_reference(q, k.transpose(1, 2), v.transpose(1, 2), pages, page_size, seq)
+            torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    b.store.close()
+
+
 @pytest.mark.parametrize(
     "coarse,selector", [(0, "quest"), (4, "quest"), (0, "sketch")], ids=["page-by-page", "coarse-first", "sketch"]
 )

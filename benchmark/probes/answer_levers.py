@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 from pathlib import Path
 
@@ -371,7 +372,8 @@ class PageStatDecoder(QuestStepDecoder):
     channel (Quest's score function on other corners: ``q . mean + k |q| . std``, the same bytes);
     ``gauss``, the log of a page's expected softmax mass were its keys Gaussian with those
     per-channel moments (``s q . mean + s^2 (q^2) . var / 2``); ``sub<n>``, Quest's bounds of
-    ``n``-token sub-pages, a page scored by its best sub-page (LServe)."""
+    ``n``-token sub-pages, a page scored by its best sub-page (LServe); ``mssub<n>``, the same with
+    the default's mean/std corners (spread 1) of ``n``-token sub-pages."""
 
     stat: str = "meanstd2"
 
@@ -390,6 +392,14 @@ class PageStatDecoder(QuestStepDecoder):
             s = quality.get_selector("quest").score(qg, kmin, kmax, None, self.policy.group_reduce)
             s = s.masked_fill(empty.unsqueeze(0), -math.inf)
             return s.view(1, heads, -1, quality.PAGE_SIZE // sub).amax(-1)
+        if self.stat.startswith("mssub"):  # the default's corners (spread 1) of n-token sub-pages, the page's best
+            sub = int(self.stat.removeprefix("mssub"))
+            mean, var = quality.page_moments(key[0], sub)
+            s = quality.get_selector("quest").score(
+                qg, (mean - var.sqrt()).unsqueeze(0), (mean + var.sqrt()).unsqueeze(0), None, self.policy.group_reduce
+            )
+            per = quality.PAGE_SIZE // sub
+            return torch.nn.functional.pad(s, (0, -s.shape[-1] % per), value=-math.inf).view(1, heads, -1, per).amax(-1)
         mean, var = quality.page_moments(key[0])
         if self.stat.startswith("l2max"):  # the page's expected best logit, were its keys Gaussian:
             # q . mean + z sqrt(q^2 . var) (z ~ 2 for the largest of 32 normal draws)
@@ -553,7 +563,11 @@ def main() -> None:
     p.add_argument("--calibration-tokens", type=int, default=4096)
     p.add_argument("--basis", default=None, help="a key basis file (python -m sparse_sglang.calibrate)")
     p.add_argument("--ids", default="", help="comma-separated item ids instead of dense's right answers")
+    p.add_argument("--page-size", type=int, default=quality.PAGE_SIZE,
+                   help="tokens per page (the server's --sparse-page-size); the forced pages keep their tokens")  # fmt: skip
     args = p.parse_args()
+    forced_tokens = (quality.PAGE_SIZE * quality.DEFAULTS.sink_pages, quality.PAGE_SIZE * quality.DEFAULTS.recent_pages)
+    quality.PAGE_SIZE = args.page_size  # the reference reads its page size at run time, here set once
     _, items = accuracy.load_items(Path(args.items))
     by_id = {i.id: i for i in items}
     chosen = accuracy.items_answered(items, Path(args.runs), args.length, args.family, args.limit)
@@ -633,12 +647,18 @@ def main() -> None:
                 "gauss",
                 "sub16",
                 "sub8",
+                "mssub16",
+                "mssub8",
                 *(f"l2max{z}" for z in (1, 2, 3, 4)),
             )
         },  # fmt: skip
     }
     if args.policies:
         policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
+    if args.page_size != quality.DEFAULTS.page_size:  # the same forced tokens in pages of the other size
+        sink, recent = (max(1, t // args.page_size) for t in forced_tokens)
+        policies = {k: dataclasses.replace(v, logical_page_size=args.page_size, sink_pages=sink, recent_pages=recent)
+                    for k, v in policies.items()}  # fmt: skip
     rows = []
     for item in chosen:
         ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
