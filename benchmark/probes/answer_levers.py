@@ -655,17 +655,20 @@ def main() -> None:
     }
     if args.policies:
         policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
-    if args.page_size != quality.DEFAULTS.page_size:  # the same forced tokens in pages of the other size
-        sink, recent = (max(1, t // args.page_size) for t in forced_tokens)
-        policies = {k: dataclasses.replace(v, logical_page_size=args.page_size, sink_pages=sink, recent_pages=recent)
-                    for k, v in policies.items()}  # fmt: skip
+    # the same forced tokens in pages of --page-size
+    sink, recent = (max(1, t // args.page_size) for t in forced_tokens)
+
+    def sized(policy: quality.Policy) -> quality.Policy:
+        return dataclasses.replace(policy, logical_page_size=args.page_size, sink_pages=sink, recent_pages=recent)
+
+    policies = {k: sized(v) for k, v in policies.items()}
     rows = []
     for item in chosen:
         ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
         from transformers import DynamicCache
 
         cache = DynamicCache(config=model.config)
-        prefill = quality.SparseDecoder(model, quality.Policy(selector=None), len(ids) + item.max_new_tokens)
+        prefill = quality.SparseDecoder(model, sized(quality.Policy(selector=None)), len(ids) + item.max_new_tokens)
         logits = quality.run_with(prefill, model, input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True,
                                   logits_to_keep=1).logits  # fmt: skip
         first = int(logits[0, -1].argmax())
@@ -673,7 +676,7 @@ def main() -> None:
         bound_pins = (window_bound_pins(prefill.summaries, window_queries(model, ids), args.budget)
                       if "quest-window-bounds" in policies else None)  # fmt: skip
         row = {"id": item.id}
-        for name, policy in [("dense", quality.Policy(selector=None))] + list(policies.items()):
+        for name, policy in [("dense", sized(quality.Policy(selector=None)))] + list(policies.items()):
             hook = prefill.fork(policy)
             if name == "oracle":
                 hook.__class__ = OracleDecoder
