@@ -166,7 +166,8 @@ def retrieve_pages(
     ``miss_src``/``miss_dst`` entry ``j`` is the row's ``j``-th smallest entry of ``page_ids``.
     One call per (layer, cache step): a row has slots enough for its misses among those not stamped
     in the step only once, so a second call under the same step with other pages may evict a slot
-    the first stamped and the second hits (the step's owner calls ``GPUPageCache.next_step`` once per decode step).
+    the first stamped and the second hits (the step's owner calls ``GPUPageCache.next_step`` once
+    per decode step).
     """
     batch, heads, width = page_ids.shape
     assert width <= cache.row_width, f"{width} selected pages exceed the cache row ({cache.row_width})"
