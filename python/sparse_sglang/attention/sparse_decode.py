@@ -386,17 +386,17 @@ class SparseDecoder:
             units = UnitRows.build(num_pages_dev, seq_lens, width, heads, page, self.unit_buffers, batch)
         else:
             selected_cpu = num_pages_cpu.clamp(max=width).to(torch.int32)  # pages per (request, head)
-            if self.xqa:  # rows K apart: the indices buffer is XQA's page table
+            if self.xqa:  # rows K apart: the indices buffer is XQA's page table; each row's token
+                # count computed on the device into XQA's static buffer
                 indptr = strided_indptr(batch * heads, width)
+                wrapper = self.xqa_attention.plan(row_tokens(num_pages_dev, seq_lens, width, page, heads))
             else:
                 indptr = torch.zeros(batch * heads + 1, dtype=torch.int32)
                 torch.cumsum(selected_cpu.repeat_interleave(heads), 0, out=indptr[1:])
-            last_page_len = ((seq_lens_cpu - 1) % page + 1).to(torch.int32).repeat_interleave(heads)
+                last_page_len = ((seq_lens_cpu - 1) % page + 1).to(torch.int32).repeat_interleave(heads)
+                wrapper = self._graph_wrapper(batch) if graph else self.eager_wrapper
             dest = self._plan_indices(indptr, selected_cpu, device)
-            wrapper = self.xqa_attention if self.xqa else self._graph_wrapper(batch) if graph else self.eager_wrapper
-        if self.xqa:  # each row's token count, computed on the device into XQA's static buffer
-            wrapper.plan(row_tokens(num_pages_dev, seq_lens, width, page, heads))
-        else:
+        if not self.xqa:  # FlashInfer's wrappers (unit rows' included) plan on the host
             wrapper.plan(
                 indptr, self.indices[: int(indptr[-1])], last_page_len, self.group, 1, self.head_dim, page,
                 q_data_type=self.q_data_type,
