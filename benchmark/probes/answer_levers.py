@@ -394,10 +394,7 @@ class PageStatDecoder(QuestStepDecoder):
             return s.view(1, heads, -1, quality.PAGE_SIZE // sub).amax(-1)
         if self.stat.startswith("mssub"):  # the default's corners (spread 1) of n-token sub-pages, the page's best
             sub = int(self.stat.removeprefix("mssub"))
-            mean, var = quality.page_moments(key[0], sub)
-            s = quality.get_selector("quest").score(
-                qg, (mean - var.sqrt()).unsqueeze(0), (mean + var.sqrt()).unsqueeze(0), None, self.policy.group_reduce
-            )
+            s = self.corner_scores(qg, *quality.page_moments(key[0], sub), spread=1.0)
             per = quality.PAGE_SIZE // sub
             return torch.nn.functional.pad(s, (0, -s.shape[-1] % per), value=-math.inf).view(1, heads, -1, per).amax(-1)
         mean, var = quality.page_moments(key[0])
@@ -410,7 +407,10 @@ class PageStatDecoder(QuestStepDecoder):
             s = scaling * qg @ mean.unsqueeze(0).transpose(-1, -2)
             s = s + 0.5 * scaling**2 * (qg**2) @ var.unsqueeze(0).transpose(-1, -2)
             return s.sum(2) if self.policy.group_reduce == "sum" else s.amax(2)
-        spread = float(self.stat.removeprefix("meanstd"))
+        return self.corner_scores(qg, mean, var, spread=float(self.stat.removeprefix("meanstd")))
+
+    def corner_scores(self, qg, mean, var, spread: float) -> torch.Tensor:
+        """Quest's score of the corners ``mean -+ spread * std`` (``[Hkv, N, D]`` moments)."""
         std = var.sqrt()
         return quality.get_selector("quest").score(
             qg, (mean - spread * std).unsqueeze(0), (mean + spread * std).unsqueeze(0), None, self.policy.group_reduce
